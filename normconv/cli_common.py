@@ -1,0 +1,86 @@
+"""What every normconv command shares: option types, loading from flags, error handling, report output.
+
+Exit codes: 0 ok, 1 verification failed (nothing written), 2 bad input, 3 internal error (a normconv bug).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from .errors import EXIT_BAD_INPUT, NormconvError, VerificationError
+from .io import Loaded, load
+from .report import Report, print_json, print_report
+
+EXIT_INTERNAL = 3
+
+ModelArg = Annotated[str, typer.Argument(
+    metavar="MODEL", help="zoo:NAME, a Hugging Face folder, a .pt2 program, a pickled module (.pt), "
+                          "or package.module:factory", show_default=False)]
+WeightsOpt = Annotated[Optional[str], typer.Option(
+    "--weights", help="state_dict (.pt) or .safetensors for a package.module:factory model")]
+InputShapeOpt = Annotated[Optional[list[str]], typer.Option(
+    "--input-shape", "-i", help="example input NAME:D0,D1,...[:DTYPE] (repeatable), e.g. x:1,3,224,224")]
+TrustOpt = Annotated[bool, typer.Option(
+    "--trust-pickle", help="allow loading a full pickled module (runs code from the file)")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", help="cast model and float inputs first: float32, float16, bfloat16, float64")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
+OutputOpt = Annotated[Optional[str], typer.Option(
+    "--output", "-o", help="where to write the result (default: nothing is written)")]
+InPlaceOpt = Annotated[bool, typer.Option("--in-place", help="allow -o to overwrite the input file")]
+AtolOpt = Annotated[Optional[float], typer.Option("--atol", help="absolute tolerance (default by dtype: fp32 1e-4)")]
+RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="relative tolerance (default by dtype: fp32 1e-4)")]
+
+
+def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[list[str]], trust_pickle: bool,
+                    dtype: Optional[str]) -> Loaded:
+    return load(model, weights=weights, input_shapes=input_shape, trust_pickle=trust_pickle, dtype=dtype)
+
+
+def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = print_report) -> None:
+    if as_json:
+        print_json(report)
+    else:
+        printer(report)
+
+
+def fail(message: str, code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(f"error: {message}\n")
+    raise typer.Exit(code)
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn NormconvError into one line on stderr and its exit code; a verification failure prints its report."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        as_json = bool(kwargs.get("as_json"))
+        try:
+            return fn(*args, **kwargs)
+        except VerificationError as exc:
+            if exc.report is not None:
+                emit(exc.report, as_json)
+            fail(str(exc), exc.exit_code)
+        except NormconvError as exc:
+            fail(str(exc), exc.exit_code)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as exc:  # a bug in normconv, not the user's mistake: say so, trace on request
+            if os.environ.get("NORMCONV_DEBUG"):
+                traceback.print_exc()
+            fail(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                 f"(set NORMCONV_DEBUG=1 for the traceback)", EXIT_INTERNAL)
+
+    return wrapper
+
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "user_errors", "emit", "load_from_flags", "fail"]

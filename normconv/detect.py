@@ -1,0 +1,600 @@
+"""Norm detection: every normalization site of a captured graph, whatever way it was written.
+
+Three sources, one record (``NormSite``):
+  module       a native torch norm module (BatchNorm*, SyncBatchNorm, LayerNorm, GroupNorm, InstanceNorm*, RMSNorm)
+  functional   F.layer_norm / F.batch_norm / F.group_norm / F.instance_norm / F.rms_norm or their aten forms
+  handwritten  a subgraph recognized by what it computes, anchored on its (r)sqrt:
+                 y = (x - mean_D(x)) * rsqrt(var_D(x) + eps) [* w] [+ b]     -> layernorm (instancenorm on spatial D)
+                 y = x * rsqrt(mean_D(x^2) + eps) [* w | * (1 + w)]           -> rmsnorm (Llama, T5, Gemma styles)
+                 y = (x - running_mean) / sqrt(running_var + eps) [* w] [+ b] -> batchnorm (inference form)
+               with ``/ sqrt`` for ``* rsqrt``, ``var(unbiased=False)`` or ``mean((x - m)^2)`` for the variance,
+               and dtype casts anywhere in between.
+
+Placement says what feeds the norm and where it sits in a residual stream:
+  pre-norm    x + f(N(x)): the norm's input also feeds a residual add of a sublayer of its output
+  post-norm   N(x + f(x)): the norm's input is a residual add and the stream continues through the norm
+  final-norm  N(x + f(M(x))): a residual add whose branch was itself pre-normed (last norm of a pre-norm stack)
+  after-conv / after-linear / after-embedding / after-add / input / other: the producer of its input
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .graph import Captured
+from .match import TRANSPARENT, arg, batch_norm_args, dims_of, is_native_norm, scalar
+
+KINDS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm")
+
+# canonical norm op -> kind
+_NORM_OPS = {
+    "batch_norm": "batchnorm",
+    "layer_norm": "layernorm",
+    "rms_norm": "rmsnorm",
+    "group_norm": "groupnorm",
+    "instance_norm": "instancenorm",
+}
+
+# ops that only reshape a parameter for broadcasting (w[:, None, None], w.view(1, C, 1, 1))
+_VIEW_METHODS = {"view", "reshape", "unsqueeze", "expand", "expand_as"}
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """One normalization site and everything a pass needs to decide about it."""
+
+    target: str  # module path (module / handwritten module) or node name (functional / inline)
+    kind: str  # one of KINDS
+    source: str  # module | functional | handwritten
+    node: str  # graph node holding the norm's output
+    input: str  # graph node holding the norm's input
+    owner: str = ""  # module path that computes the site ('' = root)
+    module_type: str | None = None  # class name of the norm module (native or hand-written)
+    dims: tuple[int, ...] | None = None  # normalized dims, negative (layernorm / rmsnorm)
+    normalized_shape: tuple[int, ...] | None = None
+    num_features: int | None = None  # channels (batchnorm / groupnorm / instancenorm)
+    num_groups: int | None = None
+    eps: float | None = None  # effective epsilon (nn.RMSNorm(eps=None) -> finfo(dtype).eps)
+    weight: str | None = None  # state_dict name of the scale
+    bias: str | None = None
+    weight_offset: float = 0.0  # 1.0 for Gemma-style x * (1 + w)
+    running_mean: str | None = None
+    running_var: str | None = None
+    upcast: bool = False  # statistics computed in float32 from a lower-precision input
+    producer: str = "other"  # what computes the input: conv, conv_transpose, linear, embedding, add, input, ...
+    placement: str = "other"
+    calls: int = 1  # how many sites share this target (a module called more than once)
+    nodes: tuple[str, ...] = ()  # every node of the site
+    self_contained: bool = True  # no intermediate value of the site is used outside it
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "kind": self.kind,
+            "source": self.source,
+            "module_type": self.module_type,
+            "owner": self.owner,
+            "eps": self.eps,
+            "dims": list(self.dims) if self.dims is not None else None,
+            "normalized_shape": list(self.normalized_shape) if self.normalized_shape is not None else None,
+            "num_features": self.num_features,
+            "num_groups": self.num_groups,
+            "affine": {"weight": self.weight, "bias": self.bias, "weight_offset": self.weight_offset},
+            "running_stats": ({"mean": self.running_mean, "var": self.running_var}
+                              if self.running_mean or self.running_var else None),
+            "upcast": self.upcast,
+            "producer": self.producer,
+            "placement": self.placement,
+            "calls": self.calls,
+            "nodes": len(self.nodes),
+            "node": self.node,
+            "notes": list(self.notes),
+        }
+
+
+def find_norms(cap: Captured) -> list[NormSite]:
+    """Every norm site of the captured graph, in graph order, with placement."""
+    sites: list[NormSite] = []
+    for node in cap.gm.graph.nodes:
+        op = cap.op(node)
+        if op in _NORM_OPS:
+            site = _native_site(cap, node, _NORM_OPS[op])
+        elif op in ("rsqrt", "sqrt"):
+            site = _handwritten_site(cap, node)
+        else:
+            site = None
+        if site is not None:
+            sites.append(site)
+    sites = _dedupe(sites)
+    sites = [_with_placement(cap, s, sites) for s in sites]
+    counts: dict[str, int] = {}
+    for s in sites:
+        counts[s.target] = counts.get(s.target, 0) + 1
+    return [replace(s, calls=counts[s.target]) for s in sites]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# native modules and functional calls
+
+
+def _native_site(cap: Captured, node: fx.Node, kind: str) -> NormSite | None:
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    if not isinstance(x, fx.Node):
+        return None
+    owner = cap.owner(node)
+    mod = cap.modules.get(owner)
+    if node.op == "call_module" or (mod is not None and is_native_norm(mod)):
+        return _module_site(cap, node, x, owner, mod, kind)
+    return _functional_site(cap, node, x, owner, kind)
+
+
+def _module_site(cap, node, x, path, mod, kind) -> NormSite:
+    dtype = cap.dtype(x) or torch.float32
+    eps = getattr(mod, "eps", None)
+    if eps is None and kind == "rmsnorm":
+        eps = torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps  # nn.RMSNorm(eps=None)
+    shape = getattr(mod, "normalized_shape", None)
+    weight = f"{path}.weight" if getattr(mod, "weight", None) is not None else None
+    bias = f"{path}.bias" if getattr(mod, "bias", None) is not None else None
+    rm = f"{path}.running_mean" if getattr(mod, "running_mean", None) is not None else None
+    rv = f"{path}.running_var" if getattr(mod, "running_var", None) is not None else None
+    return NormSite(
+        target=path, kind=kind, source="module", node=node.name, input=x.name, owner=path,
+        module_type=type(mod).__name__,
+        dims=tuple(range(-len(shape), 0)) if shape is not None else None,
+        normalized_shape=tuple(shape) if shape is not None else None,
+        num_features=getattr(mod, "num_features", getattr(mod, "num_channels", None)),
+        num_groups=getattr(mod, "num_groups", None),
+        eps=float(eps) if eps is not None else None, weight=weight, bias=bias, running_mean=rm, running_var=rv,
+        nodes=(node.name,),
+    )
+
+
+def _functional_site(cap, node, x, owner, kind) -> NormSite:
+    p = cap.param_name
+    fields: dict[str, Any] = {}
+    if kind == "batchnorm":
+        a = batch_norm_args(node)
+        fields = dict(eps=scalar(a["eps"]), weight=p(a["weight"]), bias=p(a["bias"]),
+                      running_mean=p(a["running_mean"]), running_var=p(a["running_var"]))
+        shape = cap.shape(x)
+        fields["num_features"] = shape[1] if shape and len(shape) > 1 else None
+        if a["training"] is True:
+            fields["notes"] = ("training=True: normalizes with batch statistics",)
+    elif kind in ("layernorm", "rmsnorm"):
+        ns = tuple(arg(node, 1, "normalized_shape") or ())
+        eps_i = 4 if kind == "layernorm" else 3
+        eps = scalar(arg(node, eps_i, "eps"))
+        if eps is None and kind == "rmsnorm":
+            eps = torch.finfo(cap.dtype(x) or torch.float32).eps
+        fields = dict(normalized_shape=ns, dims=tuple(range(-len(ns), 0)), eps=eps, weight=p(arg(node, 2, "weight")),
+                      bias=p(arg(node, 3, "bias")) if kind == "layernorm" else None)
+    elif kind == "groupnorm":
+        shape = cap.shape(x)
+        fields = dict(num_groups=arg(node, 1, "num_groups"), weight=p(arg(node, 2, "weight")),
+                      bias=p(arg(node, 3, "bias")), eps=scalar(arg(node, 4, "eps", 1e-5)),
+                      num_features=shape[1] if shape and len(shape) > 1 else None)
+    elif kind == "instancenorm":
+        shape = cap.shape(x)
+        fields = dict(weight=p(arg(node, 3, "weight")), bias=p(arg(node, 4, "bias")),
+                      eps=scalar(arg(node, 7, "eps", 1e-5)),
+                      num_features=shape[1] if shape and len(shape) > 1 else None)
+    mod = cap.modules.get(owner)
+    return NormSite(target=node.name, kind=kind, source="functional", node=node.name, input=x.name, owner=owner,
+                    module_type=type(mod).__name__ if mod is not None and owner else None, nodes=(node.name,),
+                    **fields)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hand-written subgraphs
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _handwritten_site(cap: Captured, r: fx.Node) -> NormSite | None:
+    try:
+        return _match_handwritten(cap, r)
+    except _NoMatch:
+        return None
+
+
+def _strip(cap: Captured, node: Any, acc: set[str]) -> Any:
+    """Skip dtype casts (recording them as part of the site)."""
+    while isinstance(node, fx.Node) and cap.op(node) == "cast":
+        acc.add(node.name)
+        node = node.args[0]
+    return node
+
+
+def _other(node: fx.Node, this: Any) -> Any:
+    """The operand of a binary node that is not ``this``."""
+    a, b = (list(node.args) + [None, None])[:2]
+    if a is this:
+        return b
+    if b is this:
+        return a
+    raise _NoMatch
+
+
+def _param_through_views(cap: Captured, value: Any, acc: set[str]) -> str | None:
+    """The parameter a value reads, through casts and broadcasting views (w[:, None, None], w.view(1,C,1,1))."""
+    seen: set[str] = set()
+    while isinstance(value, fx.Node):
+        name = cap.param_name(value)
+        if name is not None:
+            acc |= seen
+            return name
+        op = cap.op(value)
+        is_view = (value.op == "call_method" and value.target in _VIEW_METHODS) or op == "getitem" or \
+            (value.op == "call_function" and getattr(value.target, "__name__", "").split(".")[0] in
+             ("view", "reshape", "unsqueeze", "expand", "slice", "select"))
+        if op != "cast" and not is_view:
+            return None
+        seen.add(value.name)
+        value = value.args[0]
+    return None
+
+
+def _is_square(cap: Captured, node: Any, acc: set[str]) -> Any:
+    """If node computes v^2 (pow 2, square, v*v), return v."""
+    if not isinstance(node, fx.Node):
+        return None
+    op = cap.op(node)
+    if op == "pow" and scalar(arg(node, 1, "exponent")) == 2.0:
+        acc.add(node.name)
+        return node.args[0]
+    if op == "square":
+        acc.add(node.name)
+        return node.args[0]
+    if op == "mul" and len(node.args) == 2 and node.args[0] is node.args[1]:
+        acc.add(node.name)
+        return node.args[0]
+    return None
+
+
+def _mean_dims(cap: Captured, node: fx.Node) -> tuple[tuple[int, ...] | None, bool]:
+    return dims_of(arg(node, 1, "dim")), bool(arg(node, 2, "keepdim", False))
+
+
+def _negative(dims: tuple[int, ...] | None, rank: int | None) -> tuple[int, ...] | None:
+    if dims is None or rank is None:
+        return dims
+    return tuple(sorted(d - rank if d >= 0 else d for d in dims))
+
+
+def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
+    acc: set[str] = {r.name}
+    rsqrt = cap.op(r) == "rsqrt"
+    # denominator: (r)sqrt(stat + eps)
+    s = _strip(cap, r.args[0], acc)
+    eps = 0.0
+    if isinstance(s, fx.Node) and cap.op(s) == "add":
+        c = [scalar(v) for v in s.args[:2]]
+        if c[1] is not None:
+            eps, stat = c[1], s.args[0]
+        elif c[0] is not None:
+            eps, stat = c[0], s.args[1]
+        else:
+            raise _NoMatch
+        acc.add(s.name)
+    else:
+        stat = s
+    stat = _strip(cap, stat, acc)
+    if not isinstance(stat, fx.Node):
+        raise _NoMatch
+
+    centered: bool
+    x_stat: Any = None
+    mean_node: Any = None
+    running_var = cap.param_name(stat)
+    dims: tuple[int, ...] | None = None
+    if running_var is not None:  # (x - running_mean) / sqrt(running_var + eps)
+        centered, kind = True, "batchnorm"
+    elif cap.op(stat) == "var":
+        # var(x, dim, unbiased=False) / aten.var.dim(x, dim, False) / var(x, dim, correction=0)
+        unbiased = arg(stat, 2, "unbiased", None)
+        correction = stat.kwargs.get("correction", None)
+        biased = unbiased is False or correction in (0, 0.0)
+        dims = dims_of(arg(stat, 1, "dim"))
+        if not biased:
+            raise _NoMatch  # unbiased variance is not what any native norm computes
+        acc.add(stat.name)
+        centered, kind, x_stat = True, "layernorm", _strip(cap, stat.args[0], acc)
+    elif cap.op(stat) == "mean":
+        acc.add(stat.name)
+        dims, _ = _mean_dims(cap, stat)
+        base = _is_square(cap, _strip(cap, stat.args[0], acc), acc)
+        if base is None:
+            raise _NoMatch
+        base = _strip(cap, base, acc)
+        if isinstance(base, fx.Node) and cap.op(base) == "sub":
+            m = _strip(cap, base.args[1], acc)
+            if isinstance(m, fx.Node) and cap.op(m) == "mean":
+                acc |= {base.name, m.name}
+                x_stat, mean_node, centered, kind = _strip(cap, base.args[0], acc), m, True, "layernorm"
+            else:
+                raise _NoMatch
+        else:
+            x_stat, centered, kind = base, False, "rmsnorm"
+    else:
+        raise _NoMatch
+
+    # numerator: num * rsqrt(...) or num / sqrt(...)
+    y = None
+    for u in cap.users(r):
+        if rsqrt and cap.op(u) == "mul" or not rsqrt and cap.op(u) == "div" and u.args[1] is r:
+            y = u
+            break
+    if y is None:
+        raise _NoMatch
+    acc.add(y.name)
+    num = _strip(cap, _other(y, r), acc)
+    running_mean = None
+    if kind == "batchnorm":
+        if not (isinstance(num, fx.Node) and cap.op(num) == "sub"):
+            raise _NoMatch
+        running_mean = cap.param_name(_strip(cap, num.args[1], acc))
+        if running_mean is None:
+            raise _NoMatch
+        acc.add(num.name)
+        x = _strip(cap, num.args[0], acc)
+    elif centered:
+        if not (isinstance(num, fx.Node) and cap.op(num) == "sub"):
+            raise _NoMatch
+        m = _strip(cap, num.args[1], acc)
+        if not (isinstance(m, fx.Node) and cap.op(m) == "mean"):
+            raise _NoMatch
+        x = _strip(cap, num.args[0], acc)
+        if x is not x_stat or _strip(cap, m.args[0], acc) is not x:
+            raise _NoMatch
+        mdims, _ = _mean_dims(cap, m)
+        rank = len(cap.shape(x) or ()) or None
+        if _negative(mdims, rank) != _negative(dims, rank):
+            raise _NoMatch
+        acc |= {num.name, m.name}
+    else:
+        x = num
+        if x is not x_stat:
+            raise _NoMatch
+
+    # affine tail: [* w | * (1 + w)] [+ b], casts anywhere
+    weight = bias = None
+    offset = 0.0
+    out = y
+    upcasts = any(cap.op(cap.nodes[n]) == "cast" for n in acc)
+    while len(cap.users(out)) == 1:
+        u = cap.users(out)[0]
+        op = cap.op(u)
+        # a trailing cast is the norm's own cast-back only when it casts internally or an affine op follows
+        if op == "cast" and (upcasts or _feeds_affine(cap, u)):
+            acc.add(u.name)
+            out = u
+            continue
+        if op == "mul" and weight is None and bias is None:
+            other = _other(u, out)
+            w = _param_through_views(cap, other, acc)
+            if w is None and isinstance(other, fx.Node) and cap.op(other) == "add":  # (1 + w)
+                one = [scalar(v) for v in other.args[:2]]
+                tail = other.args[1] if one[0] is not None else other.args[0]
+                w = _param_through_views(cap, tail, acc)
+                if w is not None and (one[0] == 1.0 or one[1] == 1.0):
+                    offset = 1.0
+                    acc.add(other.name)
+                else:
+                    w = None
+            if w is None:
+                break
+            weight = w
+            acc.add(u.name)
+            out = u
+            continue
+        if op == "add" and bias is None:
+            b = _param_through_views(cap, _other(u, out), acc)
+            if b is None:
+                break
+            bias = b
+            acc.add(u.name)
+            out = u
+            continue
+        break
+    if not isinstance(x, fx.Node):
+        raise _NoMatch
+    # upcast: statistics computed in a wider float than the input's (Llama-style .to(float32))
+    in_dt, y_dt = cap.dtype(x), cap.dtype(y)
+    upcast = any(cap.op(cap.nodes[n]) == "cast" for n in acc) and (in_dt != y_dt or in_dt is None)
+    return _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_mean, running_var,
+                     upcast or _casts_to_float32(cap, acc))
+
+
+def _feeds_affine(cap: Captured, node: fx.Node) -> bool:
+    users = cap.users(node)
+    if len(users) != 1 or cap.op(users[0]) not in ("mul", "add"):
+        return False
+    return any(_param_through_views(cap, a, set()) is not None for a in users[0].args[:2] if a is not node)
+
+
+def _casts_to_float32(cap: Captured, acc: set[str]) -> bool:
+    for name in acc:
+        n = cap.nodes[name]
+        if cap.op(n) == "cast" and (torch.float32 in n.args[1:] or n.kwargs.get("dtype") is torch.float32
+                                   or (n.op == "call_method" and n.target == "float")):
+            return True
+    return False
+
+
+def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_mean, running_var, upcast):
+    shape = cap.shape(x)
+    rank = len(shape) if shape else None
+    ndims = _negative(dims, rank)
+    normalized_shape = None
+    num_features = None
+    notes: list[str] = []
+    if kind == "layernorm" and ndims is not None and rank is not None:
+        trailing = ndims == tuple(range(-len(ndims), 0))
+        spatial = tuple(range(2 - rank, 0))
+        if not trailing and rank >= 3 and ndims == spatial:
+            kind = "instancenorm"
+        elif not trailing:
+            notes.append(f"normalizes non-trailing dims {list(ndims)} (channels-first layout)")
+        if kind == "instancenorm":
+            num_features = shape[1]
+    if kind in ("layernorm", "rmsnorm") and ndims is not None and shape is not None:
+        normalized_shape = tuple(shape[d] for d in ndims)
+    if kind == "batchnorm" and shape is not None and len(shape) > 1:
+        num_features = shape[1]
+    if eps == 0.0:
+        notes.append("no epsilon inside the square root")
+    if offset:
+        notes.append("scale applied as (1 + weight) (Gemma style)")
+    acc.discard(x.name)
+    aliases = aliases_of(cap, x)
+    owners = {cap.owner(cap.nodes[n]) for n in acc}
+    owner = owners.pop() if len(owners) == 1 else _common_prefix(owners | {""})
+    self_contained = all(all(u.name in acc for u in cap.users(cap.nodes[n])) for n in acc
+                         if n != out.name and n not in aliases)
+    target, module_type = out.name, None
+    mod = cap.modules.get(owner)
+    if owner and mod is not None and self_contained and _owns_only(cap, owner, acc):
+        target, module_type = owner, type(mod).__name__  # a hand-written norm module
+    elif owner and mod is not None:
+        module_type = type(mod).__name__
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    return NormSite(
+        target=target, kind=kind, source="handwritten", node=out.name, input=x.name, owner=owner,
+        module_type=module_type, dims=ndims, normalized_shape=normalized_shape, num_features=num_features,
+        eps=eps, weight=weight, bias=bias, weight_offset=offset, running_mean=running_mean,
+        running_var=running_var, upcast=upcast, nodes=tuple(sorted(acc, key=order.__getitem__)),
+        self_contained=self_contained, notes=tuple(notes),
+    )
+
+
+def _common_prefix(paths: set[str]) -> str:
+    parts = [p.split(".") for p in paths if p]
+    if not parts:
+        return ""
+    prefix = []
+    for items in zip(*parts):
+        if len(set(items)) != 1:
+            break
+        prefix.append(items[0])
+    return ".".join(prefix)
+
+
+def _owns_only(cap: Captured, owner: str, acc: set[str]) -> bool:
+    """The module at ``owner`` computes nothing but this site (so the whole module is the norm)."""
+    for n in cap.gm.graph.nodes:
+        if n.name in acc or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        if cap.is_noise(n):
+            continue
+        stack = cap.owner_stack(n)
+        if owner in stack:
+            return False
+    return True
+
+
+def _dedupe(sites: list[NormSite]) -> list[NormSite]:
+    """A sqrt anchor can sit inside a native-op site's nodes only in odd graphs; keep the first claim."""
+    claimed: set[str] = set()
+    kept = []
+    for s in sites:
+        if claimed.isdisjoint(s.nodes):
+            kept.append(s)
+            claimed.update(s.nodes)
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------------------
+# placement
+
+
+def producer_of(cap: Captured, node: Any, norm_outputs: frozenset[str] = frozenset()) -> tuple[str, Any]:
+    """What computes ``node`` once casts, dropout and identities are skipped: (kind, node)."""
+    while isinstance(node, fx.Node) and cap.op(node) in TRANSPARENT and node.name not in norm_outputs:
+        node = node.args[0]
+    if isinstance(node, fx.Node) and node.name in norm_outputs:
+        return "norm", node
+    if not isinstance(node, fx.Node):
+        return "constant", node
+    if cap.is_input(node):
+        return "input", node
+    op = cap.op(node)
+    if op in _NORM_OPS:
+        return "norm", node
+    if op in ("conv", "conv_transpose", "linear", "embedding", "add", "matmul", "cat"):
+        return op, node
+    if node.op == "call_module":
+        return type(cap.modules.get(node.target)).__name__.lower(), node
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return str(target).split(".")[0], node
+
+
+def aliases_of(cap: Captured, x: fx.Node) -> set[str]:
+    """Casts of ``x`` to its own dtype: the same value under another node (torch.export shares them)."""
+    found: set[str] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        for u in cap.users(n):
+            if cap.op(u) == "cast" and u.args[0] is n and cap.dtype(u) is not None and cap.dtype(u) == cap.dtype(x):
+                found.add(u.name)
+                stack.append(u)
+    return found
+
+
+def _ancestor(cap: Captured, a: fx.Node, b: Any, order: dict[str, int]) -> bool:
+    """Is ``a`` an ancestor of (or equal to) ``b``?"""
+    if not isinstance(b, fx.Node):
+        return False
+    stop = order[a.name]
+    stack, seen = [b], set()
+    while stack:
+        n = stack.pop()
+        if n is a:
+            return True
+        if n.name in seen or order[n.name] < stop:
+            continue
+        seen.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _with_placement(cap: Captured, site: NormSite, sites: list[NormSite]) -> NormSite:
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    x, out = cap.nodes[site.input], cap.nodes[site.node]
+    kind, pnode = producer_of(cap, x, frozenset(s.node for s in sites))
+    placement = f"after-{kind}" if kind in ("conv", "conv_transpose", "linear", "embedding", "add", "norm") else \
+        ("input" if kind == "input" else "other")
+    if site.kind in ("layernorm", "rmsnorm"):
+        inside = set(site.nodes)
+        # pre-norm: x also feeds an add whose other operand is computed from this norm's output
+        same = [x] + [cap.nodes[n] for n in aliases_of(cap, x)]
+        for v, u in [(v, u) for v in same for u in cap.users(v)]:
+            if u.name in inside or cap.op(u) != "add":
+                continue
+            try:
+                other = _other(u, v)
+            except _NoMatch:
+                continue
+            if _ancestor(cap, out, other, order):
+                return replace(site, producer=kind, placement="pre-norm")
+        if kind == "add" and len(pnode.args) >= 2:
+            a, b = pnode.args[0], pnode.args[1]
+            for res, branch in ((a, b), (b, a)):
+                if isinstance(res, fx.Node) and _ancestor(cap, res, branch, order):
+                    prenormed = any(res.name in {s.input} | aliases_of(cap, cap.nodes[s.input])
+                                    and _ancestor(cap, cap.nodes[s.node], branch, order)
+                                    for s in sites if s is not site)
+                    placement = "final-norm" if prenormed else "post-norm"
+                    break
+            else:
+                if all(producer_of(cap, v)[0] in ("embedding", "add") for v in (a, b)):
+                    placement = "after-embedding"
+    return replace(site, producer=kind, placement=placement)

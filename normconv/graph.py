@@ -1,0 +1,198 @@
+"""Graph capture: an FX graph of the model plus one node -> module-path view over both capture methods.
+
+1. ``torch.fx.symbolic_trace`` with native norm modules as leaves (plain user models). The traced graph is
+   trusted only if it reproduces the eager output on the example inputs (tracing can bake in a branch).
+2. ``torch.export.export(strict=False)`` when tracing fails or disagrees (every Hugging Face model).
+
+Both graphs carry ``nn_module_stack``; ``Captured.owner(node)`` reads it so passes see one view:
+the module path that computed a node, the module object, the parameter a node reads, shape and dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from .errors import NormconvError
+from .match import NATIVE_NORM_TYPES, is_native_norm, op_of
+from .verify import Inputs, compare, run
+
+
+class NormLeafTracer(fx.Tracer):
+    """symbolic_trace that keeps torch's own modules (norms included) as leaves and traces user modules."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, NATIVE_NORM_TYPES):
+            return is_native_norm(m)  # a subclass with its own forward is traced through like user code
+        return super().is_leaf_module(m, qualname)
+
+
+@dataclass
+class Captured:
+    """A captured graph and the view passes use to read it."""
+
+    model: nn.Module
+    gm: fx.GraphModule
+    method: str  # "symbolic_trace" | "torch.export"
+    inputs: Inputs
+    exported: Any = None  # the ExportedProgram when method == "torch.export"
+    attempts: dict[str, str] = field(default_factory=dict)  # method -> why it failed
+    _params: dict[str, str] = field(default_factory=dict)  # placeholder name -> state_dict name (export)
+
+    def __post_init__(self):
+        self.modules: dict[str, nn.Module] = dict(self.model.named_modules())
+        self.nodes: dict[str, fx.Node] = {n.name: n for n in self.gm.graph.nodes}
+        if self.exported is not None:
+            for spec in self.exported.graph_signature.input_specs:
+                if spec.target is not None:
+                    self._params[spec.arg.name] = spec.target
+        self.module_calls: dict[str, int] = {}
+        for n in self.gm.graph.nodes:
+            if n.op == "call_module":
+                self.module_calls[n.target] = self.module_calls.get(n.target, 0) + 1
+
+    # -- what a node is ------------------------------------------------------------------------------------
+    def op(self, node: fx.Node) -> str | None:
+        return op_of(node, self.modules)
+
+    def owner(self, node: fx.Node) -> str:
+        """Module path that computed ``node`` ('' for the root): call_module target or innermost module stack."""
+        if node.op == "call_module":
+            return node.target
+        stack = node.meta.get("nn_module_stack") or {}
+        if not stack:
+            return ""
+        path = list(stack.values())[-1][0]
+        return _clean_path(path)
+
+    def owner_stack(self, node: fx.Node) -> list[str]:
+        """All module paths enclosing ``node``, outermost first."""
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [_clean_path(v[0]) for v in stack.values()]
+        if node.op == "call_module" and (not paths or paths[-1] != node.target):
+            paths.append(node.target)
+        return paths
+
+    def module(self, node: fx.Node) -> nn.Module | None:
+        return self.modules.get(self.owner(node))
+
+    def param_name(self, value: Any) -> str | None:
+        """state_dict name of the parameter / buffer a node reads directly (get_attr or lifted placeholder)."""
+        if not isinstance(value, fx.Node):
+            return None
+        if value.op == "get_attr":
+            return value.target
+        if value.op == "placeholder":
+            return self._params.get(value.name)
+        return None
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The parameter / buffer / tensor attribute at a dotted path of the model."""
+        obj: Any = self.model
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj if isinstance(obj, torch.Tensor) else None
+
+    def is_input(self, node: fx.Node) -> bool:
+        return node.op == "placeholder" and self.param_name(node) is None
+
+    # -- shapes --------------------------------------------------------------------------------------------
+    def meta(self, node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return None
+        return node.meta.get("val", node.meta.get("tensor_meta"))
+
+    def shape(self, node: Any) -> tuple[int, ...] | None:
+        m = self.meta(node)
+        shape = getattr(m, "shape", None)
+        if shape is None:
+            return None
+        try:
+            return tuple(int(s) for s in shape)
+        except (TypeError, ValueError):  # symbolic sizes
+            return None
+
+    def dtype(self, node: Any) -> torch.dtype | None:
+        return getattr(self.meta(node), "dtype", None)
+
+    def users(self, node: fx.Node) -> list[fx.Node]:
+        """Users that compute something (export's metadata asserts and shape reads are not users)."""
+        return [u for u in node.users if not self.is_noise(u)]
+
+    @staticmethod
+    def is_noise(node: fx.Node) -> bool:
+        """Nodes that compute no tensor: metadata asserts, ``x.dtype`` / ``x.shape`` / ``x.size()`` reads."""
+        if node.op == "call_function":
+            name = getattr(node.target, "__name__", "")
+            return name.split(".")[0] in _NOISE_FUNCTIONS or (node.target is getattr)
+        return node.op == "call_method" and node.target in ("size", "dim")
+
+
+_NOISE_FUNCTIONS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_size"}
+
+
+def _clean_path(path: str) -> str:
+    """torch.export writes some paths as ``L['self'].layer.0`` or ``L__self___layer_0``; keep the dotted form."""
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):].lstrip(".")
+    path = path.replace("._modules['", ".").replace("']", "")
+    return path
+
+
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """torch.export logs warnings and graph dumps when it fails; the user gets our one line instead."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # export prints partial graphs to sys.stderr
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def capture(model: nn.Module, inputs: Inputs, method: str = "auto") -> Captured:
+    """Capture an FX graph of ``model`` on ``inputs``; raises NormconvError naming why each method failed."""
+    attempts: dict[str, str] = {}
+    methods = ("symbolic_trace", "torch.export") if method == "auto" else (method,)
+    reference = None
+    for m in methods:
+        try:
+            if m == "symbolic_trace":
+                if inputs.kwargs:
+                    raise NormconvError("keyword inputs need torch.export")
+                tracer = NormLeafTracer()
+                graph = tracer.trace(model)
+                gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+                with torch.no_grad():
+                    ShapeProp(gm).propagate(*inputs.args)
+                reference = run(model, inputs) if reference is None else reference
+                check = compare(reference, run(gm, inputs), atol=1e-5, rtol=1e-5)
+                if not check.passed:
+                    raise NormconvError(f"traced graph differs from eager (max abs error {check.max_abs_error:.3g})")
+                return Captured(model, gm, "symbolic_trace", inputs, attempts=attempts)
+            if m == "torch.export":
+                with torch.no_grad(), quiet_torch_logs():
+                    ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+                return Captured(model, ep.graph_module, "torch.export", inputs, exported=ep, attempts=attempts)
+            raise NormconvError(f"unknown capture method {m!r}")
+        except Exception as exc:  # each failure is recorded; the next method is tried
+            attempts[m] = _one_line(exc)
+    detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
+    raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}")

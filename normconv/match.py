@@ -1,0 +1,181 @@
+"""Matching helpers: one vocabulary of ops over both graph dialects.
+
+A symbolic_trace graph says ``operator.add`` / ``torch.rsqrt`` / ``x.mean(...)`` / ``call_module``; a
+torch.export graph says ``aten.add.Tensor`` / ``aten.rsqrt.default`` / ``aten.mean.dim``. ``op_of(node)``
+maps both to one name (``"add"``, ``"rsqrt"``, ``"mean"``, ...) so every pattern is written once.
+``arg(node, i, name)`` reads an argument by position or keyword in either dialect.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+# canonical name -> callables / method names / aten overload packets that mean it
+_OPS: dict[str, tuple[list[Callable], list[str], list[Any]]] = {
+    "add": ([operator.add, operator.iadd, torch.add], ["add", "add_"], [aten.add]),
+    "sub": ([operator.sub, operator.isub, torch.sub], ["sub", "sub_"], [aten.sub]),
+    "mul": ([operator.mul, operator.imul, torch.mul], ["mul", "mul_"], [aten.mul]),
+    "div": ([operator.truediv, operator.itruediv, torch.div, torch.true_divide], ["div", "div_"], [aten.div]),
+    "pow": ([operator.pow, torch.pow], ["pow"], [aten.pow]),
+    "square": ([torch.square], ["square"], [aten.square]),
+    "sqrt": ([torch.sqrt], ["sqrt"], [aten.sqrt]),
+    "rsqrt": ([torch.rsqrt], ["rsqrt"], [aten.rsqrt]),
+    "mean": ([torch.mean], ["mean"], [aten.mean]),
+    "var": ([torch.var], ["var"], [aten.var]),
+    "cast": ([], ["to", "float", "half", "bfloat16", "double", "type", "type_as"],
+             [aten.to, aten._to_copy, aten.type_as]),
+    "neg": ([operator.neg, torch.neg], ["neg"], [aten.neg]),
+    "layer_norm": ([F.layer_norm, torch.layer_norm], [], [aten.layer_norm, aten.native_layer_norm]),
+    "batch_norm": ([F.batch_norm, torch.batch_norm], [],
+                   [aten.batch_norm, aten._native_batch_norm_legit_no_training, aten.native_batch_norm,
+                    aten._native_batch_norm_legit]),
+    "group_norm": ([F.group_norm, torch.group_norm], [], [aten.group_norm, aten.native_group_norm]),
+    "instance_norm": ([F.instance_norm, torch.instance_norm], [], [aten.instance_norm]),
+    "rms_norm": ([F.rms_norm, torch.rms_norm], [], [aten.rms_norm]),
+    "conv": ([F.conv1d, F.conv2d, F.conv3d], [], [aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution]),
+    "conv_transpose": ([F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d], [],
+                       [aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d]),
+    "linear": ([F.linear], [], [aten.linear, aten.addmm]),
+    "matmul": ([torch.matmul, operator.matmul, torch.bmm], ["matmul"], [aten.matmul, aten.bmm, aten.mm]),
+    "embedding": ([F.embedding], [], [aten.embedding]),
+    "getitem": ([operator.getitem], [], []),
+    "dropout": ([F.dropout], [], [aten.dropout]),
+    "identity": ([], ["contiguous", "clone", "detach"], [aten.clone, aten.detach, aten.alias]),
+    "cat": ([torch.cat], [], [aten.cat]),
+}
+
+_BY_FUNCTION: dict[Any, str] = {}
+_BY_METHOD: dict[str, str] = {}
+_BY_PACKET: dict[Any, str] = {}
+for _name, (_fns, _methods, _packets) in _OPS.items():
+    _BY_FUNCTION.update({f: _name for f in _fns})
+    _BY_METHOD.update({m: _name for m in _methods})
+    _BY_PACKET.update({p: _name for p in _packets})
+
+# module class -> canonical op (the module types a norm or its neighbour can be)
+_MODULE_OPS: tuple[tuple[type, str], ...] = (
+    (nn.modules.batchnorm._BatchNorm, "batch_norm"),
+    (nn.LayerNorm, "layer_norm"),
+    (nn.GroupNorm, "group_norm"),
+    (nn.modules.instancenorm._InstanceNorm, "instance_norm"),
+    (nn.RMSNorm, "rms_norm"),
+    (nn.modules.conv._ConvTransposeNd, "conv_transpose"),
+    (nn.modules.conv._ConvNd, "conv"),
+    (nn.Linear, "linear"),
+    (nn.Embedding, "embedding"),
+    (nn.Dropout, "dropout"),
+    (nn.Identity, "identity"),
+)
+
+# ops that pass a value through unchanged for placement purposes
+TRANSPARENT = frozenset({"cast", "dropout", "identity"})
+
+# native norm module classes whose forward is torch's own (subclasses that override forward are not native)
+NATIVE_NORM_TYPES: tuple[type, ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.RMSNorm,
+)
+
+
+def is_native_norm(module: nn.Module) -> bool:
+    """A torch norm module whose forward is torch's own (a subclass that overrides forward is user code)."""
+    if not isinstance(module, NATIVE_NORM_TYPES):
+        return False
+    owner = next(cls for cls in type(module).__mro__ if "forward" in cls.__dict__)
+    return owner.__module__.startswith("torch.nn.")
+
+
+def module_op(module: nn.Module) -> str | None:
+    for cls, name in _MODULE_OPS:
+        if isinstance(module, cls):
+            if name.endswith("_norm") and not is_native_norm(module):
+                return None
+            return name
+    return None
+
+
+def op_of(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str | None:
+    """Canonical op name of a node, or None when it is none of the ops normconv reasons about."""
+    if node.op == "call_function":
+        t = node.target
+        if t in _BY_FUNCTION:
+            return _BY_FUNCTION[t]
+        packet = getattr(t, "overloadpacket", None)
+        if packet is not None and packet in _BY_PACKET:
+            return _BY_PACKET[packet]
+        return None
+    if node.op == "call_method":
+        return _BY_METHOD.get(node.target)
+    if node.op == "call_module" and modules is not None:
+        m = modules.get(node.target)
+        return module_op(m) if m is not None else None
+    return None
+
+
+# argument names of the functional / aten forms, by canonical op, for keyword lookups
+_ARG_NAMES = {
+    "mean": ("input", "dim", "keepdim"),
+    "var": ("input", "dim", "unbiased", "keepdim"),
+    "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
+    "rms_norm": ("input", "normalized_shape", "weight", "eps"),
+    "group_norm": ("input", "num_groups", "weight", "bias", "eps"),
+    "instance_norm": ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps"),
+}
+
+
+def arg(node: fx.Node, index: int, name: str | None = None, default: Any = None) -> Any:
+    """Argument ``index`` (or keyword ``name``) of a node, whichever is present."""
+    if index < len(node.args):
+        return node.args[index]
+    if name is not None and name in node.kwargs:
+        return node.kwargs[name]
+    return default
+
+
+def batch_norm_args(node: fx.Node) -> dict[str, Any]:
+    """Normalize the batch-norm call forms to one dict (input, running_mean/var, weight, bias, training, eps)."""
+    t = node.target
+    packet = getattr(t, "overloadpacket", None)
+    a = lambda i, n, d=None: arg(node, i, n, d)  # noqa: E731
+    if packet is aten._native_batch_norm_legit_no_training:
+        # (input, weight, bias, running_mean, running_var, momentum, eps)
+        return dict(input=a(0, "input"), weight=a(1, "weight"), bias=a(2, "bias"), running_mean=a(3, "running_mean"),
+                    running_var=a(4, "running_var"), training=False, eps=a(6, "eps", 1e-5))
+    if packet in (aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit):
+        # (input, weight, bias, running_mean, running_var, training, momentum, eps, ...)
+        return dict(input=a(0, "input"), weight=a(1, "weight"), bias=a(2, "bias"), running_mean=a(3, "running_mean"),
+                    running_var=a(4, "running_var"), training=a(5, "training", False), eps=a(7, "eps", 1e-5))
+    # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    return dict(input=a(0, "input"), running_mean=a(1, "running_mean"), running_var=a(2, "running_var"),
+                weight=a(3, "weight"), bias=a(4, "bias"), training=a(5, "training", False), eps=a(7, "eps", 1e-5))
+
+
+def scalar(value: Any) -> float | None:
+    """A python number argument as float (None for nodes and tensors)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def dims_of(value: Any) -> tuple[int, ...] | None:
+    """A dim argument (int, list, tuple) as a tuple; None when absent (all dims)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(d, int) for d in value):
+        return tuple(value)
+    return None

@@ -1,0 +1,194 @@
+"""The one report shape every command shares, and its rendering.
+
+JSON shape (``--json``), for every command that rewrites a model::
+
+    {
+      "command": "fold", "model": "zoo:resnet", "output": "out.pt" | null,
+      "sites": [{"pass": "fold", "target": "layer1.bn1", "applied": true, "reason": "..."}],
+      "validation": {"max_abs_error": 1e-7, "max_rel_error": 2e-7, "atol": 1e-5, "rtol": 1e-4,
+                     "passed": true, "outputs": [{"name": "out", "max_abs_error": ..., ...}]},
+      "before": {...}, "after": {...}, "extra": {...}
+    }
+
+``inspect`` uses the same envelope; its ``sites`` are norm sites, each with a ``plan`` list of
+``{"pass", "applied", "reason"}`` entries (what each pass would do there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a pass looked at, and what it did there (or would do, in a plan) and why."""
+
+    pass_name: str
+    target: str
+    applied: bool
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pass": self.pass_name, "target": self.target, "applied": self.applied, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the (possibly new) model, whether it changed, and every site it looked at."""
+
+    model: nn.Module
+    modified: bool
+    sites: tuple[Site, ...] = ()
+
+
+@dataclass(frozen=True)
+class OutputError:
+    """Error of one model output (a leaf of the output pytree)."""
+
+    name: str
+    max_abs_error: float
+    max_rel_error: float
+    cosine: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Original vs rewritten outputs on the same inputs; ``passed`` is allclose(atol, rtol) on every output."""
+
+    max_abs_error: float
+    max_rel_error: float
+    atol: float
+    rtol: float
+    passed: bool
+    cosine: float = 1.0
+    outputs: tuple[OutputError, ...] = ()
+    label: str = "torch"
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["outputs"] = [asdict(o) for o in self.outputs]
+        return _finite(d)
+
+
+@dataclass
+class Report:
+    """Everything a command has to say; rendered as tables on a terminal or as one JSON object."""
+
+    command: str
+    model: str
+    sites: list[Any] = field(default_factory=list)  # Site, or dicts for inspect
+    validation: list[Validation] = field(default_factory=list)
+    before: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, Any] = field(default_factory=dict)
+    output: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.validation)
+
+    def to_json(self) -> dict[str, Any]:
+        val = [v.to_json() for v in self.validation]
+        return _finite(
+            {
+                "command": self.command,
+                "model": self.model,
+                "output": self.output,
+                "sites": [s.to_json() if hasattr(s, "to_json") else s for s in self.sites],
+                # one validation is the common case: an object; several (e.g. per provider): a list
+                "validation": (val[0] if len(val) == 1 else (val or None)),
+                "before": self.before,
+                "after": self.after,
+                "extra": self.extra,
+                "notes": self.notes,
+            }
+        )
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no inf/nan: map them to strings so ``json.loads`` of our output never fails."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, Mapping):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def print_json(report: Report) -> None:
+    sys.stdout.write(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# terminal rendering (rich); plain text when stdout is not a terminal
+
+
+def console():
+    from rich.console import Console
+
+    # no colour codes or box-drawing surprises in pipes and CI logs
+    return Console(highlight=False, soft_wrap=False, emoji=False, width=None if sys.stdout.isatty() else 160)
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]]):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD if sys.stdout.isatty() else box.ASCII2, title_justify="left")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*[fmt(v) for v in r])
+    return t
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, (tuple, list)):
+        return ",".join(fmt(x) for x in v)
+    return str(v)
+
+
+def render_sites(sites: list[Site], title: str = "sites"):
+    return table(title, ["pass", "target", "applied", "reason"], [[s.pass_name, s.target, s.applied, s.reason] for s in sites])
+
+
+def render_validation(v: Validation):
+    rows = [[o.name, o.max_abs_error, o.max_rel_error, o.cosine, "pass" if o.passed else "FAIL"] for o in v.outputs]
+    title = f"validation ({v.label}): atol={v.atol:g} rtol={v.rtol:g} -> {'PASSED' if v.passed else 'FAILED'}"
+    return table(title, ["output", "max abs err", "max rel err", "cosine", "result"], rows)
+
+
+def render_before_after(before: Mapping[str, Any], after: Mapping[str, Any]):
+    keys = list(dict.fromkeys([*before, *after]))
+    return table("before / after", ["", "before", "after"], [[k, before.get(k), after.get(k)] for k in keys])
+
+
+def print_report(report: Report) -> None:
+    """The human view: before/after, sites, validations, notes."""
+    c = console()
+    if report.before or report.after:
+        c.print(render_before_after(report.before, report.after))
+    if report.sites:
+        c.print(render_sites(report.sites, f"{report.command}: {sum(s.applied for s in report.sites)} applied, "
+                                           f"{sum(not s.applied for s in report.sites)} skipped"))
+    for v in report.validation:
+        c.print(render_validation(v))
+    for n in report.notes:
+        c.print(f"note: {n}")
+    if report.output:
+        c.print(f"wrote {report.output}")

@@ -1,0 +1,124 @@
+"""Run the original and the rewritten model on the same inputs and measure how far apart they are.
+
+Per output leaf ``a`` (rewritten) against ``b`` (reference), computed in float64:
+  max_abs_error = max |a - b|
+  max_rel_error = max |a - b| / max(|b|, atol)   (relative where the reference is above the noise floor)
+  passed        = all |a - b| <= atol + rtol * |b|   (torch.allclose semantics), shapes and dtypes equal
+  cosine        = <a, b> / (|a| |b|) over the flattened output
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten_with_path, keystr
+
+from .report import OutputError, Validation
+
+# documented defaults: exact passes are float reassociation only, so fp32 stays within these
+DEFAULT_TOLERANCE = {
+    torch.float64: (1e-9, 1e-7),
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+
+
+@dataclass
+class Inputs:
+    """Example inputs of a model: positional and keyword arguments of its forward."""
+
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, *a, **kw) -> "Inputs":
+        def move(x):
+            # only floating tensors change dtype; ids and masks keep theirs
+            if isinstance(x, torch.Tensor):
+                if x.is_floating_point():
+                    return x.to(*a, **kw)
+                return x.to(device=kw.get("device")) if "device" in kw else x
+            return x
+
+        return Inputs(tuple(move(x) for x in self.args), {k: move(v) for k, v in self.kwargs.items()})
+
+    def describe(self) -> str:
+        def one(x):
+            return f"{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor) else repr(x)
+
+        parts = [one(x) for x in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
+        return ", ".join(parts)
+
+
+def run(model: nn.Module, inputs: Inputs) -> Any:
+    """Forward on a copy of the inputs without autograd (a model that mutates its inputs stays comparable)."""
+    with torch.no_grad():
+        return model(*copy.deepcopy(inputs.args), **copy.deepcopy(inputs.kwargs))
+
+
+def output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
+    """Flatten any output (tensor, tuple, dict, Hugging Face ModelOutput) to named tensor leaves."""
+    if hasattr(out, "to_tuple") and hasattr(out, "keys"):  # transformers ModelOutput
+        out = {k: out[k] for k in out.keys()}
+    leaves, _ = tree_flatten_with_path(out)
+    named = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            named.append((keystr(path).lstrip(".") or "output", leaf))
+    return named
+
+
+def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
+
+
+def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: float | None = None,
+            label: str = "torch") -> Validation:
+    """Compare two model outputs leaf by leaf; tolerances default from the reference's dtype."""
+    ref, cand = output_leaves(reference), output_leaves(candidate)
+    if len(ref) != len(cand):
+        raise ValueError(f"output structure changed: {len(ref)} tensors before, {len(cand)} after")
+    floats = [t.dtype for _, t in ref if t.is_floating_point()]
+    d_atol, d_rtol = default_tolerance(floats[0] if floats else torch.float32)
+    atol = d_atol if atol is None else atol
+    rtol = d_rtol if rtol is None else rtol
+    errs = [_leaf_error(name, r, c, atol, rtol) for (name, r), (_, c) in zip(ref, cand)]
+    return Validation(
+        max_abs_error=max((e.max_abs_error for e in errs), default=0.0),
+        max_rel_error=max((e.max_rel_error for e in errs), default=0.0),
+        atol=atol,
+        rtol=rtol,
+        passed=all(e.passed for e in errs),
+        cosine=min((e.cosine for e in errs), default=1.0),
+        outputs=tuple(errs),
+        label=label,
+    )
+
+
+def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> OutputError:
+    if ref.shape != cand.shape:
+        return OutputError(name, float("inf"), float("inf"), 0.0, False)
+    r = ref.detach().to("cpu", torch.float64)
+    c = cand.detach().to("cpu", torch.float64)
+    if r.numel() == 0:
+        return OutputError(name, 0.0, 0.0, 1.0, True)
+    diff = (r - c).abs()
+    nan_mismatch = bool((r.isnan() != c.isnan()).any())
+    diff = torch.where(r.isnan() & c.isnan(), torch.zeros_like(diff), diff)
+    max_abs = float(diff.max())
+    max_rel = float((diff / r.abs().clamp_min(atol if atol > 0 else 1e-30)).max())
+    passed = (not nan_mismatch) and bool((diff <= atol + rtol * r.abs()).all()) and ref.dtype == cand.dtype
+    denom = float(r.norm() * c.norm())
+    cosine = float((r.flatten() @ c.flatten()) / denom) if denom > 0 else float(torch.equal(r, c))
+    return OutputError(name, max_abs, max_rel, cosine, passed)
+
+
+def verify(original: nn.Module, rewritten: nn.Module, inputs: Inputs, atol: float | None = None,
+           rtol: float | None = None, reference_output: Any = None) -> Validation:
+    """Run both models on ``inputs`` and compare; pass ``reference_output`` to reuse a computed one."""
+    ref = run(original, inputs) if reference_output is None else reference_output
+    return compare(ref, run(rewritten, inputs), atol, rtol)
