@@ -1,0 +1,66 @@
+"""Tiny Hugging Face models built offline from configs (random weights), with their example inputs."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from normconv.verify import Inputs
+
+VOCAB = 100
+
+
+def _ids(batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _build(cls, config):
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def tiny_bert():
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    ids = _ids()
+    return _build(BertModel, cfg), Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+                     bos_token_id=0, eos_token_id=0)
+    return _build(GPT2LMHeadModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, use_cache=False)
+    return _build(LlamaForCausalLM, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   use_cache=False, decoder_start_token_id=0)
+    ids = _ids()
+    return _build(T5ForConditionalGeneration, cfg), Inputs((), {"input_ids": ids, "decoder_input_ids": ids[:, :8]})
+
+
+def tiny_gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=8, intermediate_size=64, use_cache=False)
+    return _build(GemmaForCausalLM, cfg), Inputs((), {"input_ids": _ids()})
+
+
+TINY = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama, "t5": tiny_t5, "gemma": tiny_gemma}
