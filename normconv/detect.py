@@ -439,7 +439,7 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
     if kind == "layernorm" and ndims is not None and rank is not None:
         trailing = ndims == tuple(range(-len(ndims), 0))
         spatial = tuple(range(2 - rank, 0))
-        if not trailing and rank >= 3 and ndims == spatial:
+        if rank >= 4 and ndims == spatial:  # all spatial dims of NC(D)HW: per-sample, per-channel
             kind = "instancenorm"
         elif not trailing:
             notes.append(f"normalizes non-trailing dims {list(ndims)} (channels-first layout)")

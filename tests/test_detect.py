@@ -1,0 +1,189 @@
+"""Norm detection: count, kind, source, eps and placement on every zoo model, tiny HF models and odd layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from normconv.detect import find_norms
+from normconv.graph import capture
+from normconv.models import ZOO
+from normconv.verify import Inputs
+from tests.hf_tiny import TINY
+
+
+def _sites(model, inputs, method="auto"):
+    cap = capture(model, inputs, method)
+    return cap, find_norms(cap)
+
+
+def _kinds(sites):
+    counts: dict[str, int] = {}
+    for s in sites:
+        counts[s.kind] = counts.get(s.kind, 0) + 1
+    return counts
+
+
+# -- every zoo model: the sites its author declared, both capture methods agree ------------------------------
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_sites_match_declared(name):
+    z = ZOO[name]
+    inputs = Inputs(tuple(z.example_inputs()))
+    cap, sites = _sites(z.build(), inputs)
+    assert _kinds(sites) == dict(z.norms), [(s.target, s.kind, s.source) for s in sites]
+    assert sum(s.source == "handwritten" for s in sites) == z.handwritten
+    for s in sites:
+        assert s.eps is not None and 0 < s.eps < 1e-1, (s.target, s.eps)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_both_capture_methods_agree(name):
+    z = ZOO[name]
+    inputs = Inputs(tuple(z.example_inputs()))
+    model = z.build()
+    _, traced = _sites(model, inputs, "symbolic_trace")
+    _, exported = _sites(model, inputs, "torch.export")
+    key = lambda s: (s.kind, s.source, round(s.eps, 12), s.weight, s.bias, s.placement)  # noqa: E731
+    assert sorted(map(key, traced)) == sorted(map(key, exported))
+
+
+def test_native_module_eps_is_the_modules():
+    for name, z in ZOO.items():
+        model = z.build()
+        _, sites = _sites(model, Inputs(tuple(z.example_inputs())))
+        modules = dict(model.named_modules())
+        for s in sites:
+            if s.source == "module" and getattr(modules[s.target], "eps", None) is not None:
+                assert s.eps == pytest.approx(modules[s.target].eps), (name, s.target)
+
+
+# -- tiny Hugging Face models (torch.export) -----------------------------------------------------------------
+
+HF_EXPECTED = {
+    # name: (count, kind, source, eps, placements)
+    "bert": (5, "layernorm", "module", 1e-12, {"after-embedding": 1, "post-norm": 4}),
+    "gpt2": (5, "layernorm", "module", 1e-5, {"pre-norm": 4, "final-norm": 1}),
+    "llama": (5, "rmsnorm", "handwritten", 1e-6, {"pre-norm": 4, "final-norm": 1}),
+    "t5": (12, "rmsnorm", "handwritten", 1e-6, {"pre-norm": 10, "final-norm": 2}),
+    "gemma": (5, "rmsnorm", "handwritten", 1e-6, {"pre-norm": 4, "final-norm": 1}),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_EXPECTED))
+def test_hf_models(name):
+    model, inputs = TINY[name]()
+    cap, sites = _sites(model, inputs)
+    count, kind, source, eps, placements = HF_EXPECTED[name]
+    assert cap.method == "torch.export"
+    assert len(sites) == count
+    assert {s.kind for s in sites} == {kind} and {s.source for s in sites} == {source}
+    assert all(s.eps == pytest.approx(eps) for s in sites)
+    got: dict[str, int] = {}
+    for s in sites:
+        got[s.placement] = got.get(s.placement, 0) + 1
+    assert got == placements
+    # every site names a real module of the model, with its weight
+    modules = dict(model.named_modules())
+    assert all(s.target in modules and s.weight == f"{s.target}.weight" for s in sites)
+    if name == "gemma":
+        assert all(s.weight_offset == 1.0 for s in sites)  # (1 + w)
+    if name in ("llama", "t5", "gemma"):
+        assert all(s.upcast for s in sites)  # statistics in float32
+
+
+def test_cli_inspect_on_saved_hf_folders(cli, hf_folders):
+    for name, folder in hf_folders.items():
+        code, out, err = cli("inspect", folder, "--json")
+        assert code == 0, err
+        report = json.loads(out)
+        assert len(report["sites"]) == HF_EXPECTED[name][0]
+        for s in report["sites"]:
+            assert {"target", "kind", "source", "eps", "placement", "plan"} <= set(s)
+            assert {p["pass"] for p in s["plan"]} >= {"export"}
+
+
+# -- hand-written forms recognized by what they compute ------------------------------------------------------
+
+
+class _Forms(nn.Module):
+    """One of each hand-written spelling, plus things that look close but are not norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+        self.b = nn.Parameter(torch.randn(8))
+        self.cw = nn.Parameter(torch.rand(4) + 0.5)
+        self.cb = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, img):
+        # layernorm: squared deviations via (x - m) ** 2, divide by sqrt
+        m = x.mean(-1, keepdim=True)
+        a = (x - m) / torch.sqrt(((x - m) ** 2).mean(-1, keepdim=True) + 1e-5) * self.w + self.b
+        # rmsnorm: x * x instead of pow
+        r = a * torch.rsqrt((a * a).mean(-1, keepdim=True) + 1e-6)
+        # channels-first layernorm (ConvNeXt): dims (1,) on NCHW, weight broadcast with [:, None, None]
+        u = img.mean(1, keepdim=True)
+        s = (img - u).pow(2).mean(1, keepdim=True)
+        c = self.cw[:, None, None] * ((img - u) / torch.sqrt(s + 1e-6)) + self.cb[:, None, None]
+        # instance norm written by hand: spatial dims of NCHW
+        mu = img.mean((2, 3), keepdim=True)
+        v = img.var((2, 3), keepdim=True, unbiased=False)
+        i = (img - mu) * torch.rsqrt(v + 1e-3)
+        # not norms: unbiased variance, a plain sqrt of a sum
+        nope = (x - m) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5)
+        other = torch.sqrt(x.abs().sum(-1, keepdim=True))
+        return r, c, i, nope, other
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "torch.export"])
+def test_handwritten_spellings(method):
+    inputs = Inputs((torch.randn(2, 3, 8), torch.randn(2, 4, 5, 5)))
+    _, sites = _sites(_Forms().eval(), inputs, method)
+    got = sorted((s.kind, s.eps, s.weight, s.bias) for s in sites)
+    assert got == sorted([
+        ("layernorm", 1e-5, "w", "b"),
+        ("rmsnorm", 1e-6, None, None),
+        ("layernorm", 1e-6, "cw", "cb"),
+        ("instancenorm", 1e-3, None, None),
+    ])
+    channels_first = next(s for s in sites if s.weight == "cw")
+    assert channels_first.dims == (-3,) and channels_first.notes
+
+
+def test_functional_and_module_called_twice():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.register_buffer("rm", torch.zeros(3))
+            self.register_buffer("rv", torch.ones(3))
+
+        def forward(self, x, y):
+            z = F.batch_norm(y, self.rm, self.rv, None, None, False, 0.1, 1e-3)
+            return self.ln(self.ln(x)), F.group_norm(z, 1, eps=1e-4)
+
+    _, sites = _sites(M().eval(), Inputs((torch.randn(2, 8), torch.randn(2, 3, 4))))
+    by_kind = {s.kind: s for s in sites}
+    assert [s.calls for s in sites if s.target == "ln"] == [2, 2]
+    assert by_kind["batchnorm"].source == "functional" and by_kind["batchnorm"].running_mean == "rm"
+    assert by_kind["batchnorm"].eps == 1e-3 and by_kind["groupnorm"].eps == 1e-4
+
+
+def test_subclass_with_own_forward_is_not_native():
+    class FP32LayerNorm(nn.LayerNorm):  # CLIP-style: computes in fp32, returns the input dtype
+        def forward(self, x):
+            return F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps).type_as(x)
+
+    _, sites = _sites(FP32LayerNorm(8).eval(), Inputs((torch.randn(2, 8),)))
+    assert len(sites) == 1 and sites[0].source == "functional"
+
+
+def test_rmsnorm_default_eps_is_dtype_epsilon():
+    _, sites = _sites(nn.Sequential(nn.RMSNorm(8)).eval(), Inputs((torch.randn(2, 8),)))
+    assert sites[0].eps == torch.finfo(torch.float32).eps

@@ -1,0 +1,199 @@
+"""Loading every model format, saving atomically, and the one-line errors every bad input gets (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from normconv.errors import NormconvError
+from normconv.io import load, parse_input_shapes, save
+from normconv.verify import compare, run
+from tests.fixtures.user_models import small_net
+
+FACTORY = "tests.fixtures.user_models:small_net"
+X = "x:2,3,8,8"
+
+
+def _expect_error(cli, *args, match: str):
+    code, out, err = cli(*args)
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert match in lines[0], lines[0]
+    assert "Traceback" not in err + out
+    return lines[0]
+
+
+# -- formats -----------------------------------------------------------------------------------------------
+
+
+def test_zoo_spec_loads_model_and_inputs():
+    loaded = load("zoo:resnet")
+    assert loaded.fmt == "zoo" and not loaded.model.training
+    assert loaded.inputs is not None and loaded.inputs.args[0].shape[0] >= 1
+
+
+def test_factory_with_inputs_tuple():
+    loaded = load("tests.fixtures.user_models:small_net_with_inputs")
+    assert loaded.fmt == "factory" and loaded.inputs.args[0].shape == (2, 3, 8, 8)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_factory_with_weights(tmp_path, suffix):
+    model = small_net()
+    with torch.no_grad():
+        model.conv.weight.mul_(3.0)  # weights differ from what the factory builds
+    path = tmp_path / f"w{suffix}"
+    if suffix == ".pt":
+        torch.save(model.state_dict(), path)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(model.state_dict(), str(path))
+    loaded = load(FACTORY, weights=str(path), input_shapes=[X])
+    assert torch.equal(loaded.model.conv.weight, model.conv.weight)
+
+
+def test_full_pickle_needs_opt_in_and_names_globals(tmp_path, cli):
+    path = tmp_path / "model.pt"
+    torch.save(small_net(), path)
+    line = _expect_error(cli, "inspect", path, "-i", X, match="refusing to unpickle")
+    assert "SmallNet" in line and "--trust-pickle" in line
+    loaded = load(str(path), input_shapes=[X], trust_pickle=True)
+    assert type(loaded.model).__name__ == "SmallNet" and loaded.fmt == "pickle"
+
+
+def test_pt2_program_carries_its_inputs(tmp_path):
+    model, x = small_net(), torch.randn(2, 3, 8, 8)
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model, (x,)), str(path))
+    loaded = load(str(path))
+    assert loaded.fmt == "pt2" and loaded.inputs.args[0].shape == x.shape
+    assert compare(model(x), run(loaded.model, loaded.inputs)).passed
+
+
+def test_hf_folder_loads_offline_with_inputs_from_config(hf_folders):
+    for name, folder in hf_folders.items():
+        loaded = load(str(folder))
+        assert loaded.fmt == "hf" and "input_ids" in loaded.inputs.kwargs, name
+
+
+def test_input_shape_parsing_positional_and_dtype():
+    inputs = parse_input_shapes(small_net(), ["x:1,3,4,4:float16"])
+    assert inputs.args[0].shape == (1, 3, 4, 4) and inputs.args[0].dtype == torch.float16
+
+
+def test_dtype_flag_casts_model_and_inputs():
+    loaded = load("zoo:resnet", dtype="float64")
+    assert next(loaded.model.parameters()).dtype == torch.float64
+    assert loaded.inputs.args[0].dtype == torch.float64
+
+
+# -- saving ------------------------------------------------------------------------------------------------
+
+
+def test_save_is_atomic_and_roundtrips(tmp_path):
+    loaded = load(FACTORY, input_shapes=[X])
+    out = save(loaded, loaded.model, tmp_path / "out.pt")
+    assert out.exists() and [p.name for p in tmp_path.iterdir()] == ["out.pt"]  # no temp file left
+    again = torch.load(out, weights_only=False)
+    assert compare(run(loaded.model, loaded.inputs), run(again, loaded.inputs)).passed
+
+
+def test_save_pt2_by_suffix(tmp_path):
+    loaded = load(FACTORY, input_shapes=[X])
+    out = save(loaded, loaded.model, tmp_path / "out.pt2")
+    assert load(str(out)).fmt == "pt2"
+
+
+def test_save_refuses_to_overwrite_input(tmp_path):
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(small_net(), (torch.randn(2, 3, 8, 8),)), str(path))
+    before = path.read_bytes()
+    loaded = load(str(path))
+    with pytest.raises(NormconvError, match="refusing to overwrite the input"):
+        save(loaded, loaded.model, path)
+    assert path.read_bytes() == before
+    save(loaded, loaded.model, path, in_place=True)  # explicit in-place is allowed
+
+
+def test_failed_save_leaves_nothing(tmp_path):
+    loaded = load(FACTORY)  # no inputs: a .pt2 cannot be exported
+    with pytest.raises(NormconvError, match="--input-shape"):
+        save(loaded, loaded.model, tmp_path / "out.pt2")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- bad inputs: one line, exit 2 --------------------------------------------------------------------------
+
+
+def test_missing_file(cli):
+    _expect_error(cli, "inspect", "no/such/model.pt", match="no such file")
+
+
+def test_file_that_is_not_a_model(cli, tmp_path):
+    path = tmp_path / "notes.pt"
+    path.write_text("hello, I am not a model\n")
+    _expect_error(cli, "inspect", path, match="not a model file")
+
+
+def test_truncated_file(cli, tmp_path):
+    path = tmp_path / "cut.pt"
+    torch.save(small_net().state_dict(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _expect_error(cli, "inspect", path, match="truncated or corrupt")
+
+
+def test_state_dict_without_factory(cli, tmp_path):
+    path = tmp_path / "sd.pt"
+    torch.save(small_net().state_dict(), path)
+    _expect_error(cli, "inspect", path, match="state_dict")
+
+
+def test_wrong_input_shape(cli):
+    _expect_error(cli, "inspect", FACTORY, "-i", "x:2,5,8,8", match="rejected its example inputs")
+
+
+def test_missing_inputs_names_the_flag(cli):
+    line = _expect_error(cli, "inspect", FACTORY, match="--input-shape")
+    assert "forward takes: x" in line
+
+
+def test_bad_input_shape_syntax(cli):
+    _expect_error(cli, "inspect", FACTORY, "-i", "x:2,three", match="dimensions must be integers")
+    _expect_error(cli, "inspect", FACTORY, "-i", "y:2,3,8,8", match="forward takes: x")
+
+
+def test_uncapturable_model(cli):
+    line = _expect_error(cli, "inspect", "tests.fixtures.user_models:data_dependent", "-i", "x:2,4",
+                         match="cannot capture a graph")
+    assert "symbolic_trace failed" in line and "torch.export failed" in line
+
+
+def test_unknown_zoo_model_lists_choices(cli):
+    line = _expect_error(cli, "inspect", "zoo:nope", match="unknown zoo model")
+    assert "resnet" in line
+
+
+def test_factory_that_is_not_a_module(cli):
+    _expect_error(cli, "inspect", "tests.fixtures.user_models:not_a_module", match="not a torch.nn.Module")
+
+
+def test_folder_without_config(cli, tmp_path):
+    _expect_error(cli, "inspect", tmp_path, match="without config.json")
+
+
+def test_real_console_script_exit_codes(tmp_path):
+    """The installed entry point, not just the in-process app: --version, --help, a bad input."""
+    exe = [sys.executable, "-m", "normconv.cli"]
+    assert subprocess.run(exe + ["--version"], capture_output=True, text=True).stdout.startswith("normconv ")
+    bad = subprocess.run(exe + ["inspect", str(tmp_path / "nope.pt")], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: no such file")
+    good = subprocess.run(exe + ["inspect", "zoo:mlp", "--json"], capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["command"] == "inspect"
