@@ -167,6 +167,8 @@ def _load_pickle(path: Path, spec: str, trust_pickle: bool) -> Loaded:
         obj = _torch_load_safely(path, spec)
     except _NeedsTrust:
         globs = _unsafe_globals(path)
+        obj = _load_allowlisted(path, globs)
+    if obj is _REFUSED:
         if not trust_pickle:
             shown = ", ".join(globs[:8]) + (f" and {len(globs) - 8} more" if len(globs) > 8 else "")
             raise NormconvError(
@@ -180,11 +182,39 @@ def _load_pickle(path: Path, spec: str, trust_pickle: bool) -> Loaded:
         except Exception as exc:
             raise NormconvError(f"cannot load {spec}: {_why(exc)}") from None
     if isinstance(obj, nn.Module):
-        return Loaded(obj.eval() if not obj.training else obj, None, spec, "pickle", path)
+        return Loaded(obj, _carried_inputs(obj), spec, "pickle", path)
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise NormconvError(f"{spec} is a state_dict (weights only): pass the model as package.module:factory "
                             f"--weights {spec}")
     raise NormconvError(f"{spec} holds a {type(obj).__name__}, not a torch.nn.Module")
+
+
+# classes whose unpickling runs only torch's or normconv's own code: loaded without --trust-pickle
+_TRUSTED_PREFIXES = ("torch.nn.modules.", "normconv.models.", "normconv.rmsnorm.", "normconv.modules.")
+_REFUSED = object()
+_INPUTS_ATTR = "_normconv_example_inputs"  # example inputs saved inside a pickle normconv wrote
+
+
+def _load_allowlisted(path: Path, globs: list[str]) -> Any:
+    """weights_only load with torch.nn / normconv classes allowlisted; _REFUSED if anything else is needed."""
+    if not globs or not all(g.startswith(_TRUSTED_PREFIXES) for g in globs):
+        return _REFUSED
+    try:
+        classes = []
+        for name in globs:
+            module, _, attr = name.rpartition(".")
+            classes.append(getattr(importlib.import_module(module), attr))
+        with torch.serialization.safe_globals(classes):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        return _REFUSED
+
+
+def _carried_inputs(model: nn.Module) -> Inputs | None:
+    carried = model.__dict__.pop(_INPUTS_ATTR, None)
+    if isinstance(carried, dict) and isinstance(carried.get("args"), (tuple, list)):
+        return Inputs(tuple(carried["args"]), dict(carried.get("kwargs") or {}))
+    return None
 
 
 def _unsafe_globals(path: Path) -> list[str]:
@@ -411,7 +441,7 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
 
             save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
         else:
-            torch.save(model, tmp)
+            _save_pickle(model, tmp, inputs or loaded.inputs)
         os.replace(tmp, path)
     except NormconvError:
         _unlink(tmp)
@@ -420,6 +450,16 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
         _unlink(tmp)
         raise NormconvError(f"cannot write {out}: {_why(exc)}") from None
     return path
+
+
+def _save_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
+    """torch.save(model), carrying the example inputs so the next normconv command needs no --input-shape."""
+    if inputs is not None:
+        model.__dict__[_INPUTS_ATTR] = {"args": tuple(inputs.args), "kwargs": dict(inputs.kwargs)}
+    try:
+        torch.save(model, path)
+    finally:
+        model.__dict__.pop(_INPUTS_ATTR, None)
 
 
 def _unlink(path: str) -> None:

@@ -197,3 +197,24 @@ def test_real_console_script_exit_codes(tmp_path):
     good = subprocess.run(exe + ["inspect", "zoo:mlp", "--json"], capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
     assert json.loads(good.stdout)["command"] == "inspect"
+
+
+def test_torch_nn_only_pickle_loads_without_opt_in(tmp_path):
+    """Only torch.nn / normconv classes inside: the weights-only unpickler with an allowlist, no code runs."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    path = tmp_path / "seq.pt"
+    torch.save(model, path)
+    loaded = load(str(path), input_shapes=["input:1,3,8,8"])
+    assert torch.equal(loaded.model[0].weight, model[0].weight)
+
+
+def test_saved_pickle_carries_example_inputs(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).eval()
+    loaded = load("tests.fixtures.user_models:small_net", input_shapes=[X])
+    loaded.model = model
+    from normconv.verify import Inputs
+
+    out = save(loaded, model, tmp_path / "m.pt", inputs=Inputs((torch.randn(3, 4),)))
+    again = load(str(out))
+    assert again.inputs is not None and again.inputs.args[0].shape == (3, 4)
+    assert not hasattr(model, "_normconv_example_inputs")  # the caller's model is left as it was
