@@ -81,6 +81,16 @@ class Captured:
             paths.append(node.target)
         return paths
 
+    def describe(self, node: fx.Node) -> str:
+        """How a report names a node: the module path of a layer (either dialect), else the node name."""
+        if node.op == "call_module":
+            return node.target
+        owner = self.owner(node)
+        mod = self.modules.get(owner)
+        if owner and mod is not None and not list(mod.children()):
+            return owner  # an exported aten op of a leaf module (conv2d_5 -> layer1.0.conv1)
+        return node.name
+
     def module(self, node: fx.Node) -> nn.Module | None:
         return self.modules.get(self.owner(node))
 
