@@ -1,0 +1,72 @@
+"""`normconv inspect`: tables for people, one JSON object for scripts, a plan per site for every pass."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from normconv.models import ZOO
+
+FACTORY = "tests.fixtures.user_models:small_net_with_inputs"
+PASSES = {"fold", "canonicalize", "swap", "deepnorm", "export"}
+
+
+def _json(cli, *args):
+    code, out, err = cli("inspect", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_json_shape_and_plan(cli):
+    report = _json(cli, FACTORY)
+    assert report["command"] == "inspect" and report["extra"]["capture"] == "symbolic_trace"
+    bn, ln = report["sites"]
+    assert (bn["target"], bn["kind"], bn["source"], bn["placement"]) == ("bn", "batchnorm", "module", "after-conv")
+    assert (ln["target"], ln["kind"], ln["eps"]) == ("ln", "layernorm", 1e-3)
+    assert bn["running_stats"] == {"mean": "bn.running_mean", "var": "bn.running_var"}
+    fold = next(p for p in bn["plan"] if p["pass"] == "fold")
+    assert fold["applied"] and "conv" in fold["reason"]
+    for site in report["sites"]:
+        for p in site["plan"]:
+            assert p["pass"] in PASSES and p["reason"], p  # every plan says why
+
+
+def test_table_output_names_every_site(cli):
+    code, out, _ = cli("inspect", FACTORY)
+    assert code == 0
+    assert "norm sites" in out and "plan" in out
+    assert "fold into conv" in out and "already native (LayerNorm)" in out
+    assert "\x1b[" not in out  # no colour codes when not on a terminal
+
+
+def test_capture_method_can_be_forced(cli):
+    assert _json(cli, FACTORY, "--capture", "torch.export")["extra"]["capture"] == "torch.export"
+    code, _, err = cli("inspect", FACTORY, "--capture", "magic")
+    assert code == 2 and "unknown --capture" in err
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_zoo_model_inspects(cli, name):
+    report = _json(cli, f"zoo:{name}")
+    assert len(report["sites"]) == sum(ZOO[name].norms.values())
+    for site in report["sites"]:
+        assert {"target", "kind", "source", "eps", "placement"} <= set(site)
+        assert any(p["pass"] == "export" for p in site["plan"])
+
+
+def test_post_ln_and_pre_ln_plans_differ(cli):
+    bert = _json(cli, "zoo:bert")
+    gpt = _json(cli, "zoo:gpt")
+
+    def plan(report, pass_name):
+        return {p["applied"] for s in report["sites"] for p in s["plan"] if p["pass"] == pass_name
+                and s["placement"] in ("post-norm", "pre-norm")}
+
+    assert plan(bert, "deepnorm") == {True} and plan(bert, "swap") == {False}
+    assert plan(gpt, "deepnorm") == {False} and plan(gpt, "swap") == {True}
+
+
+def test_zoo_command_lists_models(cli):
+    code, out, _ = cli("zoo", "--json")
+    assert code == 0 and set(json.loads(out)) == set(ZOO)
