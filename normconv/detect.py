@@ -111,7 +111,9 @@ def find_norms(cap: Captured) -> list[NormSite]:
         if site is not None:
             sites.append(site)
     sites = _dedupe(sites)
-    sites = [_with_placement(cap, s, sites) for s in sites]
+    order = cap.order
+    outputs = frozenset(s.node for s in sites)
+    sites = [_with_placement(cap, s, sites, order, outputs) for s in sites]
     counts: dict[str, int] = {}
     for s in sites:
         counts[s.target] = counts.get(s.target, 0) + 1
@@ -465,7 +467,7 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
         target, module_type = owner, type(mod).__name__  # a hand-written norm module
     elif owner and mod is not None:
         module_type = type(mod).__name__
-    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    order = cap.order
     return NormSite(
         target=target, kind=kind, source="handwritten", node=out.name, input=x.name, owner=owner,
         module_type=module_type, dims=ndims, normalized_shape=normalized_shape, num_features=num_features,
@@ -566,10 +568,10 @@ def _ancestor(cap: Captured, a: fx.Node, b: Any, order: dict[str, int]) -> bool:
     return False
 
 
-def _with_placement(cap: Captured, site: NormSite, sites: list[NormSite]) -> NormSite:
-    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+def _with_placement(cap: Captured, site: NormSite, sites: list[NormSite], order: dict[str, int],
+                    norm_outputs: frozenset[str]) -> NormSite:
     x, out = cap.nodes[site.input], cap.nodes[site.node]
-    kind, pnode = producer_of(cap, x, frozenset(s.node for s in sites))
+    kind, pnode = producer_of(cap, x, norm_outputs)
     placement = f"after-{kind}" if kind in ("conv", "conv_transpose", "linear", "embedding", "add", "norm") else \
         ("input" if kind == "input" else "other")
     if site.kind in ("layernorm", "rmsnorm"):

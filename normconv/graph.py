@@ -50,6 +50,7 @@ class Captured:
     def __post_init__(self):
         self.modules: dict[str, nn.Module] = dict(self.model.named_modules())
         self.nodes: dict[str, fx.Node] = {n.name: n for n in self.gm.graph.nodes}
+        self.order: dict[str, int] = {name: i for i, name in enumerate(self.nodes)}  # topological position
         if self.exported is not None:
             for spec in self.exported.graph_signature.input_specs:
                 if spec.target is not None:
