@@ -27,7 +27,15 @@ from .verify import Inputs, compare, run
 
 
 class NormLeafTracer(fx.Tracer):
-    """symbolic_trace that keeps torch's own modules (norms included) as leaves and traces user modules."""
+    """symbolic_trace that keeps torch's own modules (norms included) as leaves and traces user modules.
+
+    Buffers are proxied too (``proxy_buffer_attributes``): otherwise ``sqrt(self.running_var + eps)`` is
+    computed at trace time and frozen into a constant that no longer follows the buffer.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, NATIVE_NORM_TYPES):
