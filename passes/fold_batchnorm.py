@@ -1,70 +1,448 @@
 """Fold BatchNorm into the neighbouring conv / linear for inference (eval mode, running statistics).
 
-  s = gamma / sqrt(var + eps),  t = beta - mean * s
-  backward (conv -> bn):  W' = W * s (per output channel),  b' = (b - mean) * s + beta
-  forward  (bn -> layer): y = W (s x + t) = (W s) x + W t   (Linear; conv only with zero padding)
+  s = gamma / sqrt(var + eps),  t = beta - mean * s            (BN(y) = s * y + t per channel)
+  backward (layer -> bn):  W' = W * s along the output-channel axis,  b' = b * s + t  (= (b - mean) s + beta)
+  forward  (bn -> layer):  y = W (s x + t) + b = (W s) x + (b + W t)   Linear; conv only when nothing pads the
+                           BN output with zeros (zero padding would have to be t)
+  ConvTranspose weight is (in, out/groups, k...): output channel o of group g is W[g*ipg:(g+1)*ipg, o - g*opg].
+All arithmetic in float64, cast back to the weight dtype. BN modules become nn.Identity (the user's class and
+state_dict keys stay); a functional / inline BN is removed from the traced graph (a GraphModule comes back).
+A BN with no foldable neighbour is left as it is: its eval kernel is one fused per-channel pass already
+(measured against a scale-and-shift in benchmarks/results/fold.md).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+from dataclasses import dataclass
+from typing import Any, Sequence
 
+import torch
 import torch.fx as fx
+import torch.nn as nn
+from torch.nn.utils import parametrize
 
-from normconv.detect import NormSite, producer_of
+from normconv.detect import NormSite, find_norms, producer_of
+from normconv.errors import NormconvError
 from normconv.graph import Captured
-from normconv.report import Site
+from normconv.io import Loaded
+from normconv.match import arg, batch_norm_args
+from normconv.report import PassResult, Report, Site
+from normconv.verify import Inputs
 
 from .base import apply, skip
 
 NAME = "fold"
 
+# layer classes a BN can fold into, with the forward that must be theirs (a subclass overriding it is user code)
+_LAYERS: tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                             nn.ConvTranspose3d, nn.Linear)
+_LAYER_OPS = ("conv", "conv_transpose", "linear")
+# values that pass through unchanged in eval mode (casts are not: they change the dtype the BN sees)
+_PASS_THROUGH_OPS = ("identity", "dropout")
 
-def _single_consumer(cap: Captured, node: fx.Node) -> fx.Node | None:
-    users = cap.users(node)
-    return users[0] if len(users) == 1 else None
+
+@dataclass(frozen=True)
+class Decision:
+    """What the pass does at one BN site: fold it backward / forward into ``layer``, or skip it and why."""
+
+    site: NormSite
+    applied: bool
+    reason: str
+    direction: str | None = None  # "backward" | "forward"
+    layer: str | None = None  # module path of the conv / linear that absorbs the BN
+
+    def to_site(self) -> Site:
+        return (apply if self.applied else skip)(NAME, self.site, self.reason)
+
+
+class _Skip(Exception):
+    """A guard failed; the message is the reason reported for the site."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# analysis: one function decides, plan() shows it, the pass applies it
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     """What folding would do at each batchnorm site, or why it cannot."""
-    return [_plan_one(cap, s) for s in norms if s.kind == "batchnorm"]
+    return [d.to_site() for d in analyze(cap, norms)]
 
 
-def _plan_one(cap: Captured, site: NormSite) -> Site:
-    mod = cap.modules.get(site.target) if site.source != "functional" else None
-    # no running statistics  =>  nothing to fold
+def analyze(cap: Captured, norms: Sequence[NormSite]) -> list[Decision]:
+    ctx = _Context(cap)
+    return [_decide(ctx, s) for s in norms if s.kind == "batchnorm"]
+
+
+class _Context:
+    """Per-capture facts the guards need, computed once (graph size linear)."""
+
+    def __init__(self, cap: Captured):
+        self.cap = cap
+        self.layer_calls: dict[str, int] = {}
+        for n in cap.gm.graph.nodes:
+            if cap.op(n) in _LAYER_OPS:
+                path = _layer_path(cap, n)
+                if path is not None:
+                    self.layer_calls[path] = self.layer_calls.get(path, 0) + 1
+        # parameter object -> module paths holding it (tied weights cannot carry a fold for one module)
+        self.holders: dict[int, list[str]] = {}
+        for path, mod in cap.model.named_modules(remove_duplicate=False):
+            for pname in ("weight", "bias"):
+                p = mod._parameters.get(pname) if hasattr(mod, "_parameters") else None
+                if p is not None:
+                    self.holders.setdefault(id(p), []).append(path)
+
+
+def _decide(ctx: _Context, site: NormSite) -> Decision:
+    try:
+        s, _ = _removable(ctx, site)
+    except _Skip as why:
+        return Decision(site, False, str(why))
+    reasons = []
+    for direction, finder in (("backward", _backward_layer), ("forward", _forward_layer)):
+        try:
+            path = finder(ctx, site, len(s))
+            return Decision(site, True, f"fold into {path} ({direction})", direction, path)
+        except _Skip as why:
+            reasons.append(f"{direction}: {why}")
+    # no foldable neighbour  =>  BN stays: its eval kernel is one per-channel pass already (measured)
+    return Decision(site, False, f"no foldable neighbour ({'; '.join(reasons)}); left as is")
+
+
+def _removable(ctx: _Context, site: NormSite) -> tuple[torch.Tensor, torch.Tensor]:
+    """Guards on the BN itself; returns its per-channel (s, t) in float64."""
+    cap = ctx.cap
+    mod = cap.modules.get(site.target) if site.source == "module" else None
+    # no running statistics  =>  BN normalizes with batch statistics, nothing to fold
     if site.running_mean is None or site.running_var is None:
-        return skip(NAME, site, "no running statistics (track_running_stats=False): it normalizes with batch statistics")
+        raise _Skip("no running statistics (track_running_stats=False): it normalizes with batch statistics")
     # training mode  =>  BN uses batch statistics, folding would change the model
     if mod is not None and mod.training:
-        return skip(NAME, site, "module is in training mode: call .eval() first (or pass --eval)")
-    kind, prod = producer_of(cap, cap.nodes[site.input])
-    if kind in ("conv", "conv_transpose", "linear"):
-        prod_mod = cap.modules.get(prod.target) if prod.op == "call_module" else None
-        # conv output used elsewhere  =>  folding would change the other user
-        if len(cap.users(prod)) > 1:
-            return skip(NAME, site, f"{_name(prod)} output is also used elsewhere")
-        # same module called at several places  =>  one weight cannot carry two folds
-        if prod_mod is not None and cap.module_calls.get(prod.target, 0) > 1:
-            return skip(NAME, site, f"{prod.target} is called at {cap.module_calls[prod.target]} places")
-        # Linear on (N, L, C) + BatchNorm1d normalizes dim 1, not the linear's output features
-        shape = cap.shape(cap.nodes[site.input])
-        if kind == "linear" and shape is not None and len(shape) != 2:
-            return skip(NAME, site, f"BatchNorm normalizes dim 1 of a {len(shape)}-d output, but "
-                                    f"{_name(prod)} writes features on the last dim")
-        return apply(NAME, site, f"fold into {_name(prod)} (backward)")
-    consumer = _single_consumer(cap, cap.nodes[site.node])
-    ckind = cap.op(consumer) if consumer is not None else None
-    if consumer is not None and consumer.op == "call_module" and ckind in ("linear", "conv"):
-        cmod = cap.modules[consumer.target]
-        padding = getattr(cmod, "padding", 0)
-        # bn -> conv with padding  =>  zeros padded after BN are not t
-        if ckind == "conv" and (padding == "same" or any(p != 0 for p in (padding if isinstance(padding, tuple) else (padding,)))):
-            return skip(NAME, site, f"forward fold into {consumer.target} needs zero padding (it has padding={padding})")
-        return apply(NAME, site, f"fold into {consumer.target} (forward)")
-    between = f"{kind} between the producer and the BN" if kind not in ("input", "other") else f"input comes from {kind}"
-    return skip(NAME, site, f"no foldable neighbour ({between}): a per-channel scale and shift at best")
+        raise _Skip("module is in training mode: call .eval() first (or pass --eval)")
+    if site.source == "functional" and batch_norm_args(cap.nodes[site.node])["training"] is not False:
+        raise _Skip("F.batch_norm with training=True normalizes with batch statistics")
+    # one BN module at several call sites  =>  removing it would remove every call
+    if site.calls > 1 or (mod is not None and cap.module_calls.get(site.target, 1) > 1):
+        raise _Skip(f"{site.target} is called at {max(site.calls, cap.module_calls.get(site.target, 1))} places")
+    as_module = site.source == "module" or (site.source == "handwritten" and site.target == site.owner)
+    if not as_module:
+        # a BN that is not a module can only leave a graph that we can hand back (a traced GraphModule)
+        if cap.method != "symbolic_trace":
+            raise _Skip(f"{site.source} batch_norm in a graph captured by {cap.method}: only a symbolically "
+                        f"traceable model can have it removed")
+        if not site.self_contained:
+            raise _Skip("an intermediate value of the BN is used outside it")
+    if as_module and not site.target:
+        raise _Skip("the model itself is the BatchNorm: nothing to fold it into")
+    x = cap.nodes[site.input]
+    shape = cap.shape(x)
+    channels = site.num_features or (shape[1] if shape and len(shape) > 1 else None)
+    if shape is None or len(shape) < 2 or channels is None or shape[1] != channels:
+        raise _Skip(f"input shape {shape} has no channel dim 1 of size {channels}")
+    return _affine(cap, site, mod, channels, len(shape))
 
 
-def _name(node: fx.Node) -> str:
-    return node.target if node.op == "call_module" else node.name
+def _affine(cap: Captured, site: NormSite, mod: nn.Module | None, channels: int,
+            rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BN(y) = s * y + t per channel, in float64."""
+    if mod is not None:
+        tensors = [mod.running_mean, mod.running_var, mod.weight, mod.bias]
+        eps = float(mod.eps)
+    else:
+        tensors = [cap.tensor(n) if n else None for n in (site.running_mean, site.running_var, site.weight, site.bias)]
+        eps = float(site.eps or 0.0)
+        for name, ten in zip((site.running_mean, site.running_var), tensors[:2]):
+            if ten is None:
+                raise _Skip(f"running statistic {name} is not a tensor of the model")
+    # native / functional BN reads (C,) vectors on dim 1; a hand-written one broadcasts its own shapes
+    rank = rank if site.source == "handwritten" else 2
+    vecs = [_channel_vector(v, channels, rank, name) for v, name in zip(tensors, ("mean", "var", "weight", "bias"))]
+    mean, var, gamma, beta = vecs
+    gamma = (torch.ones(channels, dtype=torch.float64) if gamma is None else gamma) + site.weight_offset
+    beta = torch.zeros(channels, dtype=torch.float64) if beta is None else beta
+    s = gamma / torch.sqrt(var + eps)
+    return s, beta - mean * s
+
+
+def _channel_vector(v: torch.Tensor | None, channels: int, rank: int, name: str) -> torch.Tensor | None:
+    """A parameter broadcast against a rank-``rank`` input as a (channels,) float64 vector, if it is per dim 1."""
+    if v is None:
+        return None
+    v = v.detach().to("cpu", torch.float64)
+    if v.numel() == 1:
+        return v.reshape(1).expand(channels).clone()
+    dims = [i for i, d in enumerate(v.shape) if d != 1]
+    # the one non-broadcast dim must line up with dim 1 of the input
+    if len(dims) != 1 or v.shape[dims[0]] != channels or rank - v.dim() + dims[0] != 1:
+        raise _Skip(f"BN {name} of shape {tuple(v.shape)} does not scale dim 1 of a {rank}-d input")
+    return v.reshape(channels)
+
+
+# -- neighbours ---------------------------------------------------------------------------------------------
+
+
+def _layer_path(cap: Captured, node: fx.Node) -> str | None:
+    """Module path of the native conv / linear module that computes ``node`` (either graph dialect)."""
+    if node.op == "call_module":
+        path = node.target
+    else:
+        path = cap.owner(node)
+        weight = arg(node, 1, "weight")
+        if not path or cap.param_name(weight) != f"{path}.weight":
+            return None  # a functional conv / linear on some tensor, not a module's forward
+    mod = cap.modules.get(path)
+    if not isinstance(mod, _LAYERS):
+        return None
+    if type(mod).forward is not next(c for c in _LAYERS if isinstance(mod, c)).forward:
+        return None  # a subclass with its own forward
+    return path
+
+
+def _is_pass_through(cap: Captured, node: fx.Node) -> bool:
+    op = cap.op(node)
+    if op not in _PASS_THROUGH_OPS:
+        return False
+    if op == "dropout" and node.op == "call_function":
+        return arg(node, 2, "training", True) is False
+    return True
+
+
+def _check_layer(ctx: _Context, node: fx.Node, path: str | None, what: str) -> tuple[str, nn.Module]:
+    cap = ctx.cap
+    kind = cap.op(node)
+    # a functional conv / linear  =>  no module owns the weight we would change
+    if path is None:
+        raise _Skip(f"{what} is a functional {kind} or a custom layer class, not a torch conv / linear module")
+    mod = cap.modules[path]
+    # the same layer called at several places  =>  one weight cannot carry two folds
+    if ctx.layer_calls.get(path, 1) > 1:
+        raise _Skip(f"{path} is called at {ctx.layer_calls[path]} places")
+    # tied weights  =>  folding would change the other module too
+    others = [p for p in ctx.holders.get(id(mod.weight), [path]) if p != path]
+    if others:
+        raise _Skip(f"{path} shares its weight with {others[0]}")
+    if parametrize.is_parametrized(mod):
+        raise _Skip(f"{path} has a parametrized weight")
+    if not mod.weight.is_floating_point():
+        raise _Skip(f"{path} has a {mod.weight.dtype} weight")
+    return path, mod
+
+
+def _backward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
+    """The conv / linear whose output channels the BN normalizes, if folding into it is exact."""
+    cap = ctx.cap
+    node = cap.nodes[site.input]
+    chain = []
+    while _is_pass_through(cap, node) and isinstance(node.args[0], fx.Node):
+        chain.append(node)
+        node = node.args[0]
+    kind = cap.op(node)
+    if kind not in _LAYER_OPS:
+        what, prev = producer_of(cap, node)
+        before = prev.args[0] if isinstance(prev, fx.Node) and prev.args else None
+        # conv -> activation -> bn  =>  the activation does not commute with the scale
+        if isinstance(before, fx.Node) and cap.op(before) in _LAYER_OPS and what not in ("cat", "add", "matmul"):
+            raise _Skip(f"{what} sits between {cap.describe(before)} and the BN")
+        raise _Skip(f"input comes from {what}, not a conv or linear")
+    path, mod = _check_layer(ctx, node, _layer_path(cap, node), cap.describe(node))
+    # conv output used elsewhere  =>  folding would change the other user
+    for n in [node, *chain]:
+        if len(cap.users(n)) > 1:
+            raise _Skip(f"{path} output is also used elsewhere")
+    rank = len(cap.shape(cap.nodes[site.input]) or ())
+    # BN normalizes dim 1; Linear writes features on the last dim  =>  only (N, C) matches
+    if isinstance(mod, nn.Linear) and rank != 2:
+        raise _Skip(f"BN normalizes dim 1 of a {rank}-d output, but {path} writes features on the last dim")
+    if not isinstance(mod, nn.Linear) and rank != mod.weight.dim():
+        raise _Skip(f"{path} output is {rank}-d (unbatched?): dim 1 is not its channel dim")
+    out = mod.out_features if isinstance(mod, nn.Linear) else mod.out_channels
+    if out != channels:
+        raise _Skip(f"BN has {channels} channels, {path} writes {out}")
+    return path
+
+
+def _forward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
+    """The conv / linear that reads the BN's output channels, if folding into it is exact."""
+    cap = ctx.cap
+    node = cap.nodes[site.node]
+    while True:
+        users = cap.users(node)
+        if len(users) != 1:
+            raise _Skip(f"output feeds {len(users)} users" if users else "output is unused")
+        nxt = users[0]
+        if not _is_pass_through(cap, nxt):
+            break
+        node = nxt
+    kind = cap.op(nxt)
+    if kind not in ("conv", "linear"):
+        what = producer_of(cap, nxt)[0] if kind != "conv_transpose" else "conv_transpose"
+        if kind == "conv_transpose":
+            raise _Skip(f"{cap.describe(nxt)} is a transposed conv: its edge outputs see fewer inputs, not exact")
+        raise _Skip(f"output feeds {what}, not a conv or linear")
+    if (nxt.args[0] if nxt.args else nxt.kwargs.get("input")) is not node:
+        raise _Skip(f"output is not the input of {cap.describe(nxt)}")
+    path, mod = _check_layer(ctx, nxt, _layer_path(cap, nxt), cap.describe(nxt))
+    rank = len(cap.shape(cap.nodes[site.node]) or ())
+    if isinstance(mod, nn.Linear):
+        # BN scales dim 1; Linear mixes the last dim  =>  only (N, C) matches
+        if rank != 2:
+            raise _Skip(f"BN scales dim 1 of a {rank}-d tensor, but {path} reads the last dim")
+        return path
+    if rank != mod.weight.dim():
+        raise _Skip(f"{path} input is {rank}-d (unbatched?): dim 1 is not its channel dim")
+    # bn -> conv with zero padding  =>  the padded zeros would have to be t (reflect / replicate / circular copy s x + t)
+    if mod.padding_mode == "zeros" and any(p != 0 for p in mod._reversed_padding_repeated_twice):
+        raise _Skip(f"forward fold into {path} needs padding=0 (it pads the BN output with zeros, "
+                    f"padding={mod.padding})")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rewrite
+
+
+def fold_backward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> None:
+    """layer -> (s y + t)  =>  layer' (W scaled per output channel, b' = b s + t); in place, float64 math."""
+    w = layer.weight.detach().to(torch.float64)
+    ones = [1] * (w.dim() - 2)
+    # conv / linear -> bn  =>  W'[o] = W[o] s[o]
+    if isinstance(layer, nn.modules.conv._ConvTransposeNd):
+        # conv_transpose -> bn  =>  W viewed (groups, in/groups, out/groups, k...) scaled on dim 2
+        g = layer.groups
+        w = (w.reshape(g, w.shape[0] // g, w.shape[1], *w.shape[2:])
+             * s.reshape(g, 1, w.shape[1], *ones)).reshape(w.shape)
+    else:
+        w = w * s.reshape(-1, *([1] * (w.dim() - 1)))
+    b = layer.bias.detach().to(torch.float64) if layer.bias is not None else torch.zeros_like(s)
+    _store(layer, w, b * s + t)
+
+
+def fold_forward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> None:
+    """(s x + t) -> layer  =>  layer' (W scaled per input channel, b' = b + W t); in place, float64 math."""
+    w = layer.weight.detach().to(torch.float64)
+    b = layer.bias.detach().to(torch.float64) if layer.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype)
+    if isinstance(layer, nn.Linear):
+        # bn -> linear  =>  W' = W diag(s),  b' = b + W t
+        _store(layer, w * s.reshape(1, -1), b + w @ t)
+        return
+    # bn -> conv (no zero padding)  =>  input channel of W[o, j] is (o // (out/groups)) * (in/groups) + j
+    g, out, ipg = layer.groups, w.shape[0], w.shape[1]
+    sg = s.reshape(g, ipg).repeat_interleave(out // g, dim=0)  # (out, in/groups)
+    tg = t.reshape(g, ipg).repeat_interleave(out // g, dim=0)
+    delta = (w.reshape(out, ipg, -1).sum(-1) * tg).sum(1)
+    _store(layer, w * sg.reshape(out, ipg, *([1] * (w.dim() - 2))), b + delta)
+
+
+def _store(layer: nn.Module, w: torch.Tensor, b: torch.Tensor) -> None:
+    """Write float64 results back in the layer's dtype; a layer without bias gets a bias Parameter."""
+    with torch.no_grad():
+        layer.weight.copy_(w.to(layer.weight.dtype))
+        if layer.bias is None:
+            layer.bias = nn.Parameter(b.to(layer.weight.dtype).to(layer.weight.device),
+                                      requires_grad=layer.weight.requires_grad)
+        else:
+            layer.bias.copy_(b.to(layer.bias.dtype))
+
+
+def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, new)
+
+
+class FoldBatchNorm:
+    """The fold pass: apply what ``analyze`` decided, remove folded BNs, hand back the model."""
+
+    name = NAME
+    exact = True
+
+    def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+        return plan(cap, norms)
+
+    def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
+        decisions = analyze(cap, find_norms(cap))
+        done = [d for d in decisions if d.applied]
+        for d in done:
+            s, t = _affine(cap, d.site, cap.modules.get(d.site.target) if d.site.source == "module" else None,
+                           *_channels_rank(cap, d.site))
+            layer = cap.modules[d.layer]
+            (fold_backward if d.direction == "backward" else fold_forward)(layer, s, t)
+        as_graph = any(d.site.source == "functional" or d.site.target != d.site.owner and d.site.source != "module"
+                       for d in done)
+        if as_graph:
+            model = _remove_from_graph(cap, done)
+        else:
+            for d in done:
+                _set_submodule(model, d.site.target, nn.Identity())  # bn  =>  identity (keys of the rest unchanged)
+        return PassResult(model, bool(done), tuple(d.to_site() for d in decisions))
+
+
+def _channels_rank(cap: Captured, site: NormSite) -> tuple[int, int]:
+    shape = cap.shape(cap.nodes[site.input])
+    return site.num_features or shape[1], len(shape)
+
+
+def _remove_from_graph(cap: Captured, done: list[Decision]) -> fx.GraphModule:
+    """Functional / inline BN: route each folded BN's input to its users, drop the dead nodes (traced graph)."""
+    gm = cap.gm
+    before = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for d in done:
+        cap.nodes[d.site.node].replace_all_uses_with(cap.nodes[d.site.input])  # bn(y)  =>  y
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in before - used:  # the folded BNs' statistics and affine no longer belong to the model
+        parent, _, name = target.rpartition(".")
+        owner = gm.get_submodule(parent) if parent else gm
+        if name in owner._parameters or name in owner._buffers:
+            delattr(owner, name)
+    gm.recompile()
+    return gm
+
+
+FOLD = FoldBatchNorm()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Python API
+
+
+def check_eval(model: nn.Module, spec: str, eval_mode: bool) -> None:
+    """A model in training mode is an error unless the caller asked for eval mode (``--eval``)."""
+    training = [p for p, m in model.named_modules() if m.training]
+    if training and not eval_mode:
+        where = "the model" if training[0] == "" else training[0]
+        raise NormconvError(f"{spec} is in training mode ({where}): BatchNorm uses batch statistics there, so "
+                            f"folding would change it; call .eval() first or pass --eval")
+
+
+def fold_loaded(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, rtol: float | None = None,
+                output: str | None = None, in_place: bool = False, method: str = "auto") -> tuple[Report, nn.Module]:
+    """Fold a loaded model (what ``normconv fold`` runs): verify, then write ``output`` if it passed."""
+    from normconv.pipeline import rewrite
+
+    check_eval(loaded.model, loaded.spec, eval_mode)
+    if eval_mode:
+        loaded.model.eval()
+    return rewrite(loaded, [FOLD], command=NAME, exact=True, atol=atol, rtol=rtol, output=output,
+                   in_place=in_place, method=method)
+
+
+def fold(model: nn.Module, inputs: Inputs | tuple | Any, atol: float | None = None, rtol: float | None = None,
+         *, eval_mode: bool = False, method: str = "auto") -> tuple[nn.Module, Report]:
+    """Fold every BatchNorm of ``model`` that folds exactly; returns (folded copy, report).
+
+    ``inputs``: an ``Inputs``, a tuple of positional args, or one tensor. Raises VerificationError when the
+    folded model misses the tolerance, NormconvError when the model is in training mode (unless eval_mode).
+    """
+    if not isinstance(inputs, Inputs):
+        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
+    if eval_mode:
+        model = copy.deepcopy(model).eval()
+    loaded = Loaded(model, inputs, type(model).__name__, "module")
+    report, folded = fold_loaded(loaded, atol=atol, rtol=rtol, method=method)
+    return folded, report
+
+
+__all__ = ["NAME", "FOLD", "FoldBatchNorm", "Decision", "analyze", "plan", "fold", "fold_loaded",
+           "fold_backward", "fold_forward", "check_eval"]
