@@ -35,11 +35,15 @@ def _kinds(sites):
 def test_zoo_sites_match_declared(name):
     z = ZOO[name]
     inputs = Inputs(tuple(z.example_inputs()))
-    cap, sites = _sites(z.build(), inputs)
+    model = z.build()
+    cap, sites = _sites(model, inputs)
     assert _kinds(sites) == dict(z.norms), [(s.target, s.kind, s.source) for s in sites]
     assert sum(s.source == "handwritten" for s in sites) == z.handwritten
+    modules = dict(model.named_modules())
     for s in sites:
         assert s.eps is not None and 0 < s.eps < 1e-1, (s.target, s.eps)
+        if s.source == "module":  # a native module's eps is read from the module itself
+            assert s.eps == pytest.approx(modules[s.target].eps), s.target
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -51,16 +55,6 @@ def test_zoo_both_capture_methods_agree(name):
     _, exported = _sites(model, inputs, "torch.export")
     key = lambda s: (s.kind, s.source, round(s.eps, 12), s.weight, s.bias, s.placement)  # noqa: E731
     assert sorted(map(key, traced)) == sorted(map(key, exported))
-
-
-def test_native_module_eps_is_the_modules():
-    for name, z in ZOO.items():
-        model = z.build()
-        _, sites = _sites(model, Inputs(tuple(z.example_inputs())))
-        modules = dict(model.named_modules())
-        for s in sites:
-            if s.source == "module" and getattr(modules[s.target], "eps", None) is not None:
-                assert s.eps == pytest.approx(modules[s.target].eps), (name, s.target)
 
 
 # -- tiny Hugging Face models (torch.export) -----------------------------------------------------------------
