@@ -409,7 +409,9 @@ def output_format(loaded: Loaded, out: Path) -> str:
         return "safetensors"
     if out.suffix == ".onnx":
         raise NormconvError(f"{out} is an ONNX path: use normconv export to write ONNX")
-    return "pickle"
+    if out.suffix in (".pt", ".pth", ".bin", ".pkl"):
+        return "pickle"
+    return "pt2" if loaded.fmt == "pt2" else "pickle"  # no telling suffix: the input's own format
 
 
 def check_output_path(loaded: Loaded, out: str | os.PathLike, in_place: bool = False) -> Path:

@@ -181,3 +181,23 @@ def test_subclass_with_own_forward_is_not_native():
 def test_rmsnorm_default_eps_is_dtype_epsilon():
     _, sites = _sites(nn.Sequential(nn.RMSNorm(8)).eval(), Inputs((torch.randn(2, 8),)))
     assert sites[0].eps == torch.finfo(torch.float32).eps
+
+
+def test_every_native_module_kind():
+    class AllKinds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sync = nn.SyncBatchNorm(3, eps=1e-3)
+            self.in1 = nn.InstanceNorm1d(3, affine=True, eps=1e-4)
+            self.bn3 = nn.BatchNorm3d(3, eps=2e-5)
+            self.in3 = nn.InstanceNorm3d(3, eps=3e-5)
+            self.gn = nn.GroupNorm(1, 3, eps=4e-5)
+
+        def forward(self, x, v):
+            return self.in1(self.sync(x)), self.gn(self.in3(self.bn3(v)))
+
+    _, sites = _sites(AllKinds().eval(), Inputs((torch.randn(2, 3, 5), torch.randn(2, 3, 2, 3, 3))))
+    got = [(s.target, s.kind, s.module_type, s.eps) for s in sites]
+    assert got == [("sync", "batchnorm", "SyncBatchNorm", 1e-3), ("in1", "instancenorm", "InstanceNorm1d", 1e-4),
+                   ("bn3", "batchnorm", "BatchNorm3d", 2e-5), ("in3", "instancenorm", "InstanceNorm3d", 3e-5),
+                   ("gn", "groupnorm", "GroupNorm", 4e-5)]
