@@ -1,36 +1,724 @@
 """Swap LayerNorm <-> RMSNorm, exactly where the residual stream allows it.
 
   LN(x) = LN(x - mean(x));  if every writer of the stream is zero-mean, mean(x) = 0 and
-  LN(x) = RMSNorm(x) * gamma + beta   (same eps; beta folds into the consuming linears or stays a bias)
+  LN_{g,b,eps}(x) = RMSNorm_{g,eps}(x) + b      (same eps; b folds into the consuming linears: c <- c + W b)
 Pre-LN: center embeddings (row means) and each sublayer's output projection (W <- W - mean_rows W, b <- b - mean b).
+  The stream is the sum tree of residual adds read by the norms; its leaves are the writers. Centering a writer
+  changes every reader of the stream, so each stream value may be read only by the adds of the tree and by the
+  (mean-invariant) LayerNorms being swapped.
 Post-LN: the stream is re-normalized with a bias after every sublayer, so it is not zero-mean: approximate only.
+RMSNorm -> LayerNorm: RMSNorm_{g,eps}(x) = LN_{g,0,eps}(x) when mean(x) = 0, i.e. when every writer is already
+  zero-mean (a model this pass produced); otherwise approximate only.
+Approximate (opt-in): a site that cannot be made exact is replaced as is (RMSNorm(g), b folded where possible);
+  the output drift is measured and reported.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
 
 from normconv.detect import NormSite
 from normconv.graph import Captured
-from normconv.report import Site
-
-from .base import apply, skip
+from normconv.match import TRANSPARENT
+from normconv.report import PassResult, Site
 
 NAME = "swap"
 
+# --to -> the norm kind it replaces
+SOURCE_KIND = {"rmsnorm": "layernorm", "layernorm": "rmsnorm"}
+
+# ops that forward their first input unchanged along the last dim (when the last dim size is kept)
+_VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "contiguous", "alias", "clone"})
+
+# a writer counts as zero-mean when |mean over the hidden dim| <= this * max |weight|
+_ZERO_MEAN_RTOL = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the analysis finds
+
+
+@dataclass(frozen=True)
+class Writer:
+    """A leaf of the stream's sum tree: an embedding lookup or a linear layer writing hidden-size rows."""
+
+    node: str
+    kind: str  # embedding | linear
+    weight: str  # state_dict name the node reads
+    bias: str | None
+    layout: str  # rows: (V, D) embedding | out_in: (D, in) nn.Linear | in_out: (in, D) addmm / HF Conv1D
+    module: str  # owner module path
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """A linear that reads a norm's output and can absorb its bias b (c <- c + W b)."""
+
+    node: str
+    weight: str
+    bias: str | None  # None: a bias parameter is added to ``module``
+    layout: str
+    module: str
+
+
+@dataclass
+class SitePlan:
+    site: NormSite
+    module: str | None  # the norm module to replace (None: written inline, not swappable)
+    exact: bool
+    reason: str
+    stream: int | None = None  # index into Analysis.streams
+    consumers: list[Consumer] = field(default_factory=list)  # where b goes (to rmsnorm, b != 0)
+    beta_problem: str | None = None
+
+
+@dataclass
+class Stream:
+    sites: list[int]
+    values: set[str]
+    writers: dict[str, Writer]
+    problem: str | None = None
+    unties: list[str] = field(default_factory=list)  # embedding modules whose tied weight is cloned first
+
+
+@dataclass
+class Analysis:
+    to: str
+    plans: list[SitePlan]
+    streams: list[Stream]
+
+    def sites(self, approximate: bool = False) -> list[Site]:
+        out = []
+        for p in self.plans:
+            if p.exact:
+                out.append(Site(NAME, p.site.target, True, p.reason))
+            elif approximate and p.module is not None:
+                out.append(Site(NAME, p.site.target, True, f"approximate ({p.reason})"))
+            else:
+                out.append(Site(NAME, p.site.target, False, p.reason))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# graph helpers
+
+
+def _fn_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        t = getattr(node.target, "overloadpacket", node.target)
+        return getattr(t, "__name__", str(t))
+    return ""
+
+
+def _passes_through(cap: Captured, node: fx.Node) -> bool:
+    """cast / dropout / identity, or a view that keeps the last (hidden) dim."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if cap.op(node) in TRANSPARENT:
+        return True
+    if _fn_name(node) in _VIEWS:
+        a, b = cap.shape(node.args[0]), cap.shape(node)
+        return bool(a) and bool(b) and a[-1] == b[-1]
+    return False
+
+
+def _source(cap: Captured, v: Any) -> tuple[Any, list[fx.Node]]:
+    """Walk back through pass-through ops: (the node computing the value, the pass-through nodes on the way)."""
+    path = []
+    while isinstance(v, fx.Node) and _passes_through(cap, v):
+        path.append(v)
+        v = v.args[0]
+    return v, path
+
+
+def _param_readers(cap: Captured) -> dict[int, list[str]]:
+    """id(tensor) -> the nodes that read it, ties included (torch.export names a tied tensor by one name)."""
+    readers: dict[int, list[str]] = {}
+    for n in cap.gm.graph.nodes:
+        if n.op == "call_module":
+            for _, p in cap.modules[n.target].named_parameters(remove_duplicate=False):
+                readers.setdefault(id(p), []).append(n.name)
+            continue
+        name = cap.param_name(n)
+        t = cap.tensor(name) if name is not None else None
+        if t is not None:
+            readers.setdefault(id(t), []).extend(u.name for u in cap.users(n))
+    return readers
+
+
+def _own_name(cap: Captured, module: str, name: str | None) -> str | None:
+    """The name ``module`` holds a tensor by directly (``lm_head.weight``), else the name the graph used."""
+    t = cap.tensor(name) if name else None
+    mod = cap.modules.get(module)
+    if t is None or mod is None:
+        return name
+    for attr, p in mod._parameters.items():
+        if p is t:
+            return f"{module}.{attr}" if module else attr
+    return name
+
+
+def _owns(cap: Captured, node: str, t: torch.Tensor) -> str | None:
+    """The module computing ``node`` if it holds ``t`` as its own parameter (reads it by its own attribute)."""
+    n = cap.nodes[node]
+    path = n.target if n.op == "call_module" else cap.owner(n)
+    mod = cap.modules.get(path)
+    return path if mod is not None and any(p is t for p in mod._parameters.values()) else None
+
+
+def _linear_of(cap: Captured, node: fx.Node) -> tuple[Any, str | None, str | None, str, str] | None:
+    """(input, weight name, bias name, layout, module) of a linear node, or None."""
+    if node.op == "call_module":
+        mod = cap.modules.get(node.target)
+        if isinstance(mod, nn.Linear) and node.args:
+            bias = f"{node.target}.bias" if mod.bias is not None else None
+            return node.args[0], f"{node.target}.weight", bias, "out_in", node.target
+        return None
+    name = _fn_name(node)
+    if name == "addmm":  # HF Conv1D: addmm(bias, x, W) with W (in, out)
+        if any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or len(node.args) < 3:
+            return None
+        return node.args[1], cap.param_name(node.args[2]), cap.param_name(node.args[0]), "in_out", cap.owner(node)
+    if name == "linear":
+        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        x = node.args[0] if node.args else node.kwargs.get("input")
+        if b is not None and cap.param_name(b) is None:
+            return None
+        return x, cap.param_name(w), cap.param_name(b), "out_in", cap.owner(node)
+    return None
+
+
+def _writer(cap: Captured, leaf: Any) -> Writer | str:
+    """The writer at a leaf of the stream's sum tree, or why it cannot be made zero-mean."""
+    if not isinstance(leaf, fx.Node):
+        return f"a constant ({leaf!r}) is added to the stream"
+    if cap.is_input(leaf):
+        return f"the stream starts at the model input {leaf.name!r}, which cannot be centered"
+    op = cap.op(leaf)
+    if op == "embedding":
+        if leaf.op == "call_module":
+            return Writer(leaf.name, "embedding", f"{leaf.target}.weight", None, "rows", leaf.target)
+        w = leaf.args[0] if _fn_name(leaf) == "embedding" and leaf.op == "call_function" and \
+            getattr(leaf.target, "overloadpacket", None) is not None else (leaf.args[1] if len(leaf.args) > 1 else None)
+        name = cap.param_name(w)
+        if name is not None:
+            return Writer(leaf.name, "embedding", _own_name(cap, cap.owner(leaf), name), None, "rows", cap.owner(leaf))
+    lin = _linear_of(cap, leaf) if op == "linear" else None
+    if lin is not None and lin[1] is not None:
+        return Writer(leaf.name, "linear", _own_name(cap, lin[4], lin[1]), _own_name(cap, lin[4], lin[2]), lin[3],
+                      lin[4])
+    what = op or _fn_name(leaf) or leaf.op
+    return f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding"
+
+
+def _norm_module(cap: Captured, site: NormSite) -> str | None:
+    """Path of the norm module computing the site (module sites; our own RMSNorm traced as F.rms_norm)."""
+    if site.source == "module":
+        return site.target
+    mod = cap.modules.get(site.owner)
+    if site.source == "functional" and site.owner and isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) \
+            and not list(mod.children()):
+        return site.owner
+    return None
+
+
+def _hidden(site: NormSite) -> int | None:
+    shape = site.normalized_shape
+    return shape[0] if shape is not None and len(shape) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# analysis (what plan shows and what the pass applies)
+
+
+def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm") -> Analysis:
+    if to not in SOURCE_KIND:
+        raise ValueError(f"unknown target norm {to!r}")
+    kind = SOURCE_KIND[to]
+    sites = [s for s in norms if s.kind == kind]
+    readers = _param_readers(cap)
+    plans = [SitePlan(s, _norm_module(cap, s), False, "") for s in sites]
+    walks = [_walk(cap, s) for s in sites]
+    streams = _streams(cap, sites, walks, readers, to)
+    for i, p in enumerate(plans):
+        p.stream = next((k for k, st in enumerate(streams) if i in st.sites), None)
+    for p in plans:
+        _decide(cap, p, streams, readers, to)
+    # a norm module called at several sites is swapped at all of them or none
+    by_module: dict[str, list[SitePlan]] = {}
+    for p in plans:
+        if p.module is not None:
+            by_module.setdefault(p.module, []).append(p)
+    for group in by_module.values():
+        bad = next((p for p in group if not p.exact), None)
+        if bad is not None and len(group) > 1:
+            for p in group:
+                if p.exact:
+                    p.exact, p.reason = False, f"the same module is also called at {bad.site.node}: {bad.reason}"
+    return Analysis(to, plans, streams)
+
+
+def _walk(cap: Captured, site: NormSite) -> tuple[set[str], list[tuple[Any, list[fx.Node]]]]:
+    """Stream values (adds and pass-through nodes between them) behind a norm, and the leaves of its sum tree."""
+    values: set[str] = set()
+    leaves: list[tuple[Any, list[fx.Node]]] = []
+    stack: list[Any] = [cap.nodes[site.input]]
+    seen: set[str] = set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, fx.Node):
+            if v.name in seen:
+                continue
+            seen.add(v.name)
+        src, path = _source(cap, v)
+        is_add = isinstance(src, fx.Node) and cap.op(src) == "add" and len(src.args) >= 2 and \
+            all(isinstance(a, fx.Node) for a in src.args[:2]) and src.kwargs.get("alpha", 1) == 1
+        if is_add:
+            values.update(n.name for n in path)
+            values.add(src.name)
+            stack.extend(src.args[:2])
+        else:
+            leaves.append((src, path))
+    return values, leaves
+
+
+def _streams(cap, sites, walks, readers, to) -> list[Stream]:
+    """Group sites whose sum trees share a value or a writer parameter; check each group once."""
+    parent = list(range(len(sites)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner_of: dict[Any, int] = {}
+    leaf_writers: list[list[Writer | str]] = []
+    for i, (values, leaves) in enumerate(walks):
+        ws = [_writer(cap, leaf) for leaf, _ in leaves]
+        leaf_writers.append(ws)
+        keys: list[Any] = list(values) + [id(cap.tensor(w.weight)) for w in ws if isinstance(w, Writer)]
+        for key in keys:
+            if key in owner_of:
+                parent[find(i)] = find(owner_of[key])
+            else:
+                owner_of[key] = i
+    groups: dict[int, list[int]] = {}
+    for i in range(len(sites)):
+        groups.setdefault(find(i), []).append(i)
+    streams = []
+    for members in groups.values():
+        st = Stream(members, set(), {})
+        problems: list[str] = []
+        chains: list[tuple[Any, list[fx.Node]]] = []
+        for i in members:
+            st.values |= walks[i][0]
+            for (leaf, path), w in zip(walks[i][1], leaf_writers[i]):
+                if isinstance(w, str):
+                    problems.append(w)
+                else:
+                    st.writers[w.node] = w
+                    chains.append((leaf, path))
+        if not problems:
+            problems += _check_writers(cap, st, chains, readers, sites, to)
+        if not problems and to == "rmsnorm":
+            problems += _check_readers(cap, st, sites)
+        st.problem = problems[0] if problems else None
+        streams.append(st)
+    return streams
+
+
+def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
+    hidden = {_hidden(sites[i]) for i in st.sites}
+    if len(hidden) != 1 or None in hidden:
+        return ["the norm normalizes more than one dim (or streams of different widths meet)"]
+    d = hidden.pop()
+    problems = []
+    for w in st.writers.values():
+        t = cap.tensor(w.weight)
+        dim = {"rows": 1, "out_in": 0, "in_out": 1}[w.layout]
+        if t is None or t.dim() != 2 or t.shape[dim] != d:
+            problems.append(f"stream writer {w.module or w.node} does not write {d}-wide rows")
+    if problems or to == "layernorm":
+        # RMSNorm -> LayerNorm edits no writer: it is exact only if they are zero-mean already
+        for w in st.writers.values():
+            if not problems:
+                m = _writer_mean(cap, w)
+                if m is not None:
+                    problems.append(f"stream writer {w.module or w.node} is not zero-mean (|mean| up to {m:.2g}), "
+                                    f"so RMSNorm and LayerNorm differ on this stream")
+        return problems
+    # each writer's output flows only into the stream
+    for leaf, path in chains:
+        chain = [leaf] + list(reversed(path))
+        for a, b in zip(chain, chain[1:]):
+            if [u.name for u in cap.users(a)] != [b.name]:
+                other = next(u for u in cap.users(a) if u is not b)
+                problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by "
+                                f"{cap.describe(other)}")
+        for u in cap.users(chain[-1]):
+            if u.name not in st.values:
+                problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by {cap.describe(u)}")
+    # each writer's parameters are read by the writers only (or by another name: a tie we can clone away)
+    writer_nodes = set(st.writers)
+    for w in st.writers.values():
+        for pname in (w.weight, w.bias):
+            t = cap.tensor(pname) if pname else None
+            if t is None:
+                continue
+            foreign = [n for n in readers.get(id(t), []) if n not in writer_nodes]
+            if not foreign:
+                continue
+            mod = cap.modules.get(w.module)
+            # a tied embedding (lm_head.weight is wte.weight)  =>  clone it, center the clone
+            if w.kind == "embedding" and isinstance(mod, nn.Embedding) and mod.weight is t \
+                    and all(_owns(cap, n, t) not in (None, w.module) for n in foreign):
+                if w.module not in st.unties:
+                    st.unties.append(w.module)
+                continue
+            n = foreign[0]
+            problems.append(f"{pname} is also read by {cap.describe(cap.nodes[n])}: centering it would change that use")
+    return problems
+
+
+def _writer_mean(cap: Captured, w: Writer) -> float | None:
+    """Largest |mean over the hidden dim| of a writer's weight / bias, or None when it is zero-mean."""
+    t = cap.tensor(w.weight).detach().double()
+    dim = {"rows": 1, "out_in": 0, "in_out": 1}[w.layout]
+    worst = float(t.mean(dim).abs().max())
+    scale = float(t.abs().max())
+    if w.bias:
+        b = cap.tensor(w.bias).detach().double()
+        worst = max(worst, abs(float(b.mean())))
+        scale = max(scale, float(b.abs().max()))
+    return worst if worst > _ZERO_MEAN_RTOL * max(scale, 1e-30) else None
+
+
+def _check_readers(cap: Captured, st: Stream, sites) -> list[str]:
+    """Centering the writers is invisible only to mean-invariant readers: the swapped LayerNorms."""
+    allowed = set(st.values)
+    for i in st.sites:
+        allowed.update(sites[i].nodes)
+    for name in sorted(st.values):
+        for u in cap.users(cap.nodes[name]):
+            if u.name not in allowed:
+                return [f"stream value {name} is also read by {cap.describe(u)}, which is not a LayerNorm "
+                        f"(centering the stream would change it)"]
+    return []
+
+
+def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str) -> None:
+    site = p.site
+    if p.module is None:
+        p.reason = (f"{site.source} norm written inline in {site.owner or 'forward'}: swap replaces norm modules"
+                    + (" (canonicalize could not make it one)" if site.source == "handwritten" else ""))
+        return
+    if _hidden(site) is None:
+        p.reason = f"normalizes {len(site.normalized_shape or ())} dims: only a single hidden dim is supported"
+        return
+    if site.placement == "post-norm":
+        p.reason = ("post-LN: the residual stream is re-normalized (with its bias) after every sublayer, so it is "
+                    "not zero-mean; only --approximate (drift measured)")
+        if to == "rmsnorm":
+            p.consumers, p.beta_problem = _beta_consumers(cap, p, readers)
+        return
+    st = streams[p.stream] if p.stream is not None else None
+    if to == "rmsnorm":
+        p.consumers, p.beta_problem = _beta_consumers(cap, p, readers)
+    if st is not None and st.problem:
+        p.reason = st.problem + "; only --approximate (drift measured)"
+        return
+    if p.beta_problem:
+        p.reason = p.beta_problem + "; only --approximate (drift measured)"
+        return
+    p.exact = True
+    if to == "rmsnorm":
+        n = len([w for w in st.writers.values()]) if st else 0
+        beta = f"; bias folds into {len(p.consumers)} consumer linear(s)" if p.consumers else ""
+        p.reason = f"to RMSNorm(eps={site.eps:g}), exact: {n} stream writer(s) centered{beta}"
+    else:
+        p.reason = f"to LayerNorm(eps={site.eps:g}, no bias), exact: the stream's writers are zero-mean"
+
+
+def _beta_consumers(cap: Captured, p: SitePlan, readers) -> tuple[list[Consumer], str | None]:
+    """The linears a LayerNorm's bias b folds into, or why it cannot fold (b == 0 needs none)."""
+    mod = cap.modules.get(p.module) if p.module else None
+    beta = getattr(mod, "bias", None)
+    if beta is None or not bool(torch.count_nonzero(beta.detach())):
+        return [], None
+    consumers: list[Consumer] = []
+    stack = [cap.nodes[p.site.node]]
+    seen: set[str] = set()
+    while stack:
+        v = stack.pop()
+        for u in cap.users(v):
+            if u.name in seen:
+                continue
+            seen.add(u.name)
+            if _passes_through(cap, u) and u.args[0] is v:
+                stack.append(u)
+                continue
+            lin = _linear_of(cap, u) if cap.op(u) == "linear" else None
+            if lin is None or lin[0] is not v or lin[1] is None:
+                return [], f"{cap.describe(u)} reads the norm's output and cannot absorb its bias"
+            consumers.append(Consumer(u.name, _own_name(cap, lin[4], lin[1]), _own_name(cap, lin[4], lin[2]),
+                                      lin[3], lin[4]))
+    mine = {c.node for c in consumers}
+    for c in consumers:
+        if c.bias is not None:
+            # the bias is edited: nothing else may read it (the weight is only read, ties are harmless)
+            t = cap.tensor(c.bias)
+            foreign = [n for n in readers.get(id(t), []) if n not in mine] if t is not None else []
+        else:
+            # a bias is added to the module: every call of it must read this norm's output
+            lin_mod = cap.modules.get(c.module)
+            if not (isinstance(lin_mod, nn.Linear) and c.weight == f"{c.module}.weight"):
+                return [], f"{c.node} has no bias parameter to absorb the norm's bias"
+            foreign = [n for n in readers.get(id(lin_mod.weight), []) if n not in mine
+                       and _owns(cap, n, lin_mod.weight) == c.module]
+        if foreign:
+            return [], (f"{c.bias or c.module} is also used by {cap.describe(cap.nodes[foreign[0]])}, so the norm's "
+                        f"bias cannot be folded into it")
+    return consumers, None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plan and apply
+
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-    return [_plan_one(cap, s) for s in norms if s.kind in ("layernorm", "rmsnorm")]
+    """What ``swap`` would do at each LayerNorm (to rmsnorm) and RMSNorm (to layernorm) site, in graph order."""
+    by_site: dict[int, Site] = {}
+    for to in ("rmsnorm", "layernorm"):
+        a = analyze(cap, norms, to)
+        for p, s in zip(a.plans, a.sites()):
+            by_site[id(p.site)] = s
+    return [by_site[id(s)] for s in norms if id(s) in by_site]
 
 
-def _plan_one(cap: Captured, site: NormSite) -> Site:
-    if site.kind == "rmsnorm":
-        # RMSNorm -> LayerNorm is exact only on a zero-mean stream
-        return skip(NAME, site, "to layernorm: exact only where its input stream is zero-mean; else --approximate")
-    # pre-norm / final norm of a pre-norm stack  =>  exact once the stream writers are centered
-    if site.placement in ("pre-norm", "final-norm"):
-        return apply(NAME, site, "to rmsnorm, exact: center the residual-stream writers (Pre-LN)")
-    # post-norm  =>  LN re-adds its bias to the stream; no exact swap
-    if site.placement == "post-norm":
-        return skip(NAME, site, "post-LN: the residual stream is not zero-mean; only --approximate (drift measured)")
-    return skip(NAME, site, f"not in a pre-norm residual stream ({site.placement}); only --approximate")
+def _dim(layout: str) -> int:
+    """The axis of a writer's weight that indexes the hidden (stream) dim."""
+    return {"rows": 1, "out_in": 0, "in_out": 1}[layout]
+
+
+def _center(t: torch.Tensor, dim: int) -> None:
+    """t <- t - mean(t, dim), computed in float64."""
+    t64 = t.detach().double()
+    t.data.copy_((t64 - t64.mean(dim, keepdim=True)).to(t.dtype))
+
+
+class SwapPass:
+    """LayerNorm -> RMSNorm (``to="rmsnorm"``) or back (``to="layernorm"``); see the module docstring."""
+
+    name = NAME
+
+    def __init__(self, to: str = "rmsnorm", approximate: bool = False):
+        if to not in SOURCE_KIND:
+            from normconv.errors import NormconvError
+
+            raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
+        self.to, self.approximate = to, approximate
+        self.exact = True  # False once an approximate site was applied
+        self.notes: list[str] = []
+        self.dropped: list[str] = []  # approximate: norms whose bias could not be folded
+        self.analysis: Analysis | None = None
+
+    def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+        return analyze(cap, norms, self.to).sites(self.approximate)
+
+    def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
+        from normconv.detect import find_norms
+        from normconv.errors import NormconvError
+
+        a = self.analysis = analyze(cap, find_norms(cap), self.to)
+        kind = SOURCE_KIND[self.to]
+        if not a.plans:
+            raise NormconvError(f"swap: {type(model).__name__} has no {kind} to swap to {self.to}")
+        refused = sorted((p for p in a.plans if not p.exact), key=lambda p: not p.reason.startswith("post-LN"))
+        if refused and not self.approximate:
+            p = refused[0]
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise NormconvError(
+                f"swap: {len(refused)} of {len(a.plans)} {kind} sites cannot be swapped exactly; "
+                f"{p.site.target}: {p.reason.removesuffix('; only --approximate (drift measured)')}{more}. "
+                f"Pass --approximate to swap anyway and measure the drift (normconv inspect lists every site)")
+        with torch.no_grad():
+            if self.to == "rmsnorm":
+                for st in a.streams:
+                    if st.problem is None:
+                        self._center_stream(model, cap, st)
+            replaced: set[str] = set()
+            folded: set[int] = set()
+            for p in a.plans:
+                if p.module is None or not (p.exact or self.approximate):
+                    continue
+                self.exact = self.exact and p.exact
+                if self.to == "rmsnorm":
+                    self._fold_beta(cap, p, folded)
+                if p.module not in replaced:
+                    replaced.add(p.module)
+                    _set_module(model, p.module, self._replacement(cap, p))
+        if self.dropped:
+            self.notes.append(f"bias dropped at {len(self.dropped)} norm(s), e.g. {self.dropped[0]}")
+        return PassResult(model, bool(replaced), tuple(a.sites(self.approximate)))
+
+    # -- edits ---------------------------------------------------------------------------------------------
+    def _center_stream(self, model: nn.Module, cap: Captured, st: Stream) -> None:
+        # tied embedding -> clone it first  =>  the other user keeps the original rows
+        for path in st.unties:
+            emb = cap.modules[path]
+            old = emb.weight
+            others = [n for n, t in model.named_parameters(remove_duplicate=False) if t is old and n != f"{path}.weight"]
+            emb.weight = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+            self.notes.append(f"untied {path}.weight from {', '.join(others)}: the embedding is centered, "
+                              f"{', '.join(others)} keeps the original values")
+            _untie_config(model, self.notes)
+        done: set[int] = set()
+        for w in st.writers.values():
+            # embedding (V, D)  =>  each row minus its mean;  linear  =>  W - mean over output rows, b - mean(b)
+            for pname, dim in ((w.weight, _dim(w.layout)), (w.bias, 0)):
+                t = cap.tensor(pname) if pname else None
+                if t is not None and id(t) not in done:
+                    done.add(id(t))
+                    _center(t, dim)
+
+    def _fold_beta(self, cap: Captured, p: SitePlan, folded: set[int]) -> None:
+        beta = getattr(cap.modules[p.module], "bias", None)
+        if beta is None or not bool(torch.count_nonzero(beta)):
+            return
+        if p.beta_problem:
+            self.dropped.append(f"{p.module} ({p.beta_problem})")
+            return
+        b64 = beta.detach().double()
+        for c in p.consumers:
+            w = cap.tensor(c.weight)
+            if id(w) in folded:
+                continue
+            folded.add(id(w))
+            # linear after the norm: c <- c + W b  (W (out, D): W @ b;  HF Conv1D W (D, out): b @ W)
+            delta = w.detach().double() @ b64 if c.layout == "out_in" else b64 @ w.detach().double()
+            if c.bias is None:
+                cap.modules[c.module].bias = nn.Parameter(delta.to(w.dtype), requires_grad=w.requires_grad)
+                self.notes.append(f"added a bias to {c.module} to carry the bias of {p.module}")
+            else:
+                b = cap.tensor(c.bias)
+                b.data.copy_((b.detach().double() + delta).to(b.dtype))
+
+    def _replacement(self, cap: Captured, p: SitePlan) -> nn.Module:
+        from normconv.rmsnorm import make_rmsnorm
+
+        old = cap.modules[p.module]
+        weight = getattr(old, "weight", None)
+        dtype = weight.dtype if weight is not None else cap.dtype(cap.nodes[p.site.input])
+        shape = tuple(old.normalized_shape)
+        if self.to == "rmsnorm":
+            # LN(g, b, eps) on a zero-mean stream  =>  RMSNorm(g, eps)   (b already folded)
+            new = make_rmsnorm(shape, float(old.eps), weight.detach() if weight is not None else None, dtype)
+        else:
+            # RMSNorm(g, eps) on a zero-mean stream  =>  LN(g, no bias, eps)   (eps=None resolved to finfo.eps)
+            new = nn.LayerNorm(shape, eps=float(p.site.eps), elementwise_affine=weight is not None, bias=False,
+                               dtype=dtype, device=weight.device if weight is not None else None)
+            if weight is not None:
+                new.weight.data.copy_(weight.detach())
+        new.train(old.training)
+        return new
+
+
+def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
+
+
+def _untie_config(model: nn.Module, notes: list[str]) -> None:
+    """A Hugging Face model re-ties its embeddings on tie_weights()/from_pretrained unless told not to."""
+    config = getattr(model, "config", None)
+    for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c is not None}.values():
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+            notes.append("set config.tie_word_embeddings = False so Hugging Face does not re-tie the weights")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the command and the Python API
+
+try:  # the canonicalize pass runs first (hand-written norms -> native modules); it may not exist yet
+    from normconv.passes.canonicalize import CANONICALIZE
+except ImportError:  # pragma: no cover - depends on the canonicalize pass landing
+    CANONICALIZE = None
+
+
+def run_swap(loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
+             rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
+             canonicalize: bool = True):
+    """Canonicalize, swap, verify against the original, then write ``output`` (exact: only if it verified)."""
+    from normconv.errors import VerificationError
+    from normconv.io import check_output_path, save
+    from normconv.pipeline import rewrite
+    from normconv.verify import output_leaves, run
+
+    inputs = loaded.require_inputs()
+    if output is not None:
+        check_output_path(loaded, output, in_place)  # fail before the work, not after
+    swap_pass = SwapPass(to, approximate)
+    passes = ([CANONICALIZE] if canonicalize and CANONICALIZE is not None else []) + [swap_pass]
+    report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method)
+    report.notes.extend(swap_pass.notes)
+    if canonicalize and CANONICALIZE is None:
+        report.notes.append("canonicalize pass not available: hand-written norms were not converted first")
+    v = report.validation[0]
+    agree = argmax_agreement(output_leaves(run(loaded.model, inputs)), output_leaves(run(model, inputs)))
+    plans = swap_pass.analysis.plans if swap_pass.analysis else []
+    report.extra.update({
+        "to": to, "approximate": approximate, "exact": swap_pass.exact,
+        "swapped": sum(p.module is not None and (p.exact or approximate) for p in plans),
+        "exact_sites": sum(p.exact for p in plans), "refused": sum(not p.exact for p in plans),
+        "argmax_agreement": agree,
+        "drift": {"max_abs_error": v.max_abs_error, "max_rel_error": v.max_rel_error, "cosine": v.cosine},
+    })
+    if swap_pass.exact and not v.passed:
+        raise VerificationError(
+            f"swap: outputs differ beyond tolerance (max abs error {v.max_abs_error:.3g}, atol {v.atol:g}, "
+            f"rtol {v.rtol:g}); nothing written", report)
+    if not swap_pass.exact:
+        report.notes.append(
+            f"approximate swap ({report.extra['refused']} site(s) not exact): output drift max abs "
+            f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}; fine-tune if it matters")
+    if output is not None:
+        report.output = str(save(loaded, model, output, in_place, inputs))
+    return report, model
+
+
+def argmax_agreement(ref: list, new: list) -> float | None:
+    """Fraction of positions where argmax over the last dim agrees (float outputs with a last dim > 1)."""
+    same = total = 0
+    for (_, a), (_, b) in zip(ref, new):
+        if a.is_floating_point() and a.dim() >= 1 and a.shape[-1] > 1 and a.shape == b.shape:
+            same += int((a.argmax(-1) == b.argmax(-1)).sum())
+            total += a[..., 0].numel()
+    return same / total if total else None
+
+
+def swap(model: nn.Module, inputs, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
+         rtol: float | None = None, method: str = "auto", canonicalize: bool = True):
+    """Python API: ``new_model, report = swap(model, Inputs(...), to="rmsnorm")``; ``model`` is not modified.
+
+    Raises NormconvError when a site cannot be swapped exactly and ``approximate`` is False, and
+    VerificationError when an exact swap misses the tolerance.
+    """
+    from normconv.io import Loaded
+    from normconv.verify import Inputs
+
+    if not isinstance(inputs, Inputs):
+        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
+    loaded = Loaded(model, inputs, type(model).__name__, "python")
+    report, new = run_swap(loaded, to, approximate, atol=atol, rtol=rtol, method=method, canonicalize=canonicalize)
+    return new, report

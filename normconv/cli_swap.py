@@ -1,0 +1,43 @@
+"""``normconv swap``: LayerNorm -> RMSNorm (or back), exact where the residual stream allows it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .cli_common import (AtolOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+                         TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @user_errors
+    def swap(
+        model: ModelArg,
+        to: Annotated[str, typer.Option("--to", help="target norm: rmsnorm (from LayerNorm) or layernorm "
+                                                     "(from RMSNorm)")] = "rmsnorm",
+        output: OutputOpt = None,
+        approximate: Annotated[bool, typer.Option(
+            "--approximate", help="swap sites that cannot be made exact too, and report the output drift")] = False,
+        no_canonicalize: Annotated[bool, typer.Option(
+            "--no-canonicalize", help="do not convert hand-written norms to native modules first")] = False,
+        weights: WeightsOpt = None,
+        input_shape: InputShapeOpt = None,
+        trust_pickle: TrustOpt = False,
+        dtype: DtypeOpt = None,
+        atol: AtolOpt = None,
+        rtol: RtolOpt = None,
+        in_place: InPlaceOpt = False,
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Swap LayerNorm -> RMSNorm exactly (Pre-LN: center the residual writers, fold the bias), or back."""
+        from normconv.errors import NormconvError
+        from normconv.passes.swap_norm import SOURCE_KIND, run_swap
+
+        if to not in SOURCE_KIND:
+            raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        report, _ = run_swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
+                             canonicalize=not no_canonicalize)
+        emit(report, as_json)
