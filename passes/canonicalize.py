@@ -1,45 +1,488 @@
 """Canonicalize hand-written norms into torch's native modules, carrying weights, bias, eps and dtype behaviour.
 
-  (x - mean(x)) * rsqrt(var(x) + eps) * w + b          ->  nn.LayerNorm(shape, eps)
-  x * rsqrt(mean(x^2) + eps) * w      (fp32 compute)    ->  nn.RMSNorm(shape, eps)
-  x * rsqrt(mean(x^2) + eps) * (1 + w)  (Gemma)         ->  nn.RMSNorm with weight 1 + w
-  (x - running_mean) / sqrt(running_var + eps) * w + b  ->  nn.BatchNormNd (eval)
+  (x - mean(x)) * rsqrt(var(x) + eps) * w + b          ->  nn.LayerNorm(shape, eps)         (same w, b)
+  x * rsqrt(mean(x^2) + eps) * w   (Llama/T5, fp32)     ->  make_rmsnorm(shape, eps, w)      (same w)
+  x * rsqrt(mean(x^2) + eps) * (1 + w)   (Gemma)        ->  make_rmsnorm(shape, eps, 1 + w)
+  (x - running_mean) / sqrt(running_var + eps) * w + b  ->  nn.BatchNormNd(C, eps), eval, stats copied
+  (x - mean_HW(x)) / sqrt(var_HW(x) + eps) * w + b      ->  nn.InstanceNormNd(C, eps, affine)
+
+Every rewrite is an identity of the math, so the pass is exact. Two forms:
+  module   a hand-written norm module (its whole forward is the norm): replaced in its parent, the user's
+           own class comes back; works on symbolic_trace and torch.export captures (all HF models).
+  inline   a norm computed inside a larger forward: the traced graph's subgraph becomes one call_module of
+           a new native module, and the result is a torch.fx.GraphModule (only then). Refused in a
+           torch.export graph (an aten graph is not the user's model).
+Every candidate replacement is run on the norm's own input recorded on the example inputs and must
+reproduce the recorded output within the dtype's tolerance; ``plan`` (what ``inspect`` shows) and
+``__call__`` read the same analysis, so they never disagree.
+Dtype behaviour (measured, torch 2.13 CPU): native LayerNorm / RMSNorm / BatchNorm in fp16 / bf16 compute their
+statistics in float32, so a single-dtype half model keeps one native module per norm (Llama/T5 round twice,
+the native op once: at most 1 ulp of the output apart). Gemma's ``(1 + w)`` is applied in float32 and 1 + w
+is not representable in half: such a site (and any mixed-dtype site) gets ``Float32Norm``, a native norm in
+float32 between two casts, bit-exact.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
 
-from normconv.detect import NormSite
-from normconv.graph import Captured
-from normconv.report import Site
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from normconv.detect import NormSite, find_norms
+from normconv.errors import NormconvError
+from normconv.graph import Captured, capture
+from normconv.report import PassResult, Report, Site
+from normconv.rmsnorm import make_rmsnorm
+from normconv.verify import Inputs, compare, default_tolerance
 
 from .base import apply, skip
 
 NAME = "canonicalize"
 
-_NATIVE = {"layernorm": "nn.LayerNorm", "rmsnorm": "nn.RMSNorm", "batchnorm": "nn.BatchNorm{d}d",
-           "instancenorm": "nn.InstanceNorm{d}d", "groupnorm": "nn.GroupNorm"}
+_HALF = (torch.float16, torch.bfloat16)
+_MAX_RECORDED_CALLS = 4  # calls of one module checked against its replacement
+
+
+class Float32Norm(nn.Module):
+    """A native norm run in a wider dtype between two casts: ``norm(x.to(compute)).to(out or x.dtype)``.
+
+    Reproduces norms that compute in float32 and apply their scale there before casting back (Gemma),
+    and mixed-dtype norms (half input, float32 weight) whose output dtype is not the input's.
+    """
+
+    def __init__(self, norm: nn.Module, compute_dtype: torch.dtype, out_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.norm = norm
+        self.compute_dtype = compute_dtype
+        self.out_dtype = out_dtype  # None: cast back to the input's dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x.to(self.compute_dtype))
+        return y.to(x.dtype if self.out_dtype is None else self.out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the analysis plan and __call__ share
+
+
+@dataclass
+class Decision:
+    """What the pass does with one norm site: the native module it inserts there, or why not."""
+
+    site: NormSite
+    applied: bool
+    reason: str
+    form: str = ""  # module | inline
+    module: nn.Module | None = None  # the native replacement (None when skipped)
+
+    def to_site(self) -> Site:
+        return apply(NAME, self.site, self.reason) if self.applied else skip(NAME, self.site, self.reason)
+
+
+def analyze(cap: Captured, norms: Sequence[NormSite]) -> list[Decision]:
+    """Decide every site: structural rules first, then the replacement is checked on the recorded values."""
+    decisions = [_structural(cap, s) for s in norms]
+    candidates = [d for d in decisions if d.applied]
+    if candidates:
+        recorded = _record(cap, candidates)
+        for d in candidates:
+            _check(d, recorded.get(d.site.target, []), recorded.get(("call", d.site.target)))
+    return decisions
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-    return [_plan_one(cap, s) for s in norms]
+    return [d.to_site() for d in analyze(cap, norms)]
 
 
-def _plan_one(cap: Captured, site: NormSite) -> Site:
+def _structural(cap: Captured, site: NormSite) -> Decision:
+    no = lambda reason: Decision(site, False, reason)  # noqa: E731
     # already one native op  =>  nothing to do
     if site.source != "handwritten":
-        return skip(NAME, site, f"already native ({site.module_type or 'functional ' + site.kind})")
+        return no(f"already native ({site.module_type or 'functional ' + site.kind})")
+    form = "module" if site.target == site.owner and site.target in cap.modules else "inline"
+    # inline subgraph in an aten graph  =>  no user module to put a native one into
+    if form == "inline" and cap.method != "symbolic_trace":
+        return no(f"inline {site.kind} inside {site.owner or 'the root forward'} in a torch.export graph: only "
+                  f"norm modules are replaced there (move the norm into its own module)")
     # an intermediate (mean, rsqrt, ...) feeds other code  =>  replacing the subgraph would change that code
     if not site.self_contained:
-        return skip(NAME, site, "an intermediate value of the norm is used outside it")
+        return no("an intermediate value of the norm is used outside it")
     # non-trailing normalized dims  =>  no native module normalizes them
-    if site.kind == "layernorm" and site.dims is not None and site.dims != tuple(range(-len(site.dims), 0)):
-        return skip(NAME, site, f"normalizes non-trailing dims {list(site.dims)}: no native equivalent")
-    if site.eps == 0.0:
-        return skip(NAME, site, "no epsilon inside the square root: native norms always add one")
-    rank = len(cap.shape(cap.nodes[site.input]) or ()) or 4
-    native = _NATIVE[site.kind].format(d=max(rank - 2, 1))
-    extra = " with weight 1 + w" if site.weight_offset else ""
-    where = f"module {site.target}" if site.target == site.owner else f"inline subgraph ({len(site.nodes)} ops)"
-    return apply(NAME, site, f"replace {where} by {native}(eps={site.eps:g}){extra}")
+    if site.kind in ("layernorm", "rmsnorm") and (site.dims is None or site.normalized_shape is None):
+        return no("normalized dims or their sizes are unknown (dynamic shape)")
+    if site.kind in ("layernorm", "rmsnorm") and site.dims != tuple(range(-len(site.dims), 0)):
+        return no(f"normalizes non-trailing dims {list(site.dims)}: no native equivalent")
+    if site.eps is None or not math.isfinite(site.eps) or site.eps < 0:
+        return no(f"epsilon {site.eps} is not a finite non-negative number")
+    x = cap.nodes[site.input]
+    shape = cap.shape(x)
+    if site.kind in ("batchnorm", "instancenorm") and (shape is None or len(shape) < 2 or not site.num_features):
+        return no("the channel count is unknown (dynamic shape)")
+    if site.kind == "instancenorm" and len(shape) not in (4, 5):
+        return no(f"instance norm over a rank-{len(shape)} input: no native module")
+    tensors = {role: cap.tensor(name) if name else None
+               for role, name in (("weight", site.weight), ("bias", site.bias),
+                                  ("running_mean", site.running_mean), ("running_var", site.running_var))}
+    missing = [role for role, name in (("weight", site.weight), ("bias", site.bias), ("running_mean",
+               site.running_mean), ("running_var", site.running_var)) if name and tensors[role] is None]
+    if missing:
+        return no(f"cannot read the norm's {', '.join(missing)} from the model")
+    size = math.prod(site.normalized_shape) if site.kind in ("layernorm", "rmsnorm") else site.num_features
+    for role, t in tensors.items():
+        # a parameter that is not one value per normalized element / channel  =>  not this native norm
+        if t is not None and t.numel() != size:
+            return no(f"{role} has {t.numel()} elements, the native norm needs {size}")
+    shared = _shared(cap, site, form)
+    if shared:
+        return no(shared)
+    in_dtype = cap.dtype(x) or torch.float32
+    out_dtype = cap.dtype(cap.nodes[site.node]) or in_dtype
+    module, what = _build(site, tensors, shape, in_dtype, out_dtype)
+    where = f"module {site.target} ({site.module_type})" if form == "module" else \
+        f"inline subgraph ({len(site.nodes)} ops) in {site.owner or 'the root forward'}"
+    reason = f"replace {where} by {what}"
+    renamed = _renamed_keys(site) if form == "module" else ""
+    if renamed:
+        reason += f"; state_dict keys {renamed}"
+    return Decision(site, True, reason, form, module)
+
+
+def _build(site: NormSite, t: dict[str, torch.Tensor | None], shape: tuple[int, ...], in_dtype: torch.dtype,
+           out_dtype: torch.dtype) -> tuple[nn.Module, str]:
+    """The native module for a site (in a Float32Norm where the dtype flow needs one) and how to say it."""
+    w, b = t["weight"], t["bias"]
+    param_dtype = w.dtype if w is not None else b.dtype if b is not None else in_dtype
+    device = next((v.device for v in t.values() if v is not None), torch.device("cpu"))
+    # half input, float32 compute with the scale applied in float32 (Gemma), or mixed dtypes  =>  Float32Norm
+    wide = (site.upcast and in_dtype in _HALF and bool(site.weight_offset)) or \
+        (param_dtype != in_dtype) or (out_dtype != in_dtype)
+    dtype = torch.float32 if wide and site.upcast else (torch.promote_types(param_dtype, in_dtype) if wide
+                                                        else param_dtype)
+    eps = float(site.eps)
+    notes = []
+    if site.kind in ("layernorm", "rmsnorm"):
+        ns = tuple(site.normalized_shape)
+        scale = None
+        if w is not None:
+            # x * (1 + w)  =>  weight 1 + w   (computed in float32, stored in the module's dtype)
+            scale = (w.detach().to(torch.float32) + site.weight_offset).reshape(ns).to(dtype)
+        if site.kind == "layernorm":
+            # (x - mean) / sqrt(var + eps) * w + b  =>  nn.LayerNorm(ns, eps)  (a missing w is ones, a missing b none)
+            affine = w is not None or b is not None
+            mod = nn.LayerNorm(ns, eps=eps, elementwise_affine=affine, bias=b is not None, device=device,
+                               dtype=dtype)
+            with torch.no_grad():
+                if affine:
+                    mod.weight.copy_(scale if scale is not None else torch.ones(ns))
+                if b is not None:
+                    mod.bias.copy_(b.detach().reshape(ns))
+            if b is not None and w is None:
+                notes.append("weight of ones added")
+            if w is not None and b is None:
+                notes.append("no bias")
+            label = "nn.LayerNorm"
+        else:
+            # x * rsqrt(mean(x^2) + eps) * w  =>  make_rmsnorm(ns, eps, w)
+            mod = make_rmsnorm(ns, eps, weight=scale, dtype=dtype).to(device)
+            label = "RMSNorm"
+        if site.weight_offset:
+            notes.append(f"weight stored as {site.weight_offset:g} + w")
+        desc = f"{label}({_shape_text(ns)}, eps={eps:g})"
+    else:
+        c, rank = int(site.num_features), len(shape)
+        d = {2: 1, 3: 1, 4: 2, 5: 3}.get(rank, 1)
+        affine = w is not None or b is not None
+        if site.kind == "batchnorm":
+            # (x - rm) / sqrt(rv + eps) * w + b  =>  nn.BatchNormNd(C, eps) in eval with rm, rv copied
+            cls = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[d]
+            mod = cls(c, eps=eps, affine=affine, device=device, dtype=dtype)
+            with torch.no_grad():
+                mod.running_mean.copy_(t["running_mean"].detach().reshape(c))
+                mod.running_var.copy_(t["running_var"].detach().reshape(c))
+            mod.eval()
+            notes.append("eval mode, running statistics copied")
+        else:
+            # (x - mean_HW) / sqrt(var_HW + eps) * w + b  =>  nn.InstanceNormNd(C, eps, affine)
+            cls = {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[d]
+            mod = cls(c, eps=eps, affine=affine, track_running_stats=False, device=device, dtype=dtype)
+        if affine:
+            with torch.no_grad():
+                mod.weight.copy_(w.detach().reshape(c) + site.weight_offset if w is not None else torch.ones(c))
+                mod.bias.copy_(b.detach().reshape(c) if b is not None else torch.zeros(c))
+            if w is None or b is None:
+                notes.append("weight of ones added" if w is None else "bias of zeros added")
+        desc = f"nn.{cls.__name__}({c}, eps={eps:g})"
+    for name, p in mod.named_parameters():  # a frozen hand-written norm stays frozen
+        src = w if name == "weight" and w is not None else b if name == "bias" and b is not None else None
+        if isinstance(src, nn.Parameter):
+            p.requires_grad_(src.requires_grad)
+    if wide:
+        out = None if out_dtype == in_dtype else out_dtype
+        mod = Float32Norm(mod, dtype, out)
+        notes.insert(0, f"computed in {_dt(dtype)} between casts (input {_dt(in_dtype)}, output {_dt(out_dtype)})")
+    return mod, desc + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _shape_text(ns: tuple[int, ...]) -> str:
+    return str(ns[0]) if len(ns) == 1 else str(tuple(ns))
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _renamed_keys(site: NormSite) -> str:
+    """Old -> new state_dict names of a module site (the native module's names replace the hand-written ones)."""
+    new_names = {"weight": "weight", "bias": "bias", "running_mean": "running_mean", "running_var": "running_var"}
+    pairs = []
+    for role in new_names:
+        old = getattr(site, role)
+        if old and old.rsplit(".", 1)[-1] != new_names[role]:
+            pairs.append((old, f"{site.target}.{new_names[role]}"))
+    if not pairs:
+        return ""
+    return ", ".join(f"{a} -> {b}" for a, b in pairs)
+
+
+def _shared(cap: Captured, site: NormSite, form: str) -> str:
+    """Why a parameter of the site cannot move into a new module ('' when none is shared)."""
+    names = [n for n in (site.weight, site.bias, site.running_mean, site.running_var) if n]
+    aliases: dict[int, list[str]] = {}
+    for n, t in list(cap.model.named_parameters(remove_duplicate=False)) + \
+            list(cap.model.named_buffers(remove_duplicate=False)):
+        aliases.setdefault(id(t), []).append(n)
+    inside = set(site.nodes)
+    for name in names:
+        t = cap.tensor(name)
+        others = [a for a in aliases.get(id(t), [name]) if a != name and
+                  not (form == "module" and a.startswith(site.target + "."))]
+        if others:
+            return f"{name} is shared with {others[0]}: moving it into a native module would untie them"
+        for node in cap.gm.graph.nodes:
+            if cap.param_name(node) == name and any(u.name not in inside for u in cap.users(node)):
+                return f"{name} is also read outside the norm"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# recording each norm's input and output on the example inputs
+
+
+def _record(cap: Captured, candidates: list[Decision]) -> dict[Any, Any]:
+    """site target -> [(input, output), ...] recorded on the example inputs; ("call", target) -> call problem.
+
+    Module sites are recorded with forward hooks on the eager model (which also shows how the module is
+    called); inline sites by interpreting the traced graph.
+    """
+    found: dict[Any, Any] = {}
+    modules = {d.site.target for d in candidates if d.form == "module"}
+    inline = [d for d in candidates if d.form == "inline"]
+    if modules:
+        handles = []
+
+        def hook(path):
+            def fn(module, args, kwargs, output):
+                calls = found.setdefault(path, [])
+                if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+                    found[("call", path)] = (f"called with {len(args)} positional and {len(kwargs)} keyword "
+                                             f"arguments; a native norm takes one tensor")
+                elif len(calls) < _MAX_RECORDED_CALLS:
+                    calls.append((args[0].detach().clone(), _detach(output)))
+            return fn
+
+        for path in modules:
+            handles.append(cap.modules[path].register_forward_hook(hook(path), with_kwargs=True))
+        try:
+            with torch.no_grad():
+                cap.model(*copy.deepcopy(cap.inputs.args), **copy.deepcopy(cap.inputs.kwargs))
+        finally:
+            for h in handles:
+                h.remove()
+    if inline:
+        want = {d.site.input for d in inline} | {d.site.node for d in inline}
+        values: dict[str, Any] = {}
+
+        class Recorder(fx.Interpreter):
+            def run_node(self, n):
+                v = super().run_node(n)
+                if n.name in want:
+                    values[n.name] = _detach(v)
+                return v
+
+        with torch.no_grad():
+            Recorder(cap.gm).run(*copy.deepcopy(cap.inputs.args))
+        for d in inline:
+            if d.site.input in values and d.site.node in values:
+                found[d.site.target] = [(values[d.site.input], values[d.site.node])]
+    return found
+
+
+def _detach(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None) -> None:
+    """Run the replacement on each recorded input; refuse the site unless it reproduces the recorded output."""
+    def refuse(reason: str) -> None:
+        d.applied, d.reason, d.module = False, reason, None
+
+    if call_problem:
+        return refuse(call_problem)
+    if not calls:
+        return refuse("the norm did not run on the example inputs, so its replacement cannot be checked")
+    for x, y in calls:
+        if not isinstance(y, torch.Tensor):
+            return refuse(f"the module returns a {type(y).__name__}, not the normalized tensor")
+        try:
+            with torch.no_grad():
+                got = d.module(x)
+        except Exception as exc:  # the native module rejects this input (shape, dtype)
+            return refuse(f"the native replacement fails on the recorded input: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        if got.dtype != y.dtype:
+            return refuse(f"the native replacement returns {_dt(got.dtype)} where the norm returns {_dt(y.dtype)}")
+        atol, rtol = default_tolerance(y.dtype)
+        v = compare(y, got, atol, rtol)
+        if not v.passed:
+            return refuse(f"the native replacement differs from the norm on the recorded input "
+                          f"(max abs error {v.max_abs_error:.3g}, atol {atol:g})")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# applying the decisions
+
+
+class Canonicalize:
+    """Replace every hand-written norm by the native module that computes the same thing."""
+
+    name = NAME
+    exact = True
+
+    def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+        return plan(cap, norms)
+
+    def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
+        if cap.model is not model:
+            raise ValueError("canonicalize: the capture must be of the model being rewritten")
+        decisions = analyze(cap, find_norms(cap))
+        applied = [d for d in decisions if d.applied]
+        if any(d.form == "inline" for d in applied):
+            model = _rewrite_graph(cap, applied)
+        else:
+            done: set[str] = set()
+            for d in applied:
+                if d.site.target not in done:  # a module called twice is replaced once
+                    _replace_module(model, d.site.target, d.module)
+                    done.add(d.site.target)
+        return PassResult(model, bool(applied), tuple(d.to_site() for d in decisions))
+
+
+def _replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    old = getattr(parent, name)
+    new.train(old.training)
+    setattr(parent, name, new)
+
+
+def _rewrite_graph(cap: Captured, applied: list[Decision]) -> fx.GraphModule:
+    """Each applied site's subgraph -> one call_module of its native module; unused attributes are dropped."""
+    gm, graph = cap.gm, cap.gm.graph
+    taken = {name for name, _ in gm.named_modules()}
+    done: dict[str, str] = {}
+    for d in applied:
+        s = d.site
+        if d.form == "module":
+            target = s.target  # the hand-written module's own path: its attributes become the native module's
+            if target not in done:
+                gm.add_submodule(target, d.module)
+                done[target] = target
+        else:
+            target = _free_name(f"{s.owner}.{s.kind}" if s.owner else s.kind, taken)
+            gm.add_submodule(target, d.module)
+        taken.add(target)
+        out, x = cap.nodes[s.node], cap.nodes[s.input]
+        with graph.inserting_after(out):
+            new = graph.call_module(target, (x,))
+        new.meta = dict(out.meta)
+        out.replace_all_uses_with(new)
+    graph.eliminate_dead_code()
+    graph.lint()
+    result = fx.GraphModule(gm, graph, type(cap.model).__name__)  # copies only what the graph still reads
+    result.train(cap.model.training)
+    for d in applied:
+        if d.site.kind == "batchnorm":  # the traced subgraph was the inference form
+            d.module.eval()
+    return result
+
+
+def _free_name(base: str, taken: set[str]) -> str:
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+CANONICALIZE = Canonicalize()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Python API
+
+
+def canonicalize(model: nn.Module, inputs: Inputs | tuple, atol: float | None = None, rtol: float | None = None,
+                 method: str = "auto") -> tuple[nn.Module, Report]:
+    """Replace every hand-written norm of ``model`` by its native equivalent; returns (new model, report).
+
+    ``model`` is not modified. Raises VerificationError when the result misses (atol, rtol) on ``inputs``.
+    """
+    from normconv.io import Loaded
+
+    if not isinstance(model, nn.Module):
+        raise NormconvError(f"canonicalize needs a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(inputs, Inputs):
+        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
+    loaded = Loaded(model, inputs, type(model).__name__, "python")
+    report, new_model = canonicalize_loaded(loaded, atol=atol, rtol=rtol, method=method)
+    return new_model, report
+
+
+def canonicalize_loaded(loaded, *, atol: float | None = None, rtol: float | None = None, output: str | None = None,
+                        in_place: bool = False, method: str = "auto") -> tuple[Report, nn.Module]:
+    """The command's flow: canonicalize a loaded model through the shared pipeline (verify, atomic save)."""
+    from normconv.errors import VerificationError
+    from normconv.pipeline import rewrite
+
+    try:
+        report, model = rewrite(loaded, [CANONICALIZE], command=NAME, exact=True, atol=atol, rtol=rtol,
+                                output=output, in_place=in_place, method=method)
+    except VerificationError as exc:
+        if exc.report is not None:
+            exc.report.notes.extend(notes_for(exc.report, None))
+        raise
+    report.notes.extend(notes_for(report, model))
+    return report, model
+
+
+def notes_for(report: Report, model: nn.Module | None) -> list[str]:
+    """What a user should know about the result beyond the site table."""
+    ours = [s for s in report.sites if getattr(s, "pass_name", None) == NAME]
+    notes = []
+    if not any(s.applied for s in ours):
+        notes.append("no hand-written norm was replaced; the model is unchanged")
+    if isinstance(model, fx.GraphModule):
+        notes.append("inline norms were rewritten in the traced graph: the result is a torch.fx.GraphModule "
+                     "(the model's own class is not kept)")
+    if any(s.applied and "state_dict keys" in s.reason for s in ours):
+        notes.append("replaced modules use the native state_dict names (weight, bias, running_mean, running_var)")
+    return notes
+
+
+__all__ = ["CANONICALIZE", "Canonicalize", "Float32Norm", "analyze", "canonicalize", "canonicalize_loaded", "plan",
+           "NAME"]

@@ -1,0 +1,31 @@
+"""``normconv canonicalize``: replace hand-written norms by torch's native modules, verified."""
+
+from __future__ import annotations
+
+import typer
+
+from .cli_common import (AtolOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+                         TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @user_errors
+    def canonicalize(
+        model: ModelArg,
+        output: OutputOpt = None,
+        atol: AtolOpt = None,
+        rtol: RtolOpt = None,
+        weights: WeightsOpt = None,
+        input_shape: InputShapeOpt = None,
+        trust_pickle: TrustOpt = False,
+        dtype: DtypeOpt = None,
+        in_place: InPlaceOpt = False,
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Replace hand-written norms (modules and inline code) by native ones; exits 1 (writing nothing) on drift."""
+        from normconv.passes.canonicalize import canonicalize_loaded
+
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        report, _ = canonicalize_loaded(loaded, atol=atol, rtol=rtol, output=output, in_place=in_place)
+        emit(report, as_json)
