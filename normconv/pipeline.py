@@ -57,6 +57,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn],
     model = copy.deepcopy(model)
     sites: list[Site] = []
     for p in passes:
+        before = {path: (id(m), m.training) for path, m in model.named_modules()}
         cap = capture(model, inputs, method)
         try:
             result = p(model, cap)
@@ -65,9 +66,22 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn],
         except Exception as exc:  # name the failing pass (onnx-ir's pass manager does the same)
             name = getattr(p, "name", getattr(p, "__name__", type(p).__name__))
             raise RuntimeError(f"pass {name} failed: {type(exc).__name__}: {exc}") from exc
+        _inherit_training_flags(before, result.model)
         model = result.model
         sites.extend(result.sites)
     return model, sites
+
+
+def _inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Module) -> None:
+    """A module a pass inserted (nn.Identity, nn.RMSNorm, ...) is born in training mode: give it the mode of
+    the module it replaced, or of its parent when it is new."""
+    for path, module in model.named_modules():
+        old = before.get(path)
+        if old is not None and old[0] == id(module):
+            continue  # the same module as before: its flag is the user's
+        parent = path.rpartition(".")[0]
+        mode = old[1] if old is not None else before.get(parent, (0, model.training))[1]
+        module.training = mode
 
 
 def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bool,

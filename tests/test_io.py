@@ -218,3 +218,18 @@ def test_saved_pickle_carries_example_inputs(tmp_path):
     again = load(str(out))
     assert again.inputs is not None and again.inputs.args[0].shape == (3, 4)
     assert not hasattr(model, "_normconv_example_inputs")  # the caller's model is left as it was
+
+
+def test_inserted_modules_keep_the_replaced_modules_mode():
+    """A pass that swaps a module for a new one must not hand back a half-training model."""
+    import torch.nn as nn
+
+    from normconv.pipeline import apply_passes
+    from normconv.report import PassResult
+
+    def replace_bn(model, cap):
+        model.bn = nn.Identity()  # born with training=True
+        return PassResult(model, True)
+
+    model, _ = apply_passes(small_net(), load(FACTORY, input_shapes=[X]).inputs, [replace_bn])
+    assert not any(m.training for m in model.modules())
