@@ -1,0 +1,295 @@
+"""normconv fold: numerical equivalence on every zoo CNN and every layout, forward folds, and each guard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from test_fold_helpers import applied, bn_modules, checked_fold, randomize_bn, skipped
+from normconv.errors import NormconvError
+from normconv.models import get
+from normconv.passes.fold_batchnorm import FOLD, fold
+
+torch.manual_seed(0)
+
+# zoo model -> (BN sites folded, BN modules left); unet has GroupNorm / InstanceNorm only
+ZOO_CNNS = {"resnet": 8, "mobilenet": 10, "conv1d": 3, "conv3d": 2, "deconv": 3, "mlp": 3, "unet": 0,
+            "tutorial_bn": 3, "inline_norm": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", list(ZOO_CNNS))
+def test_zoo_cnns_fold_exactly(name, dtype):
+    z = get(name)
+    model = z.build().eval().to(dtype)
+    x = tuple(t.to(dtype) for t in z.example_inputs())
+    folded, report = checked_fold(model, x)
+    assert len(applied(report)) == ZOO_CNNS[name] and not skipped(report)
+    assert bn_modules(folded) == 0
+    assert report.before["batchnorm modules"] == bn_modules(model)
+    assert report.after["conv modules"] == report.before["conv modules"]
+    if name != "inline_norm":  # module-level edit: the user's own class, BN keys gone, the rest unchanged
+        assert type(folded) is type(model)
+        gone = set(model.state_dict()) - set(folded.state_dict())
+        assert all(".running_" in k or ".moving_" in k or k.split(".")[-1] in ("weight", "bias", "gamma", "beta",
+                                                                                 "num_batches_tracked")
+                   for k in gone)
+        assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in folded.modules())
+    else:  # functional F.batch_norm: the traced graph comes back without it
+        assert isinstance(folded, fx.GraphModule)
+        assert not any("batch_norm" in str(n.target) for n in folded.graph.nodes)
+
+
+def test_tutorial_bn_folds_under_either_capture():
+    z = get("tutorial_bn")
+    for method in ("symbolic_trace", "torch.export"):
+        folded, report = checked_fold(z.build().eval(), z.example_inputs(), method=method)
+        assert set(applied(report)) == {"bn1", "bn2", "bn3"}
+        assert isinstance(folded.bn1, nn.Identity) and type(folded).__name__ == "TutorialBNNet"
+
+
+# -- layouts -------------------------------------------------------------------------------------------------
+
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONVT = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+SIZE = {1: (2, 4, 20), 2: (2, 4, 9, 10), 3: (2, 4, 5, 6, 7)}
+
+
+def _x(dims, cin=4, dtype=torch.float32):
+    shape = list(SIZE[dims])
+    shape[1] = cin
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("groups,transposed", [(1, False), (2, False), (4, False), (1, True), (2, True)])
+def test_backward_fold_layouts(dims, bias, groups, transposed, dtype):
+    if transposed:
+        layer = CONVT[dims](4, 6, 3, stride=2, padding=1, output_padding=1, groups=groups, bias=bias, dilation=1)
+    else:  # groups=4 on 4 input channels is depthwise (x2 multiplier); strides and dilation vary the layout
+        layer = CONV[dims](4, 8, 3, stride=2 if groups == 2 else 1, padding=1, dilation=2 if groups == 4 else 1,
+                           groups=groups, bias=bias)
+    model = randomize_bn(nn.Sequential(layer, BN[dims](layer.out_channels), nn.ReLU()), seed=dims).to(dtype)
+    folded, report = checked_fold(model, _x(dims, dtype=dtype))
+    assert applied(report) == {"1": "fold into 0 (backward)"}
+    assert isinstance(folded[1], nn.Identity) and folded[0].bias is not None and folded[0].weight.dtype == dtype
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_linear_then_bn1d_and_affine_false(affine):
+    model = randomize_bn(nn.Sequential(nn.Linear(5, 7, bias=affine), nn.BatchNorm1d(7, affine=affine)))
+    folded, report = checked_fold(model, torch.randn(6, 5))
+    assert applied(report) == {"1": "fold into 0 (backward)"}
+
+
+def test_grouped_transposed_conv_where_torch_fails():
+    """torch's own fuse_conv_bn_eval(transpose=True) refuses or mis-scales groups=2; the fold is exact."""
+    model = randomize_bn(nn.Sequential(nn.ConvTranspose2d(4, 6, 3, groups=2), nn.BatchNorm2d(6)))
+    x = torch.randn(2, 4, 5, 5)
+    checked_fold(model, x)
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    try:
+        fused = fuse_conv_bn_eval(model[0], model[1], transpose=True)
+        torch_ok = torch.allclose(fused(x), model(x), atol=1e-4)
+    except Exception:
+        torch_ok = False
+    assert not torch_ok
+
+
+# -- forward folds -------------------------------------------------------------------------------------------
+
+
+def test_forward_fold_into_linear():
+    model = randomize_bn(nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 3, bias=False)))
+    folded, report = checked_fold(model, torch.randn(5, 6))
+    assert applied(report) == {"0": "fold into 1 (forward)"}
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_forward_fold_into_conv(dims, groups, padding_mode):
+    # padding 0 or a padding that copies input values (reflect) keeps the fold exact
+    padding = 0 if padding_mode == "zeros" else 1
+    conv = CONV[dims](4, 6, 3, stride=2, padding=padding, padding_mode=padding_mode, groups=groups)
+    model = randomize_bn(nn.Sequential(nn.ReLU(), BN[dims](4), conv), seed=groups)
+    folded, report = checked_fold(model, _x(dims))
+    assert applied(report) == {"1": "fold into 2 (forward)"}
+
+
+def test_backward_and_forward_into_one_linear():
+    model = randomize_bn(nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 5), nn.BatchNorm1d(5)))
+    folded, report = checked_fold(model, torch.randn(4, 6))
+    assert applied(report) == {"0": "fold into 1 (forward)", "2": "fold into 1 (backward)"}
+
+
+# -- functional BN -------------------------------------------------------------------------------------------
+
+
+class FunctionalBN(nn.Module):
+    def __init__(self, stats_as_params: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3)
+        make = (lambda t: nn.Parameter(t, requires_grad=False)) if stats_as_params else None
+        mean, var = torch.randn(5) * 2, torch.rand(5) * 3 + 0.1
+        if make:
+            self.mean, self.var = make(mean), make(var)
+        else:
+            self.register_buffer("mean", mean)
+            self.register_buffer("var", var)
+        self.w = nn.Parameter(torch.randn(5))
+        self.b = nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        return F.relu(F.batch_norm(self.conv(x), self.mean, self.var, self.w, self.b, False, 0.1, 1e-3))
+
+
+@pytest.mark.parametrize("stats_as_params", [False, True])
+def test_functional_batch_norm(stats_as_params):
+    model = FunctionalBN(stats_as_params).eval()
+    folded, report = checked_fold(model, torch.randn(2, 3, 8, 8))
+    assert applied(report) == {"batch_norm": "fold into conv (backward)"}
+    assert isinstance(folded, fx.GraphModule) and "mean" not in dict(folded.named_buffers())
+    assert "mean" not in dict(folded.named_parameters())
+
+
+def test_functional_batch_norm_with_batch_statistics_is_skipped():
+    class Train(FunctionalBN):
+        def forward(self, x):
+            return F.batch_norm(self.conv(x), self.mean, self.var, self.w, self.b, True, 0.0, 1e-3)
+
+    _, report = fold(Train(False).eval(), torch.randn(2, 3, 8, 8))
+    assert "batch statistics" in skipped(report)["batch_norm"]
+
+
+# -- dtypes --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_keeps_dtype(dtype):
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())).to(dtype)
+    folded, report = fold(model, torch.randn(2, 3, 8, 8, dtype=dtype))
+    assert report.passed and folded[0].weight.dtype == dtype and folded[0].bias.dtype == dtype
+    assert isinstance(folded[1], nn.Identity)
+
+
+# -- guards: each leaves the model exact and says why ----------------------------------------------------------
+
+
+class ConvUsedTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+class ConvCalledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn1, self.bn2 = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.bn1(self.conv(x)) + self.bn2(self.conv(x + 1))
+
+
+class BNCalledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.bn = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.bn(self.c1(x)) * self.bn(self.c2(x))
+
+
+class TiedConvs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.bn = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.bn(self.a(x)) + self.b(x)
+
+
+class LinearOnSequence(nn.Module):
+    """Linear on (N, L, C) + BatchNorm1d(L): BN normalizes the sequence dim, not the linear's features."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+GUARDS = [
+    (ConvUsedTwice(), (2, 3, 6, 6), "bn", "output is also used elsewhere"),
+    (ConvCalledTwice(), (2, 3, 6, 6), "bn1", "conv is called at 2 places"),
+    (BNCalledTwice(), (2, 3, 6, 6), "bn", "bn is called at 2 places"),
+    (TiedConvs(), (2, 3, 6, 6), "bn", "shares its weight with b"),
+    (LinearOnSequence(), (3, 4, 6), "bn", "writes features on the last dim"),
+    (nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)), (2, 3, 6, 6), "1",
+     "track_running_stats=False"),
+    (nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4)), (2, 3, 6, 6), "2",
+     "relu sits between 0 and the BN"),
+    (nn.Sequential(nn.ReLU(), nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3, padding=1)), (2, 3, 6, 6), "1",
+     "needs padding=0"),
+    (nn.Sequential(nn.ReLU(), nn.BatchNorm2d(3), nn.ConvTranspose2d(3, 4, 3)), (2, 3, 6, 6), "1",
+     "transposed conv"),
+]
+
+
+@pytest.mark.parametrize("model,shape,target,why", GUARDS, ids=[g[3].split()[-1] for g in GUARDS])
+def test_guard(model, shape, target, why):
+    model = randomize_bn(model)
+    folded, report = checked_fold(model, torch.randn(*shape))
+    assert why in skipped(report)[target], skipped(report)[target]
+    assert target not in applied(report)
+
+
+def test_linear_on_sequence_is_what_torch_fuse_gets_wrong():
+    from torch.fx.experimental.optimization import fuse
+
+    model = randomize_bn(LinearOnSequence())
+    x = torch.randn(3, 4, 6)
+    try:
+        err = float((fuse(model)(x) - model(x)).abs().max())
+    except Exception:  # a torch that refuses the pattern is fine too: the claim is only that it is not exact
+        err = float("inf")
+    assert err > 1e-2
+    folded, report = checked_fold(model, x)
+    assert not applied(report)
+
+
+def test_training_mode_is_an_error_unless_eval():
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).train()
+    x = torch.randn(2, 3, 6, 6)
+    with pytest.raises(NormconvError, match="training mode"):
+        fold(model, x)
+    folded, report = fold(model, x, eval_mode=True)
+    assert applied(report) and model.training  # the caller's model is untouched
+    assert torch.allclose(folded(x), model.eval()(x), atol=1e-5)
+
+
+def test_plan_and_pass_agree():
+    """inspect's plan and the pass's sites come from one analysis."""
+    from normconv.detect import find_norms
+    from normconv.graph import capture
+    from normconv.verify import Inputs
+
+    z = get("mlp")
+    model = z.build().eval()
+    cap = capture(model, Inputs(z.example_inputs()))
+    planned = FOLD.plan(cap, find_norms(cap))
+    _, report = fold(model, z.example_inputs())
+    assert planned == report.sites
