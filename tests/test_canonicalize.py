@@ -1,0 +1,401 @@
+"""canonicalize: every hand-written norm -> its native module, exactly; refusals carry reasons."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from normconv.detect import find_norms
+from normconv.graph import capture
+from normconv.models import ZOO
+from normconv.passes.canonicalize import CANONICALIZE, Float32Norm, canonicalize, plan
+from normconv.verify import Inputs, compare, run
+
+import hf_tiny
+from normconv.models.handwritten import GemmaRMSNorm, LayerNorm, LlamaRMSNorm, T5LayerNorm
+
+NATIVE = {"batchnorm": nn.modules.batchnorm._BatchNorm, "layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm,
+          "instancenorm": nn.modules.instancenorm._InstanceNorm}
+
+
+def zoo_case(name):
+    z = ZOO[name]
+    return z.build(), Inputs(z.example_inputs())
+
+
+def count(model, kind):
+    return sum(isinstance(m, NATIVE[kind]) for m in model.modules())
+
+
+def handwritten_left(model, inputs):
+    return [s.target for s in find_norms(capture(model, inputs)) if s.source == "handwritten"]
+
+
+def applied(report):
+    return [s for s in report.sites if s.applied]
+
+
+# -- the zoo's hand-written norms ------------------------------------------------------------------------
+
+# zoo model -> native modules expected afterwards (kind -> count), and whether the result is a GraphModule
+ZOO_EXPECT = {
+    "tutorial_bn": ({"batchnorm": 3}, False),
+    "tutorial_ln": ({"layernorm": 3}, False),
+    "tutorial_rms": ({"rmsnorm": 5}, False),
+    "inline_norm": ({"layernorm": 1, "rmsnorm": 1}, True),
+    "hf_style_norms": ({"rmsnorm": 5}, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO_EXPECT))
+def test_zoo_handwritten_norms_become_native(name):
+    model, inputs = zoo_case(name)
+    before_types = [type(m).__name__ for m in model.modules()]
+    new, report = canonicalize(model, inputs)
+    expect, graph = ZOO_EXPECT[name]
+    assert report.validation[0].passed
+    assert report.validation[0].max_abs_error < 1e-5
+    assert compare(run(model, inputs), run(new, inputs), 1e-5, 1e-5).passed
+    assert len(applied(report)) == ZOO[name].handwritten
+    assert handwritten_left(new, inputs) == []
+    for kind, n in expect.items():
+        assert count(new, kind) == n, kind
+        assert report.after[f"{kind} modules"] == n and report.before[f"{kind} modules"] == 0
+    assert report.after["parameters"] == report.before["parameters"]
+    assert isinstance(new, fx.GraphModule) == graph
+    if not graph:
+        assert type(new) is type(model)  # the user's own class comes back
+    assert [type(m).__name__ for m in model.modules()] == before_types  # the input model is untouched
+
+
+def test_tutorial_bn_state_dict_names_and_values():
+    model, inputs = zoo_case("tutorial_bn")
+    new, report = canonicalize(model, inputs)
+    sd, old = new.state_dict(), model.state_dict()
+    assert not any(k.endswith(("gamma", "beta", "moving_mean", "moving_var")) for k in sd)
+    for i in (1, 2, 3):
+        bn = getattr(new, f"bn{i}")
+        assert isinstance(bn, nn.BatchNorm1d if i == 3 else nn.BatchNorm2d) and not bn.training
+        torch.testing.assert_close(sd[f"bn{i}.weight"], old[f"bn{i}.gamma"].flatten())  # (1, C, 1, 1) -> (C,)
+        torch.testing.assert_close(sd[f"bn{i}.running_var"], old[f"bn{i}.moving_var"].flatten())
+    reason = next(s.reason for s in report.sites if s.target == "bn1")
+    assert "bn1.gamma -> bn1.weight" in reason and "bn1.moving_mean -> bn1.running_mean" in reason
+
+
+def test_gemma_weight_is_one_plus_w_and_eps_carried():
+    model, inputs = zoo_case("hf_style_norms")
+    new, _ = canonicalize(model, inputs)
+    old_g = model.model.layers[0].post_attention_layernorm
+    new_g = new.model.layers[0].post_attention_layernorm
+    assert isinstance(old_g, GemmaRMSNorm) and isinstance(new_g, nn.RMSNorm)
+    torch.testing.assert_close(new_g.weight, 1 + old_g.weight)
+    assert new_g.eps == 1e-6 and new.model.layers[0].input_layernorm.eps == 1e-5
+    assert isinstance(model.model.norm, T5LayerNorm) and isinstance(new.model.norm, nn.RMSNorm)
+
+
+def test_plan_matches_what_the_pass_does():
+    for name in ("inline_norm", "hf_style_norms"):
+        model, inputs = zoo_case(name)
+        cap = capture(model, inputs)
+        planned = plan(cap, find_norms(cap))
+        result = CANONICALIZE(model, cap)
+        assert [(s.target, s.applied, s.reason) for s in planned] == \
+            [(s.target, s.applied, s.reason) for s in result.sites]
+
+
+# -- tiny Hugging Face models (torch.export capture, module-form sites) ----------------------------------
+
+
+@pytest.mark.parametrize("name,sites", [("llama", 5), ("t5", 12), ("gemma", 5)])
+def test_hf_tiny_models(name, sites):
+    model, inputs = hf_tiny.TINY[name]()
+    new, report = canonicalize(model, inputs)
+    assert report.validation[0].passed and report.validation[0].max_abs_error < 1e-5
+    assert len(applied(report)) == sites and len(report.sites) == sites
+    assert count(new, "rmsnorm") == sites and count(model, "rmsnorm") == 0
+    assert type(new) is type(model)
+    assert handwritten_left(new, inputs) == []
+    if name == "gemma":
+        w = model.model.norm.weight
+        torch.testing.assert_close(new.model.norm.weight, 1 + w)
+
+
+# -- half precision: the float32-compute behaviour is kept ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_hf_style_norms(dtype):
+    model, inputs = zoo_case("hf_style_norms")
+    model = model.to(dtype)
+    new, report = canonicalize(model, inputs)
+    assert report.validation[0].passed
+    assert handwritten_left(new, inputs) == []
+    # Gemma's (1 + w) in float32 cannot live in a half weight: kept in float32 between casts, bit-exact
+    gemma = new.model.layers[0].post_attention_layernorm
+    assert isinstance(gemma, Float32Norm) and gemma.norm.weight.dtype == torch.float32
+    x = (torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1)) * 30).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(gemma(x), model.model.layers[0].post_attention_layernorm(x))
+        # Llama-style: native half RMSNorm computes in float32 and rounds once (Llama rounds twice): <= 1 ulp
+        llama_old, llama_new = model.model.layers[0].input_layernorm, new.model.layers[0].input_layernorm
+        assert isinstance(llama_old, LlamaRMSNorm) and isinstance(llama_new, nn.RMSNorm)
+        a, b = llama_old(x).float(), llama_new(x).float()
+        ulp = torch.finfo(dtype).eps * a.abs().clamp_min(torch.finfo(dtype).tiny)
+        assert ((a - b).abs() <= ulp * 1.01).all()
+        # statistics in float32: activations whose squares overflow half stay finite
+        big = torch.full((2, 32), 300.0, dtype=dtype)
+        assert llama_new(big).isfinite().all() and llama_old(big).isfinite().all()
+
+
+def test_half_precision_hf_gemma_bit_exact():
+    model, inputs = hf_tiny.tiny_gemma()
+    model = model.to(torch.float16)
+    new, report = canonicalize(model, inputs)
+    assert report.validation[0].max_abs_error == 0.0
+    assert all(isinstance(new.model.layers[i].input_layernorm, Float32Norm) for i in range(2))
+
+
+# -- other hand-written forms ---------------------------------------------------------------------------
+
+
+class InlineInstanceNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.w = nn.Parameter(torch.rand(1, 8, 1, 1) + 0.5)
+        self.b = nn.Parameter(torch.randn(1, 8, 1, 1))
+
+    def forward(self, x):
+        x = self.conv(x)
+        u = x.mean((2, 3), keepdim=True)
+        v = x.var((2, 3), keepdim=True, unbiased=False)
+        return torch.relu((x - u) / torch.sqrt(v + 1e-5) * self.w + self.b)
+
+
+class WeightOnlyLN(nn.Module):
+    def __init__(self, h=16):
+        super().__init__()
+        self.g = nn.Parameter(torch.rand(h) + 0.5)
+
+    def forward(self, x):
+        m = x.mean(-1, keepdim=True)
+        return (x - m) * torch.rsqrt(((x - m) ** 2).mean(-1, keepdim=True) + 1e-5) * self.g
+
+
+class NoEpsRMS(nn.Module):
+    def __init__(self, h=16):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(h) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * self.w
+
+
+class Wrap(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def test_inline_instance_norm():
+    torch.manual_seed(0)
+    model, inputs = InlineInstanceNorm().eval(), Inputs((torch.randn(2, 3, 8, 8),))
+    new, report = canonicalize(model, inputs)
+    assert report.validation[0].passed and report.validation[0].max_abs_error < 1e-5
+    assert isinstance(new, fx.GraphModule) and count(new, "instancenorm") == 1
+    (norm,) = [m for m in new.modules() if isinstance(m, nn.InstanceNorm2d)]
+    assert norm.affine and norm.eps == 1e-5 and not norm.track_running_stats
+    assert "InstanceNorm2d" in applied(report)[0].reason
+
+
+def test_weight_only_layernorm_gets_no_bias_and_eps_zero_is_kept():
+    torch.manual_seed(0)
+    inputs = Inputs((torch.randn(2, 5, 16),))
+    new, report = canonicalize(Wrap(WeightOnlyLN()).eval(), inputs)
+    assert isinstance(new.norm, nn.LayerNorm) and new.norm.bias is None and report.validation[0].passed
+    new, report = canonicalize(Wrap(NoEpsRMS()).eval(), inputs)  # eps 0 inside the sqrt: native eps=0.0 is exact
+    assert isinstance(new.norm, nn.RMSNorm) and new.norm.eps == 0.0
+    assert report.validation[0].max_abs_error < 1e-5
+
+
+# -- refusals --------------------------------------------------------------------------------------------
+
+
+class StatReused(nn.Module):  # the mean square feeds other code too
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x):
+        ms = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(ms + 1e-6) * self.w + ms
+
+
+class ChannelsFirstLN(nn.Module):  # ConvNeXt-style LN over dim 1
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+        self.b = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)
+        v = (x - u).pow(2).mean(1, keepdim=True)
+        return self.w[:, None, None] * ((x - u) / torch.sqrt(v + 1e-6)) + self.b[:, None, None]
+
+
+class EpsOutsideSqrt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x):
+        m = x.mean(-1, keepdim=True)
+        v = ((x - m) ** 2).mean(-1, keepdim=True)
+        return (x - m) / (torch.sqrt(v) + 1e-5) * self.w
+
+
+class TiedScale(nn.Module):  # the norm's scale is also the next layer's parameter
+    def __init__(self):
+        super().__init__()
+        self.norm = LlamaRMSNorm(16)
+        self.other = nn.Module()
+        self.other.scale = self.norm.weight
+
+    def forward(self, x):
+        return self.norm(x) * self.other.scale
+
+
+class KeywordCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x=x)
+
+
+@pytest.mark.parametrize("model,x,why", [
+    (StatReused(), torch.randn(2, 4, 16), "intermediate value of the norm is used outside it"),
+    (ChannelsFirstLN(), torch.randn(2, 8, 5, 5), "non-trailing dims [-3]"),
+    (TiedScale(), torch.randn(2, 4, 16), "is shared with other.scale"),
+    (KeywordCall(), torch.randn(2, 4, 16), "called with 0 positional and 1 keyword"),
+])
+def test_refusals_report_reasons_and_leave_the_model_unchanged(model, x, why):
+    inputs = Inputs((x,))
+    new, report = canonicalize(model.eval(), inputs)
+    ours = [s for s in report.sites if s.pass_name == "canonicalize"]
+    assert ours and not any(s.applied for s in ours)
+    assert any(why in s.reason for s in ours), [s.reason for s in ours]
+    assert report.validation[0].max_abs_error == 0.0
+    assert "no hand-written norm was replaced; the model is unchanged" in report.notes
+
+
+def test_eps_outside_sqrt_is_not_a_norm_site_and_is_left_alone():
+    inputs = Inputs((torch.randn(2, 4, 16),))
+    new, report = canonicalize(EpsOutsideSqrt().eval(), inputs)
+    assert not applied(report) and report.validation[0].max_abs_error == 0.0
+    assert type(new) is EpsOutsideSqrt
+
+
+def test_inline_norm_in_an_exported_graph_is_refused():
+    model, inputs = zoo_case("inline_norm")
+    new, report = canonicalize(model, inputs, method="torch.export")
+    inline = [s for s in report.sites if s.target in ("add_1", "mul_3") or "inline" in s.reason]
+    assert inline and all(not s.applied and "torch.export graph" in s.reason for s in inline)
+    assert type(new) is type(model)
+
+
+# -- property: random hand-written norm modules canonicalize exactly ------------------------------------
+
+
+class RandomNorm(nn.Module):
+    def __init__(self, kind, h, eps, weight, bias, upcast):
+        super().__init__()
+        self.kind, self.eps, self.upcast = kind, eps, upcast
+        self.w = nn.Parameter(torch.rand(h) + 0.5) if weight else None
+        self.b = nn.Parameter(torch.randn(h)) if bias else None
+
+    def forward(self, x):
+        h = x.float() if self.upcast else x
+        if self.kind == "layernorm":
+            m = h.mean(-1, keepdim=True)
+            y = (h - m) / torch.sqrt(h.var(-1, keepdim=True, unbiased=False) + self.eps)
+        else:
+            y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y.to(x.dtype)
+        if self.w is not None:
+            y = y * self.w
+        if self.b is not None:
+            y = y + self.b
+        return y
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["layernorm", "rmsnorm"]), h=st.integers(2, 48),
+       eps=st.sampled_from([1e-12, 1e-6, 1e-5, 1e-3, 0.1]), weight=st.booleans(), bias=st.booleans(),
+       upcast=st.booleans(), seed=st.integers(0, 1000))
+def test_random_handwritten_norms_canonicalize_exactly(kind, h, eps, weight, bias, upcast, seed):
+    if kind == "rmsnorm":
+        bias = False
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(h, h), RandomNorm(kind, h, eps, weight, bias, upcast)).eval()
+    inputs = Inputs((torch.randn(3, 7, h, generator=g) * 4,))
+    new, report = canonicalize(model, inputs)
+    assert len(applied(report)) == 1, [s.reason for s in report.sites]
+    assert count(new, kind) == 1
+    assert report.validation[0].passed and report.validation[0].max_abs_error < 1e-4
+
+
+# -- command line ---------------------------------------------------------------------------------------
+
+
+def test_cli_writes_a_loadable_model_and_json_shape(cli, tmp_path):
+    out = tmp_path / "ln.pt"
+    code, stdout, _ = cli("canonicalize", "zoo:tutorial_ln", "-o", out, "--json")
+    assert code == 0, stdout
+    doc = json.loads(stdout)
+    assert {"command", "model", "output", "sites", "validation", "before", "after", "notes"} <= set(doc)
+    assert doc["command"] == "canonicalize" and doc["output"] == str(out) and doc["validation"]["passed"]
+    assert [s["applied"] for s in doc["sites"]] == [True] * 3
+    assert set(doc["sites"][0]) == {"pass", "target", "applied", "reason"}
+    assert doc["before"]["layernorm modules"] == 0 and doc["after"]["layernorm modules"] == 3
+    from normconv.io import load
+
+    loaded = load(str(out))  # native modules and the zoo's classes only: no --trust-pickle needed
+    assert count(loaded.model, "layernorm") == 3
+    ref_model, inputs = zoo_case("tutorial_ln")
+    assert compare(run(ref_model, inputs), run(loaded.model, inputs), 1e-5, 1e-5).passed
+
+
+def test_cli_table_output(cli):
+    code, stdout, _ = cli("canonicalize", "zoo:inline_norm")
+    assert code == 0
+    assert "canonicalize: 2 applied, 2 skipped" in stdout and "PASSED" in stdout
+    assert "torch.fx.GraphModule" in stdout
+
+
+def test_cli_tolerance_miss_exits_1_and_writes_nothing(cli, tmp_path):
+    out = tmp_path / "out.pt"
+    code, stdout, stderr = cli("canonicalize", "zoo:tutorial_ln", "-o", out, "--atol", "0", "--rtol", "0", "--json")
+    assert code == 1
+    assert "outputs differ beyond tolerance" in stderr and "nothing written" in stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+    assert json.loads(stdout)["validation"]["passed"] is False
+
+
+def test_cli_bad_input_exits_2(cli, tmp_path):
+    code, _, stderr = cli("canonicalize", str(tmp_path / "missing.pt"))
+    assert code == 2 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1
+    code, _, stderr = cli("canonicalize", "zoo:tutorial_ln", "-o", tmp_path / "no" / "such" / "dir.pt")
+    assert code == 2 and "does not exist" in stderr
