@@ -1,45 +1,445 @@
-"""ONNX export with one fused op per norm (plan only in this module so far; the exporter builds on it).
+"""ONNX export with one fused op per norm, validated in onnxruntime.
 
   layernorm     -> LayerNormalization (opset >= 17)
   rmsnorm       -> RMSNormalization (opset >= 23) | SimplifiedLayerNormalization (--target ort)
-                   | normconv.RMSNorm with an ONNX function body (opsets without a standard RMS op)
-  groupnorm     -> GroupNormalization (opset >= 21)
+                   | normconv.RMSNorm with an ONNX function body (--target onnx below opset 23)
+  groupnorm     -> GroupNormalization (opset >= 21) | normconv.GroupNorm with a function body (below 21)
   instancenorm  -> InstanceNormalization
   batchnorm     -> folded into its conv / linear, else BatchNormalization
   residual add feeding a norm (--target ort) -> SkipLayerNormalization / SkipSimplifiedLayerNormalization
+  hand-written norms are canonicalized into native modules first (else they stay primitive ops)
+
+Flow: canonicalize + fold (exact, verified against torch) -> torch.onnx.export (dynamo) with normconv's
+translations (onnx_ops) -> lower placeholders for the target -> skip fusion (onnx_fuse, --target ort)
+-> write into a temp folder -> onnx.checker where the ops allow -> onnxruntime validation (onnx_validate)
+-> rename into place. Any failure leaves no file under the requested name.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import collections
+import contextlib
+import copy
+import io
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
 
 from normconv.detect import NormSite
+from normconv.errors import NormconvError, VerificationError
 from normconv.graph import Captured
-from normconv.report import Site
+from normconv.report import Report, Site
 
 NAME = "export"
-
-_OPS = {
-    "layernorm": "LayerNormalization",
-    "rmsnorm": "RMSNormalization (opset 23) / SimplifiedLayerNormalization (ort)",
-    "groupnorm": "GroupNormalization",
-    "instancenorm": "InstanceNormalization",
-    "batchnorm": "BatchNormalization",
-}
+OPSETS = range(17, 24)
+DEFAULT_OPSET = 18
+TARGETS = ("onnx", "ort")
+EXTERNAL_DATA_BYTES = 2 * 1024 ** 3  # protobuf's limit: larger models keep weights in a .data sidecar
+# ops a decomposed norm leaves behind; after normconv's export none of them should come from a norm
+DECOMPOSED_NORM_OPS = ("ReduceMean", "Pow", "Sqrt", "Reciprocal")
 
 
-def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+# ---------------------------------------------------------------------------------------------------------
+# plan: what export does at each norm site (inspect shows it; export_onnx reports the same decisions)
+
+
+def _rms_op(target: str, opset: int) -> str:
+    if target == "ort":
+        return "SimplifiedLayerNormalization"
+    return "RMSNormalization" if opset >= 23 else "normconv.RMSNorm (ONNX function body attached)"
+
+
+def _op_for(kind: str, target: str, opset: int) -> str:
+    if kind == "layernorm":
+        return "LayerNormalization"
+    if kind == "rmsnorm":
+        return _rms_op(target, opset)
+    if kind == "groupnorm":
+        return "GroupNormalization" if opset >= 21 else "normconv.GroupNorm (ONNX function body attached)"
+    if kind == "instancenorm":
+        return "InstanceNormalization"
+    return "BatchNormalization"
+
+
+def plan(cap: Captured, norms: Sequence[NormSite], target: str = "onnx", opset: int = DEFAULT_OPSET,
+         canonicalize: bool = True, fold: bool = True) -> list[Site]:
+    """Per norm site: the one op it becomes at this target and opset, or why it stays several ops."""
+    canon = _planned(cap, norms, "canonicalize") if canonicalize else {}
+    folds = _planned(cap, norms, "fold") if fold else {}
     out = []
     for s in norms:
-        op = _OPS[s.kind]
-        if s.kind == "batchnorm":
-            reason = "folded into its neighbour when fold applies, else one BatchNormalization"
+        op = _op_for(s.kind, target, opset)
+        applied = True
+        if s.kind == "batchnorm" and folds.get(s.target, (False, ""))[0]:
+            # conv -> bn  =>  folded into the conv / linear, no norm op left
+            reason = "folded into its neighbour (fold pass)"
+        elif s.kind == "batchnorm":
+            # bn without a foldable neighbour  =>  one BatchNormalization (the exporter may still fuse Conv+BN)
+            reason = f"one {op}" + (f" ({folds[s.target][1]})" if s.target in folds else "")
         elif s.source == "handwritten":
-            reason = f"one {op} after canonicalize (hand-written: {len(s.nodes)} ops otherwise)"
+            ok, why = canon.get(s.target, (False, "canonicalize is switched off" if not canonicalize else
+                                            "canonicalize pass not available"))
+            # hand-written norm  =>  canonicalized to a native module, then one op; else it stays primitive ops
+            applied = ok
+            reason = f"one {op} after canonicalize" if ok else f"stays {len(s.nodes)} primitive ops: {why}"
         else:
             reason = f"one {op}"
-        if s.kind in ("layernorm", "rmsnorm") and s.placement in ("post-norm", "final-norm"):
-            reason += "; residual add fuses into Skip" + ("Simplified" if s.kind == "rmsnorm" else "") + \
-                      "LayerNormalization (--target ort)"
-        out.append(Site(NAME, s.target, True, reason))
+        if target == "ort" and s.kind in ("layernorm", "rmsnorm") and s.producer == "add" and applied:
+            # residual add -> norm  =>  one Skip(Simplified)LayerNormalization when shapes allow
+            reason += "; its residual add fuses into Skip" + ("Simplified" if s.kind == "rmsnorm" else "") + \
+                      "LayerNormalization when both operands have the same shape"
+        out.append(Site(NAME, s.target, applied, reason))
     return out
+
+
+def _planned(cap: Captured, norms: Sequence[NormSite], which: str) -> dict[str, tuple[bool, str]]:
+    """target -> (applied, reason) from the fold / canonicalize plans (empty when the pass is missing)."""
+    try:
+        if which == "fold":
+            from normconv.passes import fold_batchnorm as mod
+        else:
+            from normconv.passes import canonicalize as mod
+        return {p.target: (p.applied, p.reason) for p in mod.plan(cap, norms)}
+    except Exception:  # a pass still being written must not break export's plan
+        return {}
+
+
+def preprocess_passes(canonicalize: bool = True, fold: bool = True) -> list[Any]:
+    """The exact passes that run before export: canonicalize hand-written norms, then fold BatchNorm."""
+    passes = []
+    if canonicalize:
+        try:
+            from normconv.passes.canonicalize import CANONICALIZE
+
+            passes.append(CANONICALIZE)
+        except ImportError:
+            pass
+    if fold:
+        try:
+            from normconv.passes.fold_batchnorm import FOLD
+
+            passes.append(FOLD)
+        except ImportError:
+            pass
+    return passes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.onnx prints progress to stdout and warnings to stderr / logging: keep our output ours."""
+    loggers = [logging.getLogger(n) for n in ("torch", "torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [l for l in str(exc).strip().splitlines() if l.strip()]
+    return f"{type(exc).__name__}: {lines[0][:240]}" if lines else type(exc).__name__
+
+
+def dynamic_shapes(model: nn.Module, inputs) -> dict[str, Any] | None:
+    """Batch (dim 0) and sequence (dim 1 of token ids / (B, L, C) activations) as Dim.AUTO: export keeps them
+    dynamic where the model allows and specializes the rest without failing."""
+    import inspect
+
+    auto = torch.export.Dim.AUTO
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and inputs.args:
+        return None
+
+    def spec(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return None
+        dims = {0: auto}
+        if x.dim() >= 2 and (not x.is_floating_point() and x.dim() == 2 or x.is_floating_point() and x.dim() == 3):
+            dims[1] = auto
+        return dims
+
+    shapes = {params[i].name: spec(a) for i, a in enumerate(inputs.args)}
+    shapes.update({k: spec(v) for k, v in inputs.kwargs.items()})
+    return shapes
+
+
+def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool):
+    """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export."""
+    from .onnx_ops import translation_table
+
+    kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False)
+    if normconv_ops:
+        kwargs["custom_translation_table"] = translation_table()
+    if dynamic:
+        kwargs["dynamic_shapes"] = dynamic_shapes(model, inputs)
+    try:
+        with _quiet(), torch.no_grad():
+            program = torch.onnx.export(model, tuple(inputs.args), kwargs=dict(inputs.kwargs) or None, **kwargs)
+    except Exception as exc:
+        raise NormconvError(f"cannot export {type(model).__name__} to ONNX at opset {opset}: {_one_line(exc)}") \
+            from None
+    if program is None or program.model is None:
+        raise NormconvError(f"cannot export {type(model).__name__} to ONNX: the exporter returned no model")
+    return program
+
+
+def op_counts(model) -> dict[str, int]:
+    """Op types of the main graph ('domain.Op' outside the default domain), most frequent first."""
+    c = collections.Counter((f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type)
+                            for n in model.graph)
+    return dict(c.most_common())
+
+
+def fused_norms(model) -> dict[str, int]:
+    from .onnx_ops import FUSED_NORM_OPS
+
+    out: dict[str, int] = {}
+    for n in model.graph:
+        kind = FUSED_NORM_OPS.get(("" if n.domain == "ai.onnx" else n.domain, n.op_type))
+        if kind is not None:
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def _dynamic_axes(model) -> dict[str, list[str]]:
+    return {v.name: [str(d) for d in v.shape] for v in model.graph.inputs
+            if v.shape is not None and any(not isinstance(d, int) for d in v.shape)}
+
+
+def _nbytes(model) -> int:
+    return sum(int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def _check(path: Path, model) -> str:
+    """onnx.checker where the ops allow it: SimplifiedLayerNormalization sits in the default domain unregistered."""
+    import onnx
+
+    if any(n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx") for n in model.graph):
+        return "skipped: SimplifiedLayerNormalization is an onnxruntime op in the default domain (checker rejects it)"
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as exc:
+        return f"failed: {_one_line(exc)}"
+    return "passed"
+
+
+def _check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
+    if target not in TARGETS:
+        raise NormconvError(f"unknown --target {target!r}; choose onnx or ort")
+    if opset not in OPSETS:
+        raise NormconvError(f"unsupported --opset {opset}: normconv exports opsets 17 to 23")
+    out = Path(path)
+    if out.suffix != ".onnx":
+        raise NormconvError(f"output {path} must end with .onnx")
+    if not out.parent.exists():
+        raise NormconvError(f"cannot write {path}: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise NormconvError(f"cannot write {path}: it is a folder")
+    return out
+
+
+def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str = "onnx", opset: int = DEFAULT_OPSET,
+                *, dynamic: bool = False, fold: bool = True, canonicalize: bool = True,
+                validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
+                baseline: bool = True, repeats: int = 10, spec: str | None = None) -> Report:
+    """Export ``model`` on ``inputs`` to ``path`` with one fused op per norm, validated in onnxruntime.
+
+    Raises NormconvError (bad arguments, unexportable model) or VerificationError (outputs beyond tolerance,
+    checker failure); in both cases nothing is left under ``path``.
+    """
+    import onnx_ir as ir
+
+    from .detect import find_norms
+    from .graph import capture
+    from .onnx_fuse import fuse_skip_norms
+    from .onnx_ops import lower_norm_ops
+    from .onnx_validate import validate as ort_validate
+    from .pipeline import apply_passes
+    from .verify import Inputs, compare, run
+
+    out = _check_args(path, target, opset)
+    if not isinstance(inputs, Inputs):
+        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
+    model = model.eval()
+    reference = run(model, inputs)
+    report = Report(command=NAME, model=spec or type(model).__name__)
+    extra: dict[str, Any] = {"target": target, "opset": opset}
+    report.extra = extra
+
+    # norm sites and the plan (the same analysis inspect shows)
+    norms: list[NormSite] = []
+    try:
+        cap = capture(model, inputs)
+        norms = find_norms(cap)
+        report.sites.extend(plan(cap, norms, target, opset, canonicalize, fold))
+    except NormconvError as exc:
+        report.notes.append(f"norm detection unavailable: {exc}")
+    sites_by_kind = dict(collections.Counter(s.kind for s in norms))
+    extra["norm_sites"] = sites_by_kind
+
+    # exact rewrites first, verified against the original model
+    passes = preprocess_passes(canonicalize, fold)
+    extra["passes"] = [p.name for p in passes]
+    prepared = model
+    if passes:
+        with _quiet():
+            prepared, pass_sites = apply_passes(model, inputs, passes)
+        report.sites.extend(pass_sites)
+        check = compare(reference, run(prepared, inputs), atol, rtol, label="torch, after " +
+                        " + ".join(p.name for p in passes))
+        report.validation.append(check)
+        if not check.passed:
+            raise VerificationError(f"export: {check.label} differs from the original beyond tolerance "
+                                    f"(max abs error {check.max_abs_error:.3g}); nothing written", report)
+    missing = [n for n, on in (("canonicalize", canonicalize), ("fold", fold)) if on and
+               n not in extra["passes"]]
+    if missing:
+        report.notes.append(f"pass(es) not available, skipped: {', '.join(missing)}")
+
+    program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic)
+    onnx_model = program.model
+    extra["lowered"] = lower_norm_ops(onnx_model, target, opset)
+    if target == "ort":
+        for name, fused, reason in fuse_skip_norms(onnx_model):
+            report.sites.append(Site(NAME + ":skip-fusion", name, fused, reason))
+    after = op_counts(onnx_model)
+    report.after = after
+    fused = fused_norms(onnx_model)
+    extra["fused_norm_ops"] = fused
+    extra["skip_fused"] = sum(v for k, v in after.items() if k.startswith("com.microsoft.Skip"))
+    extra["leftover_decomposed_ops"] = {k: after[k] for k in DECOMPOSED_NORM_OPS if k in after}
+    non_bn_sites = sum(v for k, v in sites_by_kind.items() if k != "batchnorm")
+    non_bn_fused = sum(v for k, v in fused.items() if k != "batchnorm")
+    extra["fused_matches_sites"] = (non_bn_fused == non_bn_sites
+                                    and fused.get("batchnorm", 0) <= sites_by_kind.get("batchnorm", 0))
+    extra["folded_batchnorm"] = sites_by_kind.get("batchnorm", 0) - fused.get("batchnorm", 0)
+    if norms and not extra["fused_matches_sites"]:
+        report.notes.append(f"fused norm ops ({non_bn_fused} + {fused.get('batchnorm', 0)} BatchNormalization) "
+                            f"differ from norm sites ({non_bn_sites} + {sites_by_kind.get('batchnorm', 0)} batchnorm)")
+    extra["dynamic_axes"] = _dynamic_axes(onnx_model)
+    if dynamic and not extra["dynamic_axes"]:
+        report.notes.append("--dynamic: the model specializes every input dimension; the graph is static")
+
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=str(out.parent)))
+    try:
+        tmp = tmpdir / out.name
+        external = _nbytes(onnx_model) > EXTERNAL_DATA_BYTES
+        with _quiet():
+            ir.save(onnx_model, str(tmp), external_data=(out.name + ".data") if external else None)
+        extra["external_data"] = (out.name + ".data") if external else None
+        extra["checker"] = _check(tmp, onnx_model)
+        extra["bytes"] = sum(f.stat().st_size for f in tmpdir.iterdir())
+        if extra["checker"].startswith("failed"):
+            raise VerificationError(f"export: onnx.checker rejects the exported model ({extra['checker']}); "
+                                    f"nothing written", report)
+
+        if baseline:
+            _baseline(model, inputs, opset, dynamic, tmpdir, validate, repeats, report)
+        result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
+        for provider, why in result.unavailable.items():
+            report.notes.append(f"{provider}: not validated: {why}")
+        report.validation.extend(r.validation for r in result.runs)
+        extra["ort"] = [{"provider": r.provider, "optimizations": r.level, "passed": r.validation.passed,
+                         "max_abs_error": r.validation.max_abs_error, "max_rel_error": r.validation.max_rel_error,
+                         "min_atol": r.min_atol, "min_rtol": r.min_rtol, "latency_ms": r.latency_ms}
+                        for r in result.runs]
+        extra["latency_ms"] = {r.provider: r.latency_ms for r in result.runs if r.latency_ms is not None}
+        if not result.passed:
+            bad = next(r for r in result.runs if not r.validation.passed)
+            raise VerificationError(
+                f"export: {bad.validation.label} differs from torch beyond tolerance (max abs error "
+                f"{bad.validation.max_abs_error:.3g}, atol {bad.validation.atol:g}, rtol {bad.validation.rtol:g}; "
+                f"smallest passing atol {bad.min_atol:.3g}); nothing written", report)
+        if validate and not result.runs:
+            report.notes.append("no onnxruntime validation ran")
+        for f in tmpdir.iterdir():
+            if f.is_file() and f.name != "baseline.onnx":
+                os.replace(f, out.parent / f.name)
+        report.output = str(out)
+    except (VerificationError, NormconvError):
+        raise
+    except Exception as exc:
+        raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}") from None
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return report
+
+
+def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, report: Report) -> None:
+    """Plain torch.onnx.export of the original model: op counts, and its latency at ORT's default level."""
+    import onnx_ir as ir
+
+    from .onnx_validate import available, feeds, latency_ms, session
+
+    try:
+        plain = torch_export(model, inputs, opset, normconv_ops=False, dynamic=dynamic)
+    except NormconvError as exc:
+        report.notes.append(f"plain torch.onnx.export failed, no baseline: {exc}")
+        return
+    report.before = op_counts(plain.model)
+    report.extra["baseline_fused_norm_ops"] = fused_norms(plain.model)
+    path = tmpdir / "baseline.onnx"
+    with _quiet():
+        ir.save(plain.model, str(path))
+    lat = {}
+    for name in validate:
+        if available(name) is None and repeats > 0:
+            from .onnx_validate import PROVIDERS
+
+            sess = session(str(path), PROVIDERS[name], "default")
+            lat[name] = latency_ms(sess, feeds(sess, model, inputs), repeats)
+    report.extra["baseline_latency_ms"] = lat
+
+
+def print_export(report: Report) -> None:
+    """Op counts side by side, the per-site plan, validations, latency."""
+    from .report import console, render_sites, render_validation, table
+
+    c = console()
+    ex = report.extra
+    keys = list(dict.fromkeys([*report.after, *report.before]))
+    c.print(table(f"op types: normconv ({ex.get('target')}, opset {ex.get('opset')}) vs plain torch.onnx.export",
+                  ["op", "normconv", "plain"], [[k, report.after.get(k, 0), report.before.get(k, 0)] for k in keys]))
+    if report.sites:
+        c.print(render_sites(report.sites, "export plan and passes"))
+    fused = sum(ex.get("fused_norm_ops", {}).values())
+    sites = sum(ex.get("norm_sites", {}).values())
+    c.print(f"fused norm ops: {fused} ({ex.get('fused_norm_ops')}), norm sites: {sites} ({ex.get('norm_sites')}), "
+            f"folded batchnorm: {ex.get('folded_batchnorm')}, skip-fused: {ex.get('skip_fused')}, "
+            f"leftover ReduceMean/Pow/Sqrt/Reciprocal: {ex.get('leftover_decomposed_ops') or 'none'}")
+    for v in report.validation:
+        c.print(render_validation(v))
+    rows = [[r["provider"], r["optimizations"], r["max_abs_error"], r["min_atol"], r["min_rtol"],
+             r["latency_ms"], ex.get("baseline_latency_ms", {}).get(r["provider"]) if r["latency_ms"] else None]
+            for r in ex.get("ort", [])]
+    if rows:
+        c.print(table("onnxruntime", ["provider", "optimizations", "max abs err", "smallest atol", "smallest rtol",
+                                      "latency ms", "plain export ms"], rows))
+    c.print(f"checker: {ex.get('checker')}; dynamic axes: {ex.get('dynamic_axes') or 'none'}")
+    for n in report.notes:
+        c.print(f"note: {n}")
+    if report.output:
+        c.print(f"wrote {report.output}")
+
+
+__all__ = ["export_onnx", "plan", "print_export", "op_counts", "fused_norms", "DEFAULT_OPSET", "OPSETS", "TARGETS"]

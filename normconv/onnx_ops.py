@@ -1,0 +1,248 @@
+"""Norm ops for ONNX export: exporter translations to normconv placeholders, then lowering to the target's op.
+
+The dynamo exporter decomposes ``aten.rms_norm`` below opset 23 (an ``rsqrt`` chain onnxruntime does not fuse)
+and ``aten.group_norm`` below opset 21 (Reshape + InstanceNormalization + Reshape + Mul + Add). normconv keeps
+each as one node instead:
+
+  1. export: ``custom_translation_table`` maps each aten op to a placeholder node in the ``normconv`` domain
+     (built from a hand-written ``onnx.defs.OpSchema``; the recorder needs one):
+       rms_norm(x, shape, w, eps)          -> normconv.RMSNorm(x, w; axes=[-k..-1], epsilon)
+       group_norm(x, G, w, b, eps)         -> normconv.GroupNorm(x, w, b; num_groups=G, epsilon)
+  2. lower (``lower_norm_ops``) on the exported onnx_ir model:
+       RMSNorm, target ort                 -> SimplifiedLayerNormalization (default domain, ORT kernel)
+       RMSNorm, target onnx, opset >= 23   -> RMSNormalization
+       RMSNorm, target onnx, opset < 23    -> stays normconv.RMSNorm, its FunctionProto attached (inlined by ORT)
+       GroupNorm, opset >= 21              -> GroupNormalization (per-channel scale/bias, opset 21 semantics)
+       GroupNorm, opset < 21               -> stays normconv.GroupNorm, its FunctionProto attached
+
+Function bodies (computed in float32, cast back to X's type):
+  RMSNorm(X, w)   = CastLike(X32 / sqrt(mean_axes(X32 * X32) + eps), X) * w
+  GroupNorm(X, w, b) = reshape(InstanceNorm(reshape(X, [N, G, -1])), [N, C, -1]) * w[:, None] + b[:, None]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import defs, helper
+
+DOMAIN = "normconv"
+MS_DOMAIN = "com.microsoft"
+
+# every op type that counts as one fused norm in an exported graph, by (domain, op_type)
+FUSED_NORM_OPS = {
+    ("", "LayerNormalization"): "layernorm",
+    ("", "RMSNormalization"): "rmsnorm",
+    ("", "SimplifiedLayerNormalization"): "rmsnorm",
+    (DOMAIN, "RMSNorm"): "rmsnorm",
+    ("", "GroupNormalization"): "groupnorm",
+    (DOMAIN, "GroupNorm"): "groupnorm",
+    ("", "InstanceNormalization"): "instancenorm",
+    ("", "BatchNormalization"): "batchnorm",
+    (MS_DOMAIN, "SkipLayerNormalization"): "layernorm",
+    (MS_DOMAIN, "SkipSimplifiedLayerNormalization"): "rmsnorm",
+}
+
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+_P = defs.OpSchema.FormalParameter
+_A = defs.OpSchema.Attribute
+_AT = defs.OpSchema.AttrType
+
+_RMS_SCHEMA = defs.OpSchema(
+    "RMSNorm", DOMAIN, 1, inputs=[_P("X", "T"), _P("scale", "T")], outputs=[_P("Y", "T")],
+    type_constraints=[("T", _FLOATS, "float tensors")],
+    attributes=[_A("axes", _AT.INTS, "normalized axes (trailing, negative)"), _A("epsilon", _AT.FLOAT, "eps")])
+_GN_SCHEMA = defs.OpSchema(
+    "GroupNorm", DOMAIN, 1, inputs=[_P("X", "T"), _P("scale", "T"), _P("bias", "T")], outputs=[_P("Y", "T")],
+    type_constraints=[("T", _FLOATS, "float tensors")],
+    attributes=[_A("num_groups", _AT.INT, "groups"), _A("epsilon", _AT.FLOAT, "eps")])
+
+# ir.DataType -> numpy dtype name for constants and finfo (bfloat16 through ml_dtypes)
+_EPS_BY_DTYPE = {ir.DataType.FLOAT: float(np.finfo(np.float32).eps), ir.DataType.FLOAT16: float(np.finfo(np.float16).eps),
+                 ir.DataType.DOUBLE: float(np.finfo(np.float64).eps), ir.DataType.BFLOAT16: 2.0 ** -7}
+
+
+def _ops():
+    from onnxscript import values
+
+    opset = values.Opset(DOMAIN, 1)
+    return values.Op(opset, "RMSNorm", _RMS_SCHEMA), values.Op(opset, "GroupNorm", _GN_SCHEMA)
+
+
+def _const(fill: float, shape: list[int], like: Any):
+    """A constant shaped ``shape`` in ``like``'s dtype (a norm without a learned scale or shift)."""
+    from onnxscript import opset18 as op
+
+    dtype = like.dtype if like.dtype is not None else ir.DataType.FLOAT
+    return op.Constant(value=ir.tensor(np.full(shape, fill, dtype=dtype.numpy())))
+
+
+def _ones(shape: list[int], like: Any):
+    return _const(1.0, shape, like)
+
+
+def _zeros(shape: list[int], like: Any):
+    return _const(0.0, shape, like)
+
+
+def translation_table() -> dict:
+    """aten op -> translation emitting a normconv placeholder (lowered afterwards by ``lower_norm_ops``)."""
+    import torch
+
+    rms_op, gn_op = _ops()
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        # rms_norm(x, shape, w, eps)  =>  normconv.RMSNorm(x, w)
+        shape = [int(d) for d in normalized_shape]
+        if eps is None:  # torch's default: finfo(x.dtype).eps
+            eps = _EPS_BY_DTYPE.get(input.dtype, _EPS_BY_DTYPE[ir.DataType.FLOAT])
+        scale = weight if weight is not None else _ones(shape, input)
+        return rms_op(input, scale, axes=list(range(-len(shape), 0)), epsilon=float(eps))
+
+    def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+        # group_norm(x, G, w, b, eps)  =>  normconv.GroupNorm(x, w, b)
+        channels = input.shape[1] if input.shape is not None else None
+        if (weight is None or bias is None) and not isinstance(channels, int):
+            raise ValueError("group_norm without affine needs a static channel count")
+        scale = weight if weight is not None else _ones([channels], input)
+        shift = bias if bias is not None else _zeros([channels], input)
+        return gn_op(input, scale, shift, num_groups=int(num_groups), epsilon=float(eps))
+
+    return {torch.ops.aten.rms_norm.default: rms_norm, torch.ops.aten.group_norm.default: group_norm}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# lowering placeholders to the target's ops
+
+
+def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    a = node.attributes.get(name)
+    return a.value if a is not None else default
+
+
+def _replace(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
+    ir.convenience.replace_nodes_and_values(graph, old, [old], [new], old.outputs[:1], new.outputs[:1])
+
+
+def lower_norm_ops(model: ir.Model, target: str, opset: int) -> dict[str, int]:
+    """Turn normconv placeholders into the target's ops in place; returns counts of what each became."""
+    made: dict[str, int] = {}
+    kept: set[str] = set()
+    for node in list(model.graph):
+        if node.domain != DOMAIN:
+            continue
+        eps = float(_attr(node, "epsilon", 1e-5))
+        new = None
+        if node.op_type == "RMSNorm":
+            axis = int(_attr(node, "axes")[0])
+            attrs = {"axis": axis, "epsilon": eps, "stash_type": 1}
+            if target == "ort":
+                # rms_norm, --target ort  =>  SimplifiedLayerNormalization (onnxruntime kernel, any opset)
+                new = ir.Node("", "SimplifiedLayerNormalization", node.inputs[:2],
+                              ir.convenience.convert_attributes(attrs), num_outputs=1)
+            elif opset >= 23:
+                # rms_norm, opset >= 23  =>  RMSNormalization
+                new = ir.Node("", "RMSNormalization", node.inputs[:2], ir.convenience.convert_attributes(attrs),
+                              num_outputs=1)
+        elif node.op_type == "GroupNorm" and opset >= 21:
+            # group_norm, opset >= 21  =>  GroupNormalization (per-channel affine)
+            attrs = {"num_groups": int(_attr(node, "num_groups")), "epsilon": eps, "stash_type": 1}
+            new = ir.Node("", "GroupNormalization", node.inputs[:3], ir.convenience.convert_attributes(attrs),
+                          num_outputs=1)
+        if new is None:
+            # no standard op at this opset  =>  keep normconv.<op>, attach its function body
+            kept.add(node.op_type)
+            made[f"{DOMAIN}.{node.op_type}"] = made.get(f"{DOMAIN}.{node.op_type}", 0) + 1
+            continue
+        made[new.op_type] = made.get(new.op_type, 0) + 1
+        _replace(model.graph, node, new)
+    default_opset = model.opset_imports.get("", opset)
+    for op_type in sorted(kept):
+        fn = ir.serde.deserialize_function(function_proto(op_type, default_opset))
+        model.functions[fn.identifier()] = fn
+    if kept:
+        model.opset_imports[DOMAIN] = 1
+    else:
+        model.opset_imports.pop(DOMAIN, None)
+    return made
+
+
+# ---------------------------------------------------------------------------------------------------------
+# function bodies
+
+
+def _ref(name: str, ref: str, typ: int) -> onnx.AttributeProto:
+    a = onnx.AttributeProto()
+    a.name, a.ref_attr_name, a.type = name, ref, typ
+    return a
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], refs: tuple = (), **attrs) -> onnx.NodeProto:
+    n = helper.make_node(op, inputs, outputs, **attrs)
+    n.attribute.extend(refs)
+    return n
+
+
+def function_proto(op_type: str, opset: int) -> onnx.FunctionProto:
+    """The ONNX function body of normconv.<op_type> in default-domain opset ``opset``."""
+    if op_type == "RMSNorm":
+        return _rms_function(opset)
+    if op_type == "GroupNorm":
+        return _group_norm_function(opset)
+    raise ValueError(f"no function body for {DOMAIN}.{op_type}")
+
+
+def _rms_function(opset: int) -> onnx.FunctionProto:
+    A = onnx.AttributeProto
+    nodes = [_node("Cast", ["X"], ["X32"], to=onnx.TensorProto.FLOAT),
+             _node("Mul", ["X32", "X32"], ["Sq"])]
+    if opset >= 18:  # ReduceMean takes axes as an input from opset 18
+        nodes += [_node("Constant", [], ["Axes"], (_ref("value_ints", "axes", A.INTS),)),
+                  _node("ReduceMean", ["Sq", "Axes"], ["MeanSq"], keepdims=1)]
+    else:
+        nodes += [_node("ReduceMean", ["Sq"], ["MeanSq"], (_ref("axes", "axes", A.INTS),), keepdims=1)]
+    nodes += [_node("Constant", [], ["Eps"], (_ref("value_float", "epsilon", A.FLOAT),)),
+              _node("Add", ["MeanSq", "Eps"], ["Var"]),
+              _node("Sqrt", ["Var"], ["Rms"]),
+              _node("Div", ["X32", "Rms"], ["N32"]),
+              _node("CastLike", ["N32", "X"], ["N"]),
+              _node("Mul", ["N", "scale"], ["Y"])]
+    return helper.make_function(DOMAIN, "RMSNorm", ["X", "scale"], ["Y"], nodes,
+                                [helper.make_opsetid("", opset)], attributes=["axes", "epsilon"],
+                                doc_string="Y = X / sqrt(mean(X^2 over axes) + epsilon) * scale, in float32")
+
+
+def _group_norm_function(opset: int) -> onnx.FunctionProto:
+    A = onnx.AttributeProto
+    one = helper.make_tensor("one", onnx.TensorProto.FLOAT, [1], [1.0])
+    nodes = [
+        _node("Shape", ["X"], ["S"]),
+        _node("Shape", ["X"], ["N1"], start=0, end=1),
+        _node("Shape", ["X"], ["C1"], start=1, end=2),
+        _node("Constant", [], ["Gs"], (_ref("value_int", "num_groups", A.INT),)),
+        _node("Constant", [], ["Shape1"], value_ints=[1]),
+        _node("Constant", [], ["Minus1"], value_ints=[-1]),
+        _node("Reshape", ["Gs", "Shape1"], ["G1"]),
+        _node("Concat", ["N1", "G1", "Minus1"], ["ShapeG"], axis=0),
+        _node("Reshape", ["X", "ShapeG"], ["Xg"]),
+        _node("ConstantOfShape", ["G1"], ["Ones32"], value=one),
+        _node("CastLike", ["Ones32", "X"], ["OnesG"]),
+        _node("Sub", ["OnesG", "OnesG"], ["ZerosG"]),
+        _node("Constant", [], ["Eps"], (_ref("value_float", "epsilon", A.FLOAT),)),
+        _node("InstanceNormalization", ["Xg", "OnesG", "ZerosG"], ["Ng"], (_ref("epsilon", "epsilon", A.FLOAT),)),
+        _node("Concat", ["N1", "C1", "Minus1"], ["ShapeC"], axis=0),
+        _node("Reshape", ["Ng", "ShapeC"], ["Nc"]),
+        _node("Concat", ["C1", "Shape1"], ["ShapeW"], axis=0),
+        _node("Reshape", ["scale", "ShapeW"], ["W"]),
+        _node("Reshape", ["bias", "ShapeW"], ["B"]),
+        _node("Mul", ["Nc", "W"], ["Yw"]),
+        _node("Add", ["Yw", "B"], ["Yc"]),
+        _node("Reshape", ["Yc", "S"], ["Y"]),
+    ]
+    nodes = [n for n in nodes if n.output[0] != "Eps"]
+    return helper.make_function(DOMAIN, "GroupNorm", ["X", "scale", "bias"], ["Y"], nodes,
+                                [helper.make_opsetid("", opset)], attributes=["num_groups", "epsilon"],
+                                doc_string="GroupNorm with per-channel scale and bias (GroupNormalization-21 semantics)")

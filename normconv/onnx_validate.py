@@ -1,0 +1,156 @@
+"""Run an exported ONNX file in onnxruntime and compare every output with torch.
+
+Each requested provider runs twice: graph optimizations disabled (what normconv emitted is what runs) and at
+onnxruntime's default level (ORT_ENABLE_ALL). Per run: max abs / rel error per output (``verify.compare``),
+and the smallest tolerance that would pass:
+  min_atol (at the given rtol) = max(|a - b| - rtol |b|, 0)
+  min_rtol (at the given atol) = max((|a - b| - atol) / |b|, 0)
+Latency: median of timed runs at the default level.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .report import Validation
+from .verify import Inputs, compare, output_leaves
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+LEVELS = ("disabled", "default")
+
+
+@dataclass
+class OrtRun:
+    provider: str
+    level: str
+    validation: Validation
+    min_atol: float
+    min_rtol: float
+    latency_ms: float | None = None
+
+
+@dataclass
+class OrtResult:
+    runs: list[OrtRun] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)  # requested provider -> why it did not run
+
+    @property
+    def passed(self) -> bool:
+        return all(r.validation.passed for r in self.runs)
+
+
+def parse_providers(spec: str) -> list[str]:
+    from .errors import NormconvError
+
+    names = [s.strip().lower() for s in spec.split(",") if s.strip()] if spec else []
+    bad = [n for n in names if n not in PROVIDERS and n != "none"]
+    if bad:
+        raise NormconvError(f"unknown --validate provider {bad[0]!r}; choose from cpu, cuda (comma separated) or none")
+    return [n for n in names if n != "none"]
+
+
+def available(name: str) -> str | None:
+    """None if the provider can run here, else why not."""
+    import onnxruntime as ort
+
+    provider = PROVIDERS[name]
+    if provider not in ort.get_available_providers():
+        return (f"{provider} is not available in this onnxruntime build "
+                f"(providers: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu on a machine "
+                f"with a GPU")
+    if name == "cuda" and not torch.cuda.is_available():
+        return f"{provider} is built in but no CUDA device is visible"
+    return None
+
+
+def feeds(session, model: torch.nn.Module, inputs: Inputs) -> dict[str, np.ndarray]:
+    """Map example inputs onto the session's inputs: keyword inputs by name, positional ones by parameter name."""
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+    named: dict[str, Any] = {}
+    for i, value in enumerate(inputs.args):
+        named[params[i] if i < len(params) else f"arg{i}"] = value
+    named.update(inputs.kwargs)
+    tensors = [(k, v) for k, v in named.items() if isinstance(v, torch.Tensor)]
+    by_name = dict(tensors)
+    out = {}
+    wanted = session.get_inputs()
+    for i, spec in enumerate(wanted):
+        value = by_name.get(spec.name)
+        if value is None and len(tensors) == len(wanted):
+            value = tensors[i][1]
+        if value is None:
+            raise ValueError(f"cannot match ONNX input {spec.name!r} to an example input ({', '.join(by_name)})")
+        out[spec.name] = value.detach().cpu().numpy()
+    return out
+
+
+def _min_tolerances(reference: list[torch.Tensor], outputs: list[np.ndarray], atol: float, rtol: float):
+    min_atol = min_rtol = 0.0
+    for r, o in zip(reference, outputs):
+        if not r.is_floating_point() or r.numel() == 0:
+            continue
+        b = r.detach().to(torch.float64)
+        a = torch.from_numpy(np.asarray(o)).to(torch.float64)
+        if a.shape != b.shape:
+            return float("inf"), float("inf")
+        diff = (a - b).abs()
+        min_atol = max(min_atol, float((diff - rtol * b.abs()).clamp_min(0).max()))
+        min_rtol = max(min_rtol, float(((diff - atol).clamp_min(0) / b.abs().clamp_min(1e-30)).max()))
+    return min_atol, min_rtol
+
+
+def session(path: str, provider: str, level: str):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if level == "disabled"
+                                     else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    opts.log_severity_level = 3
+    return ort.InferenceSession(path, opts, providers=[provider])
+
+
+def latency_ms(sess, feed: dict, repeats: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        sess.run(None, feed)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def validate(path: str, model: torch.nn.Module, inputs: Inputs, reference: Any, providers: list[str],
+             atol: float | None, rtol: float | None, repeats: int = 10) -> OrtResult:
+    """Run ``path`` on each provider at both optimization levels and compare with ``reference``."""
+    result = OrtResult()
+    ref_leaves = output_leaves(reference)
+    names = [n for n, _ in ref_leaves]
+    for name in providers:
+        why = available(name)
+        if why is not None:
+            result.unavailable[name] = why
+            continue
+        provider = PROVIDERS[name]
+        for level in LEVELS:
+            sess = session(path, provider, level)
+            feed = feeds(sess, model, inputs)
+            outs = sess.run(None, feed)
+            if len(outs) != len(ref_leaves):
+                raise ValueError(f"the ONNX model has {len(outs)} outputs, torch {len(ref_leaves)}")
+            cand = {n: torch.from_numpy(np.asarray(o)) for n, o in zip(names, outs)}
+            label = f"onnxruntime {name}, optimizations {level}"
+            v = compare(dict(ref_leaves), cand, atol, rtol, label=label)
+            ma, mr = _min_tolerances([t for _, t in ref_leaves], outs, v.atol, v.rtol)
+            lat = latency_ms(sess, feed, repeats) if level == "default" and repeats > 0 else None
+            result.runs.append(OrtRun(name, level, v, ma, mr, lat))
+    return result
