@@ -108,6 +108,18 @@ def _min_tolerances(reference: list[torch.Tensor], outputs: list[np.ndarray], at
     return min_atol, min_rtol
 
 
+def _like(reference: Any, outs: list) -> Any:
+    """ORT's flat outputs in the reference's structure (so outputs are named as torch names them)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    if hasattr(reference, "to_tuple") and hasattr(reference, "keys"):  # transformers ModelOutput
+        reference = {k: reference[k] for k in reference.keys()}
+    leaves, spec = tree_flatten(reference)
+    it = iter(outs)
+    filled = [torch.from_numpy(np.asarray(next(it))) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return tree_unflatten(filled, spec)
+
+
 def session(path: str, provider: str, level: str):
     import onnxruntime as ort
 
@@ -134,7 +146,6 @@ def validate(path: str, model: torch.nn.Module, inputs: Inputs, reference: Any, 
     """Run ``path`` on each provider at both optimization levels and compare with ``reference``."""
     result = OrtResult()
     ref_leaves = output_leaves(reference)
-    names = [n for n, _ in ref_leaves]
     for name in providers:
         why = available(name)
         if why is not None:
@@ -147,9 +158,8 @@ def validate(path: str, model: torch.nn.Module, inputs: Inputs, reference: Any, 
             outs = sess.run(None, feed)
             if len(outs) != len(ref_leaves):
                 raise ValueError(f"the ONNX model has {len(outs)} outputs, torch {len(ref_leaves)}")
-            cand = {n: torch.from_numpy(np.asarray(o)) for n, o in zip(names, outs)}
             label = f"onnxruntime {name}, optimizations {level}"
-            v = compare(dict(ref_leaves), cand, atol, rtol, label=label)
+            v = compare(reference, _like(reference, outs), atol, rtol, label=label)
             ma, mr = _min_tolerances([t for _, t in ref_leaves], outs, v.atol, v.rtol)
             lat = latency_ms(sess, feed, repeats) if level == "default" and repeats > 0 else None
             result.runs.append(OrtRun(name, level, v, ma, mr, lat))
