@@ -357,7 +357,8 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
                     problems.append(f"stream writer {w.module or w.node} is not zero-mean (|mean| up to {m:.2g}), "
                                     f"so RMSNorm and LayerNorm differ on this stream")
         return problems
-    # each writer's output flows only into the stream
+    # each writer's output flows only into the stream (its adds, or straight into the first norm)
+    allowed = set(st.values).union(*(sites[i].nodes for i in st.sites))
     for leaf, path in chains:
         chain = [leaf] + list(reversed(path))
         for a, b in zip(chain, chain[1:]):
@@ -366,7 +367,7 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
                 problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by "
                                 f"{cap.describe(other)}")
         for u in cap.users(chain[-1]):
-            if u.name not in st.values:
+            if u.name not in allowed:
                 problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by {cap.describe(u)}")
     # each writer's parameters are read by the writers only (or by another name: a tie we can clone away)
     writer_nodes = set(st.writers)

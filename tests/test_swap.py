@@ -1,0 +1,248 @@
+"""swap: exact LayerNorm -> RMSNorm on pre-LN models (zoo gpt, HF GPT-2), refusals with reasons, approximate
+mode with measured drift, RMSNorm -> LayerNorm, the CLI's exit codes, and a property test on random stacks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from normconv.errors import NormconvError
+from normconv.models import ZOO
+from normconv.passes.swap_norm import swap
+from normconv.rmsnorm import RMSNorm
+from normconv.verify import Inputs, run
+
+FP32_TOL = dict(atol=1e-4, rtol=1e-4)  # the documented fp32 tolerance of exact passes (verify.DEFAULT_TOLERANCE)
+
+
+def _zoo(name):
+    z = ZOO[name]
+    return z.build(), Inputs(z.example_inputs())
+
+
+def _count(model, cls):
+    return sum(type(m) is cls for m in model.modules())
+
+
+def _assert_same_logits(ref, new):
+    torch.testing.assert_close(new, ref, **FP32_TOL)
+    assert torch.equal(new.argmax(-1), ref.argmax(-1))
+
+
+def _randomize_norms(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+# -- exact ----------------------------------------------------------------------------------------------------
+
+
+def test_zoo_gpt_swaps_exactly_and_unties_the_embedding():
+    model, inputs = _zoo("gpt")
+    assert model.lm_head.weight is model.wte.weight
+    new, report = swap(model, inputs)
+    _assert_same_logits(run(model, inputs), run(new, inputs))
+    assert _count(new, nn.LayerNorm) == 0 and _count(new, RMSNorm) == 5
+    assert all(m.eps == 1e-5 for m in new.modules() if isinstance(m, RMSNorm))
+    # the tie is cut: the embedding is centered, lm_head keeps the original rows (plus the folded ln_f bias)
+    assert new.lm_head.weight is not new.wte.weight
+    assert torch.equal(new.lm_head.weight, model.wte.weight)
+    assert new.wte.weight.mean(1).abs().max() < 1e-6
+    assert new.lm_head.bias is not None
+    assert any("untied wte.weight" in n for n in report.notes)
+    assert report.extra["exact"] and report.extra["argmax_agreement"] == 1.0
+    assert model.lm_head.weight is model.wte.weight and _count(model, nn.LayerNorm) == 5  # input untouched
+
+
+def test_hf_gpt2_swaps_exactly():
+    from hf_tiny import tiny_gpt2
+
+    model, inputs = tiny_gpt2()
+    _randomize_norms(model)  # HF initializes LN to (1, 0): give the bias fold something to do
+    new, report = swap(model, inputs)
+    _assert_same_logits(run(model, inputs).logits, run(new, inputs).logits)
+    assert _count(new, nn.LayerNorm) == 0 and _count(new, RMSNorm) == 5
+    # Conv1D weights are (in, out): the centered axis is the output one
+    w = new.transformer.h[0].attn.c_proj.weight
+    assert w.mean(1).abs().max() < 1e-6 and w.mean(0).abs().max() > 1e-4
+    assert new.lm_head.weight is not new.transformer.wte.weight
+    assert new.config.tie_word_embeddings is False
+    new.tie_weights()  # Hugging Face must not re-tie the centered embedding to the head
+    _assert_same_logits(run(model, inputs).logits, run(new, inputs).logits)
+
+
+def test_round_trip_back_to_layernorm_is_exact():
+    model, inputs = _zoo("gpt")
+    rms, _ = swap(model, inputs)
+    back, report = swap(rms, inputs, to="layernorm")
+    _assert_same_logits(run(model, inputs), run(back, inputs))
+    assert _count(back, nn.LayerNorm) == 5 and report.extra["exact"]
+    assert all(m.bias is None for m in back.modules() if isinstance(m, nn.LayerNorm))
+
+
+# -- refusals and approximate ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bert", "seq2seq"])
+def test_post_ln_is_refused_then_approximate_reports_drift(name):
+    model, inputs = _zoo(name)
+    with pytest.raises(NormconvError, match="post-LN"):
+        swap(model, inputs)
+    new, report = swap(model, inputs, approximate=True)
+    assert _count(new, nn.LayerNorm) == 0
+    drift = report.extra["drift"]
+    assert drift["max_abs_error"] > 1e-3 and drift["cosine"] < 1.0
+    assert not report.extra["exact"] and report.extra["refused"] > 0
+    assert any("approximate swap" in n for n in report.notes)
+
+
+def test_llama_to_layernorm_refused_then_approximate():
+    model, inputs = _zoo("llama")
+    with pytest.raises(NormconvError, match="not zero-mean"):
+        swap(model, inputs, to="layernorm")
+    new, report = swap(model, inputs, to="layernorm", approximate=True)
+    lns = [m for m in new.modules() if isinstance(m, nn.LayerNorm)]
+    assert len(lns) == 5 and all(m.eps == 1e-6 and m.bias is None for m in lns)
+    assert report.extra["drift"]["max_abs_error"] > 1e-3
+
+
+def test_rmsnorm_eps_none_carried_as_dtype_epsilon():
+    model = nn.Sequential(nn.Linear(8, 16), nn.RMSNorm(16, eps=None))
+    _, report = swap(model, Inputs((torch.randn(3, 8),)), to="layernorm", approximate=True)
+    new, _ = swap(model, Inputs((torch.randn(3, 8),)), to="layernorm", approximate=True)
+    assert new[1].eps == torch.finfo(torch.float32).eps
+
+
+class _Block(nn.Module):
+    def __init__(self, d, kind="ok"):
+        super().__init__()
+        self.kind = kind
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        if self.kind == "relu_writer":  # x + relu(fc(ln(x))): the writer is a ReLU
+            return x + torch.relu(self.fc(self.ln(x)))
+        if self.kind == "relu_consumer":  # x + fc(relu(ln(x))): the norm's bias cannot fold through ReLU
+            return x + self.fc(torch.relu(self.ln(x)))
+        return x + self.fc(self.ln(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, kind="ok", embed=True, return_stream=False, d=16):
+        super().__init__()
+        self.inp = nn.Linear(6, d) if embed else nn.Identity()
+        self.block = _Block(d, kind)
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 5)
+        self.return_stream = return_stream
+
+    def forward(self, x):
+        x = self.block(self.inp(x))
+        y = self.head(self.ln_f(x))
+        return (y, x) if self.return_stream else y
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    (dict(kind="relu_writer"), "not a linear layer or an embedding"),
+    (dict(kind="relu_consumer"), "cannot absorb its bias"),
+    (dict(return_stream=True), "also read by output"),
+])
+def test_structural_refusals_name_the_site_and_reason(kwargs, why):
+    model = _randomize_norms(_Stack(**kwargs).eval())
+    inputs = Inputs((torch.randn(2, 3, 6),))
+    with pytest.raises(NormconvError, match=why):
+        swap(model, inputs)
+    _, report = swap(model, inputs, approximate=True)
+    assert report.extra["drift"]["max_abs_error"] > 0
+
+
+def test_stream_from_the_raw_input_is_refused():
+    model = _randomize_norms(_Stack(embed=False).eval())
+    with pytest.raises(NormconvError, match="model input"):
+        swap(model, Inputs((torch.randn(2, 3, 16),)))
+
+
+# -- property: random pre-LN stacks swap exactly ---------------------------------------------------------------
+
+
+class _PreLNStack(nn.Module):
+    def __init__(self, d, hidden, depth, bias, eps, embed, head_bias):
+        super().__init__()
+        self.inp = nn.Embedding(50, d) if embed else nn.Linear(7, d, bias=bias)
+        self.lns = nn.ModuleList(nn.LayerNorm(d, eps=eps) for _ in range(2 * depth))
+        self.fc1 = nn.ModuleList(nn.Linear(d, hidden, bias=bias) for _ in range(depth))
+        self.fc2 = nn.ModuleList(nn.Linear(hidden, d, bias=bias) for _ in range(depth))
+        self.proj = nn.ModuleList(nn.Linear(d, d, bias=bias) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(d, eps=eps)
+        self.head = nn.Linear(d, 11, bias=head_bias)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i in range(len(self.fc1)):
+            h = h + self.proj[i](self.lns[2 * i](h))
+            h = h + self.fc2[i](torch.nn.functional.gelu(self.fc1[i](self.lns[2 * i + 1](h))))
+        return self.head(self.ln_f(h))
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(4, 48), hidden=st.integers(4, 64), depth=st.integers(1, 3), bias=st.booleans(),
+       eps=st.sampled_from([1e-12, 1e-6, 1e-5, 1e-3, 0.1]), embed=st.booleans(), head_bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_random_pre_ln_stacks_swap_exactly(d, hidden, depth, bias, eps, embed, head_bias, seed):
+    torch.manual_seed(seed)
+    model = _randomize_norms(_PreLNStack(d, hidden, depth, bias, eps, embed, head_bias).eval(), seed)
+    x = torch.randint(0, 50, (2, 5)) if embed else torch.randn(2, 5, 7)
+    inputs = Inputs((x,))
+    new, report = swap(model, inputs)
+    _assert_same_logits(run(model, inputs), run(new, inputs))
+    assert _count(new, nn.LayerNorm) == 0 and _count(new, RMSNorm) == 2 * depth + 1
+    assert all(m.eps == eps for m in new.modules() if isinstance(m, RMSNorm))
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+
+
+def test_cli_exact_writes_a_model_with_the_same_outputs(cli, tmp_path):
+    out = tmp_path / "gpt_rms.pt"
+    code, stdout, _ = cli("swap", "zoo:gpt", "--to", "rmsnorm", "-o", out, "--json")
+    assert code == 0, stdout
+    report = json.loads(stdout)
+    assert report["validation"]["passed"] and report["extra"]["exact"] and report["output"] == str(out)
+    assert report["after"]["rmsnorm modules"] == 5 and report["after"]["layernorm modules"] == 0
+    saved = torch.load(out, weights_only=False)
+    model, inputs = _zoo("gpt")
+    _assert_same_logits(run(model, inputs), run(saved, inputs))
+
+
+def test_cli_post_ln_refused_without_approximate(cli, tmp_path):
+    out = tmp_path / "bert.pt"
+    code, _, stderr = cli("swap", "zoo:bert", "-o", out)
+    assert code == 2 and "post-LN" in stderr and "--approximate" in stderr
+    assert not out.exists()
+    code, stdout, _ = cli("swap", "zoo:bert", "--approximate", "-o", out, "--json")
+    assert code == 0 and out.exists()
+    drift = json.loads(stdout)["extra"]["drift"]
+    assert drift["max_abs_error"] > 0 and drift["cosine"] < 1
+
+
+def test_cli_tolerance_miss_exits_1_and_writes_nothing(cli, tmp_path):
+    out = tmp_path / "gpt.pt"
+    code, _, stderr = cli("swap", "zoo:gpt", "--atol", "0", "--rtol", "0", "-o", out)
+    assert code == 1 and "nothing written" in stderr
+    assert not out.exists()
+
+
+def test_cli_bad_target(cli):
+    code, _, stderr = cli("swap", "zoo:gpt", "--to", "batchnorm")
+    assert code == 2 and "unknown --to" in stderr
