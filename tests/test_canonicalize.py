@@ -161,6 +161,21 @@ def test_half_precision_hf_gemma_bit_exact():
     assert all(isinstance(new.model.layers[i].input_layernorm, Float32Norm) for i in range(2))
 
 
+def test_mixed_dtype_sites():
+    """Half input, float32 weight: T5 computes and returns float32 (kept exactly by Float32Norm); Llama rounds
+    to half before its float32 scale, which no single native op does: refused with the measured difference."""
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0)).half()
+    t5 = nn.Sequential(nn.Identity(), T5LayerNorm(16)).eval()
+    new, report = canonicalize(t5, Inputs((x,)))
+    assert isinstance(new[1], Float32Norm) and new[1].out_dtype == torch.float32
+    assert run(new, Inputs((x,))).dtype == torch.float32 and report.validation[0].max_abs_error < 1e-6
+    llama = nn.Sequential(nn.Identity(), LlamaRMSNorm(16)).eval()
+    with torch.no_grad():
+        llama[1].weight.uniform_(0.5, 1.5)
+    new, report = canonicalize(llama, Inputs((x,)))
+    assert not applied(report) and "differs from the norm on the recorded input" in report.sites[0].reason
+
+
 # -- other hand-written forms ---------------------------------------------------------------------------
 
 
