@@ -75,7 +75,7 @@ def zoo(as_json: JsonOpt = False) -> None:
 
 
 # commands of the other capabilities register here, one line each (no import-time registry)
-COMMAND_MODULES: tuple[str, ...] = ("cli_fold", "cli_swap", "cli_canonicalize", "cli_export")
+COMMAND_MODULES: tuple[str, ...] = ("cli_fold", "cli_swap", "cli_canonicalize", "cli_export", "cli_deepnorm")
 
 for _module in COMMAND_MODULES:
     __import__(f"normconv.{_module}", fromlist=["register"]).register(app)
