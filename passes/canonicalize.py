@@ -264,7 +264,12 @@ def _shared(cap: Captured, site: NormSite, form: str) -> str:
         if others:
             return f"{name} is shared with {others[0]}: moving it into a native module would untie them"
         for node in cap.gm.graph.nodes:
-            if cap.param_name(node) == name and any(u.name not in inside for u in cap.users(node)):
+            outside = [u for u in cap.users(node) if u.name not in inside] if cap.param_name(node) == name else []
+            # the same hand-written module called twice, traced inline: both calls read one parameter
+            if site.owner and any(cap.owner(u) == site.owner for u in outside):
+                return (f"{site.owner} is called more than once and its calls share {name}: "
+                        f"one native module per call would untie them")
+            if outside:
                 return f"{name} is also read outside the norm"
     return ""
 
@@ -395,30 +400,33 @@ def _rewrite_graph(cap: Captured, applied: list[Decision]) -> fx.GraphModule:
     """Each applied site's subgraph -> one call_module of its native module; unused attributes are dropped."""
     gm, graph = cap.gm, cap.gm.graph
     taken = {name for name, _ in gm.named_modules()}
-    done: dict[str, str] = {}
+    modules: dict[str, nn.Module] = {}
     for d in applied:
         s = d.site
         if d.form == "module":
-            target = s.target  # the hand-written module's own path: its attributes become the native module's
-            if target not in done:
-                gm.add_submodule(target, d.module)
-                done[target] = target
+            target = s.target  # the hand-written module's own path: the native module takes its place
         else:
             target = _free_name(f"{s.owner}.{s.kind}" if s.owner else s.kind, taken)
-            gm.add_submodule(target, d.module)
         taken.add(target)
+        modules.setdefault(target, d.module)  # a module called twice: one native module, two call sites
         out, x = cap.nodes[s.node], cap.nodes[s.input]
         with graph.inserting_after(out):
-            new = graph.call_module(target, (x,))
+            new = graph.create_node("call_module", target, (x,))  # the module is added after the cleanup
         new.meta = dict(out.meta)
         out.replace_all_uses_with(new)
-    graph.eliminate_dead_code()
+    # the replaced subgraphs are dead now (graph.eliminate_dead_code lints first, and the old attributes
+    # of a replaced module path would fail that lint)
+    for node in reversed(list(graph.nodes)):
+        if node.op not in ("placeholder", "output") and not node.users and not node.is_impure():
+            graph.erase_node(node)
+    for target, module in modules.items():
+        gm.add_submodule(target, module)
     graph.lint()
     result = fx.GraphModule(gm, graph, type(cap.model).__name__)  # copies only what the graph still reads
     result.train(cap.model.training)
-    for d in applied:
-        if d.site.kind == "batchnorm":  # the traced subgraph was the inference form
-            d.module.eval()
+    for module in modules.values():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):  # the traced subgraph was the inference form
+            module.eval()
     return result
 
 

@@ -18,7 +18,7 @@ from normconv.passes.canonicalize import CANONICALIZE, Float32Norm, canonicalize
 from normconv.verify import Inputs, compare, run
 
 import hf_tiny
-from normconv.models.handwritten import GemmaRMSNorm, LayerNorm, LlamaRMSNorm, T5LayerNorm
+from normconv.models.handwritten import BatchNorm, GemmaRMSNorm, LayerNorm, LlamaRMSNorm, T5LayerNorm
 
 NATIVE = {"batchnorm": nn.modules.batchnorm._BatchNorm, "layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm,
           "instancenorm": nn.modules.instancenorm._InstanceNorm}
@@ -241,6 +241,38 @@ def test_weight_only_layernorm_gets_no_bias_and_eps_zero_is_kept():
     new, report = canonicalize(Wrap(NoEpsRMS()).eval(), inputs)  # eps 0 inside the sqrt: native eps=0.0 is exact
     assert isinstance(new.norm, nn.RMSNorm) and new.norm.eps == 0.0
     assert report.validation[0].max_abs_error < 1e-5
+
+
+class ModuleAndInline(nn.Module):
+    """A hand-written BN module and an inline RMSNorm in one traced graph, plus a LayerNorm module called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = LayerNorm(16)
+        self.fc = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.rand(16) + 0.5)
+        self.bn = BatchNorm(4, num_dims=2)
+        with torch.no_grad():
+            self.bn.moving_var.uniform_(0.5, 2.0)
+            self.bn.moving_mean.normal_()
+
+    def forward(self, x):
+        h = self.fc(self.ln(x))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return self.bn(h.mean(-1)), self.ln(h)
+
+
+def test_graph_rewrite_with_module_and_inline_sites():
+    torch.manual_seed(0)
+    model, inputs = ModuleAndInline().eval(), Inputs((torch.randn(3, 4, 16),))
+    new, report = canonicalize(model, inputs)
+    by_reason = {s.target: s for s in report.sites}
+    assert by_reason["bn"].applied and isinstance(new.bn, nn.BatchNorm1d) and not new.bn.training
+    assert isinstance(new, fx.GraphModule) and count(new, "rmsnorm") == 1
+    called_twice = [s for s in report.sites if "called more than once" in s.reason]
+    assert len(called_twice) == 2 and not any(s.applied for s in called_twice)  # refused, not untied
+    assert "bn.gamma" not in new.state_dict() and "bn.running_var" in new.state_dict()
+    assert report.validation[0].passed and report.validation[0].max_abs_error < 1e-5
 
 
 # -- refusals --------------------------------------------------------------------------------------------
