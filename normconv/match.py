@@ -89,11 +89,12 @@ NATIVE_NORM_TYPES: tuple[type, ...] = (
 
 
 def is_native_norm(module: nn.Module) -> bool:
-    """A torch norm module whose forward is torch's own (a subclass that overrides forward is user code)."""
+    """A torch norm module whose forward is torch's own, or normconv's exact fast subclass (normconv.rmsnorm);
+    a subclass that overrides forward anywhere else is user code."""
     if not isinstance(module, NATIVE_NORM_TYPES):
         return False
     owner = next(cls for cls in type(module).__mro__ if "forward" in cls.__dict__)
-    return owner.__module__.startswith("torch.nn.")
+    return owner.__module__.startswith(("torch.nn.", "normconv."))
 
 
 def module_op(module: nn.Module) -> str | None:

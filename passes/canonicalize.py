@@ -39,6 +39,7 @@ from normconv.graph import Captured, capture
 from normconv.report import PassResult, Report, Site
 from normconv.rmsnorm import make_rmsnorm
 from normconv.verify import Inputs, compare, default_tolerance
+from normconv.modules import Float32Norm
 
 from .base import apply, skip
 
@@ -46,24 +47,6 @@ NAME = "canonicalize"
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_RECORDED_CALLS = 4  # calls of one module checked against its replacement
-
-
-class Float32Norm(nn.Module):
-    """A native norm run in a wider dtype between two casts: ``norm(x.to(compute)).to(out or x.dtype)``.
-
-    Reproduces norms that compute in float32 and apply their scale there before casting back (Gemma),
-    and mixed-dtype norms (half input, float32 weight) whose output dtype is not the input's.
-    """
-
-    def __init__(self, norm: nn.Module, compute_dtype: torch.dtype, out_dtype: torch.dtype | None = None):
-        super().__init__()
-        self.norm = norm
-        self.compute_dtype = compute_dtype
-        self.out_dtype = out_dtype  # None: cast back to the input's dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x.to(self.compute_dtype))
-        return y.to(x.dtype if self.out_dtype is None else self.out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -233,3 +233,15 @@ def test_inserted_modules_keep_the_replaced_modules_mode():
 
     model, _ = apply_passes(small_net(), load(FACTORY, input_shapes=[X]).inputs, [replace_bn])
     assert not any(m.training for m in model.modules())
+
+
+def test_float32norm_model_reloads_without_opt_in(tmp_path):
+    """Modules normconv inserts (normconv.modules, normconv.rmsnorm) are on the weights-only allowlist."""
+    from normconv.modules import Float32Norm
+    from normconv.rmsnorm import make_rmsnorm
+
+    model = torch.nn.Sequential(Float32Norm(make_rmsnorm(8, 1e-6, torch.rand(8)), torch.float32)).eval()
+    path = tmp_path / "m.pt"
+    torch.save(model, path)
+    loaded = load(str(path), input_shapes=["input:2,8:float16"])
+    assert isinstance(loaded.model[0], Float32Norm) and loaded.model[0].norm.weight.shape == (8,)
