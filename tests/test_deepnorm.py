@@ -1,0 +1,490 @@
+"""normconv deepnorm: constants, site detection, forward/gradient equivalence with a hand-written
+LN(alpha*x + f(x)), beta init statistics, fused q/k/v slices, refusals, CLI exit codes, save / reload."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hf_tiny import tiny_bert, tiny_gpt2
+from normconv.detect import find_norms
+from normconv.errors import NormconvError
+from normconv.graph import capture
+from normconv.io import load
+from normconv.models import get
+from normconv.models.transformer import Attention, PostLNEncoderLayer
+from normconv.passes import deepnorm as dn
+from normconv.verify import Inputs
+
+
+def zoo(name):
+    e = get(name)
+    return e.build(), Inputs(tuple(e.example_inputs()))
+
+
+def strip_hooks(model: nn.Module) -> nn.Module:
+    """The rewritten model's own modules and weights with normconv's hooks removed (eps is restored by the caller)."""
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    return ref
+
+
+def applied(report):
+    return [s for s in report.sites if s.applied]
+
+
+# -- constants: the paper's table 1 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 6, 18, 100])
+def test_encoder_and_decoder_only_constants(n):
+    assert dn.constants("encoder", n=n) == {"encoder": pytest.approx(((2 * n) ** 0.25, (8 * n) ** -0.25))}
+    assert dn.constants("decoder", m=n) == {"decoder": pytest.approx(((2 * n) ** 0.25, (8 * n) ** -0.25))}
+
+
+def test_encoder_decoder_constants_from_the_table():
+    c = dn.constants("encoder-decoder", n=1, m=1)
+    assert c["encoder"] == pytest.approx((0.81, 0.87))
+    assert c["decoder"] == pytest.approx((3 ** 0.25, 12 ** -0.25))
+    c = dn.constants("encoder-decoder", n=6, m=6)  # the paper's 6L-6L base setting
+    assert c["encoder"] == pytest.approx((0.81 * (6 ** 5) ** (1 / 16), 0.87 * (6 ** 5) ** (-1 / 16)))
+    assert c["encoder"][0] == pytest.approx(1.4179, abs=1e-4)  # 0.81 * 7776^(1/16)
+    assert c["decoder"] == pytest.approx((18 ** 0.25, 72 ** -0.25))
+    # 100-layer encoder-only: alpha = 200^(1/4) ~ 3.76, beta = 800^(-1/4) ~ 0.188
+    assert dn.constants("encoder", n=100)["encoder"] == pytest.approx((3.7606, 0.18803), abs=1e-4)
+
+
+def test_constants_refuse_bad_input():
+    with pytest.raises(NormconvError, match="architecture"):
+        dn.constants("mixture", n=2)
+    with pytest.raises(NormconvError, match="N >= 1"):
+        dn.constants("encoder", n=0)
+
+
+# -- site detection ----------------------------------------------------------------------------------------
+
+
+def test_zoo_bert_sites_and_roles():
+    model, inputs = zoo("bert")
+    new, report = dn.deepnorm(model, inputs, beta_mode="none")
+    assert [s.target for s in applied(report)] == ["layers.0.attn_norm", "layers.0.ffn_norm",
+                                                   "layers.1.attn_norm", "layers.1.ffn_norm"]
+    skipped = {s.target: s.reason for s in report.sites if not s.applied}
+    assert list(skipped) == ["embed_norm"] and "after-embedding" in skipped["embed_norm"]
+    assert report.extra["arch"] == "encoder"
+    assert report.extra["stacks"]["encoder"]["layers"] == 2
+    subs = {r["norm"]: r for r in report.extra["sublayers"]}
+    attn = subs["layers.0.attn_norm"]
+    assert attn["kind"] == "attention" and attn["branch"] == "layers.0.attn.out_proj"
+    assert attn["projections"] == {"q": ["layers.0.attn.q_proj"], "k": ["layers.0.attn.k_proj"],
+                                   "v": ["layers.0.attn.v_proj"], "out": ["layers.0.attn.out_proj"]}
+    assert subs["layers.1.ffn_norm"]["projections"] == {"ffn": ["layers.1.fc1", "layers.1.fc2"]}
+
+
+def test_zoo_seq2seq_counts_encoder_and_decoder():
+    model, inputs = zoo("seq2seq")
+    new, report = dn.deepnorm(model, inputs)
+    assert len(applied(report)) == 10 and len(report.sites) == 10
+    assert report.extra["arch"] == "encoder-decoder"
+    stacks = report.extra["stacks"]
+    assert stacks["encoder"]["layers"] == 2 and stacks["decoder"]["layers"] == 2
+    c = dn.constants("encoder-decoder", n=2, m=2)
+    assert stacks["encoder"]["alpha"] == pytest.approx(c["encoder"][0])
+    assert stacks["decoder"]["beta"] == pytest.approx(c["decoder"][1])
+    subs = {r["norm"]: r for r in report.extra["sublayers"]}
+    assert sum(r["stack"] == "encoder" for r in subs.values()) == 4
+    assert sum(r["stack"] == "decoder" for r in subs.values()) == 6
+    cross = subs["decoder.1.cross_attn_norm"]
+    assert cross["kind"] == "cross-attention" and cross["projections"]["v"] == ["decoder.1.cross_attn.v_proj"]
+    assert subs["decoder.0.attn_norm"]["kind"] == "attention"
+    # decoder sublayers (cross-attention included) get the decoder beta
+    w = new.decoder[1].cross_attn.v_proj.weight
+    assert float(w.detach().std()) == pytest.approx(c["decoder"][1] * math.sqrt(2 / 64), rel=0.2)
+
+
+def test_hf_bert_sites_and_roles():
+    model, inputs = tiny_bert()
+    new, report = dn.deepnorm(model, inputs, beta_mode="none")
+    assert len(applied(report)) == 4
+    assert [s.target for s in report.sites if not s.applied] == ["embeddings.LayerNorm"]
+    assert report.extra["stacks"]["encoder"]["layers"] == 2 and report.extra["capture"] == "torch.export"
+    subs = {r["norm"]: r for r in report.extra["sublayers"]}
+    p = subs["encoder.layer.1.attention.output.LayerNorm"]["projections"]
+    assert p == {"q": ["encoder.layer.1.attention.self.query"], "k": ["encoder.layer.1.attention.self.key"],
+                 "v": ["encoder.layer.1.attention.self.value"], "out": ["encoder.layer.1.attention.output.dense"]}
+    assert subs["encoder.layer.0.output.LayerNorm"]["projections"] == {
+        "ffn": ["encoder.layer.0.intermediate.dense", "encoder.layer.0.output.dense"]}
+
+
+def test_plan_shows_what_the_command_does():
+    model, inputs = zoo("seq2seq")
+    cap = capture(model, inputs)
+    planned = {(s.target, s.applied) for s in dn.plan(cap, find_norms(cap))}
+    _, report = dn.deepnorm(model, inputs)
+    assert planned == {(s.target, s.applied) for s in report.sites}
+
+
+def test_single_causal_stack_is_a_decoder():
+    class Dec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 32)
+            self.blocks = nn.ModuleList(PostLNEncoderLayer(32, 4, 64, 1e-5, causal=True) for _ in range(3))
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 8))
+    _, report = dn.deepnorm(Dec(), Inputs((ids,)))
+    assert report.extra["arch"] == "decoder"
+    assert report.extra["stacks"]["decoder"]["alpha"] == pytest.approx(6 ** 0.25)  # (2M)^(1/4), M = 3
+
+
+def test_layer_count_and_constant_overrides():
+    model, inputs = zoo("bert")
+    _, r = dn.deepnorm(model, inputs, n_layers=6)
+    assert r.extra["stacks"]["encoder"]["alpha"] == pytest.approx(12 ** 0.25)
+    assert r.extra["stacks"]["encoder"]["counted_from"] == "given"
+    new, r = dn.deepnorm(model, inputs, alpha=3.0, beta_mode="none")
+    assert new.layers[0].attn_norm.eps == pytest.approx(1e-12 / 9)
+    assert r.passed
+
+
+# -- forward and gradient equivalence with a hand-written LN(alpha*x + f(x)) ---------------------------------
+
+
+def bert_reference(m, ids, alpha, eps):
+    """Zoo BertEncoder with every post-LN sublayer written out as LN(alpha*x + f(x))."""
+    pos = torch.arange(ids.shape[1])
+    x = m.embed_norm(m.word_embeddings(ids) + m.position_embeddings(pos))
+    for layer in m.layers:
+        x = F.layer_norm(alpha * x + layer.attn(x), x.shape[-1:], layer.attn_norm.weight, layer.attn_norm.bias, eps)
+        x = F.layer_norm(alpha * x + layer.ffn(x), x.shape[-1:], layer.ffn_norm.weight, layer.ffn_norm.bias, eps)
+    return x
+
+
+def grads_match(new, ref, run_new, run_ref, atol):
+    torch.manual_seed(1)
+    out_new, out_ref = run_new(new), run_ref(ref)
+    probe = torch.randn_like(out_new)
+    (out_new * probe).sum().backward()
+    (out_ref * probe).sum().backward()
+    assert torch.allclose(out_new, out_ref, atol=atol, rtol=0), float((out_new - out_ref).abs().max())
+    ref_params = dict(ref.named_parameters())
+    # one scale for all: a gradient that is zero in exact arithmetic (attention key bias) is float noise
+    scale = max(float(q.grad.abs().max()) for q in ref_params.values() if q.grad is not None)
+    checked = 0
+    for name, p in new.named_parameters():
+        q = ref_params[name]
+        if p.grad is None:
+            assert q.grad is None or not q.grad.any()
+            continue
+        assert torch.allclose(p.grad, q.grad, atol=atol * scale, rtol=0), (name, float((p.grad - q.grad).abs().max()))
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_zoo_bert_forward_and_gradients_equal_reference(dtype, atol):
+    model, inputs = zoo("bert")
+    (ids,) = inputs.args
+    model = model.to(dtype)
+    new, report = dn.deepnorm(model, Inputs((ids,)), beta_mode="init")
+    alpha = report.extra["stacks"]["encoder"]["alpha"]
+    ref = strip_hooks(new)  # the same weights (beta-initialized), plain modules
+    new.train(), ref.train()  # training mode: the zoo models have no dropout, so both are deterministic
+    checked = grads_match(new, ref, lambda m: m(ids), lambda m: bert_reference(m, ids, alpha, 1e-12), atol)
+    assert checked == len(list(new.parameters()))
+    assert report.passed
+
+
+def test_large_eps_is_rescaled_exactly():
+    """With eps 0.5 an eps mistake shows: LN_eps(alpha x + f) needs eps/alpha^2 after dividing by alpha."""
+    from normconv.models.transformer import BertEncoder
+
+    torch.manual_seed(0)
+    model = BertEncoder(layers=3, eps=0.5).double()
+    ids = get("bert").example_inputs()[0]
+    new, report = dn.deepnorm(model, Inputs((ids,)), beta_mode="none")
+    alpha = report.extra["stacks"]["encoder"]["alpha"]
+    ref = strip_hooks(new)
+    checked = grads_match(new, ref, lambda m: m(ids), lambda m: bert_reference(m, ids, alpha, 0.5), 1e-10)
+    assert checked == len(list(new.parameters()))
+    wrong = copy.deepcopy(new)
+    for layer in wrong.layers:
+        layer.attn_norm.eps = layer.ffn_norm.eps = 0.5  # the residual scaling without the eps correction
+    with torch.no_grad():
+        assert (wrong(ids) - bert_reference(ref, ids, alpha, 0.5)).abs().max() > 1e-2
+
+
+def hf_reference(model, alpha):
+    """HF BERT with BertSelfOutput / BertOutput rewritten by hand as LN(alpha * input_tensor + dense(h))."""
+    for layer in model.encoder.layer:
+        for mod in (layer.attention.output, layer.output):
+            def forward(hidden_states, input_tensor, mod=mod):
+                ln = mod.LayerNorm
+                return F.layer_norm(alpha * input_tensor + mod.dropout(mod.dense(hidden_states)),
+                                    ln.normalized_shape, ln.weight, ln.bias, 1e-12)
+            mod.forward = forward
+    return model
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_hf_bert_forward_and_gradients_equal_reference(dtype, atol):
+    model, inputs = tiny_bert()
+    model = model.to(dtype)
+    new, report = dn.deepnorm(model, inputs, beta_mode="rescale")
+    alpha = report.extra["stacks"]["encoder"]["alpha"]
+    ref = hf_reference(strip_hooks(new), alpha)
+    new.eval(), ref.eval()  # dropout off; gradients still flow
+    run = lambda m: m(**inputs.kwargs).last_hidden_state  # noqa: E731
+    checked = grads_match(new, ref, run, run, atol)
+    assert checked > 20
+
+
+def test_native_eps_is_divided_and_state_dict_keys_are_intact():
+    model, inputs = zoo("bert")
+    new, report = dn.deepnorm(model, inputs)
+    alpha = report.extra["stacks"]["encoder"]["alpha"]
+    assert type(new) is type(model)
+    assert list(new.state_dict()) == list(model.state_dict())
+    assert all(p.requires_grad for p in new.parameters())
+    assert new.layers[1].ffn_norm.eps == pytest.approx(1e-12 / alpha ** 2)
+    assert new.embed_norm.eps == 1e-12  # not a residual sublayer: untouched
+    assert model.layers[1].ffn_norm.eps == 1e-12 and not hasattr(model, dn.MARKER)  # the input model is not mutated
+
+
+def test_handwritten_norm_module_gets_an_input_prehook():
+    class MyLN(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+
+        def forward(self, x):
+            mu = x.mean(-1, keepdim=True)
+            return (x - mu) * torch.rsqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2))
+            self.norms = nn.ModuleList(MyLN(16) for _ in range(2))
+
+        def forward(self, x):
+            for f, n in zip(self.blocks, self.norms):
+                x = n(x + f(x))
+            return x
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    net = Net()
+    new, report = dn.deepnorm(net, Inputs((x,)), beta_mode="none")
+    assert len(applied(report)) == 2 and report.passed
+    a = report.extra["stacks"]["encoder"]["alpha"]
+    assert a == pytest.approx(4 ** 0.25)  # N counted from the numbered blocks: 2
+    ref = net.norms[1](a * (h := net.norms[0](a * x + net.blocks[0](x))) + net.blocks[1](h))
+    assert torch.allclose(new(x), ref, atol=1e-5)
+
+
+# -- beta ------------------------------------------------------------------------------------------------------
+
+
+def xavier_std(w, gain):
+    return gain * math.sqrt(2.0 / (w.shape[0] + w.shape[1]))
+
+
+def test_init_statistics_match_xavier_gain_beta():
+    model, inputs = zoo("bert")
+    new, report = dn.deepnorm(model, inputs, n_layers=50, seed=3)  # beta = 400^(-1/4) ~ 0.224
+    beta = report.extra["stacks"]["encoder"]["beta"]
+    assert beta == pytest.approx(400 ** -0.25)
+    # pool the normalized weights of a role: w / expected std ~ N(0, 1); n samples -> std error 1/sqrt(2n)
+    for names, gain in ((["attn.v_proj", "attn.out_proj", "fc1", "fc2"], beta), (["attn.q_proj", "attn.k_proj"], 1.0)):
+        with torch.no_grad():
+                z = torch.cat([(new.get_parameter(f"layers.{i}.{n}.weight") /
+                            xavier_std(new.get_parameter(f"layers.{i}.{n}.weight"), gain)).flatten()
+                           for i in range(2) for n in names])
+        err = 4 / math.sqrt(2 * z.numel())  # 4 standard errors
+        assert abs(float(z.std()) - 1.0) < err, (names, float(z.std()))
+        assert abs(float(z.mean())) < 4 / math.sqrt(z.numel())
+    # biases are left as they were; a fixed seed gives the same init
+    assert torch.equal(new.layers[0].fc1.bias, model.layers[0].fc1.bias)
+    again, _ = dn.deepnorm(model, inputs, n_layers=50, seed=3)
+    assert torch.equal(again.layers[1].fc2.weight, new.layers[1].fc2.weight)
+
+
+def test_rescale_and_none_modes():
+    model, inputs = zoo("bert")
+    new, report = dn.deepnorm(model, inputs, beta_mode="rescale")
+    beta = report.extra["stacks"]["encoder"]["beta"]
+    for n in ("attn.v_proj", "attn.out_proj", "fc1", "fc2"):
+        for t in ("weight", "bias"):
+            assert torch.allclose(new.get_parameter(f"layers.0.{n}.{t}"), beta * model.get_parameter(f"layers.0.{n}.{t}"))
+    for n in ("attn.q_proj", "attn.k_proj"):
+        assert torch.equal(new.get_parameter(f"layers.1.{n}.weight"), model.get_parameter(f"layers.1.{n}.weight"))
+    same, _ = dn.deepnorm(model, inputs, beta_mode="none")
+    for (k, a), b in zip(same.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+class FusedAttention(nn.Module):
+    """One Linear(E, 3E) for q | k | v, split with chunk (the HF GPT-2 c_attn layout, as nn.Linear)."""
+
+    def __init__(self, e=16, heads=2):
+        super().__init__()
+        self.h, self.qkv, self.out = heads, nn.Linear(e, 3 * e), nn.Linear(e, e)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.unflatten(-1, (self.h, -1)).transpose(1, 2) for t in (q, k, v))
+        o = torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v
+        return self.out(o.transpose(1, 2).flatten(2))
+
+
+class MHABlock(nn.Module):
+    def __init__(self, e=16):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(e, 2, batch_first=True)
+        self.norm = nn.LayerNorm(e)
+
+    def forward(self, x):
+        return self.norm(x + self.mha(x, x, x, need_weights=False)[0])
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, e=16):
+        super().__init__()
+        self.attn, self.norm = FusedAttention(e), nn.LayerNorm(e)
+
+    def forward(self, x):
+        return self.norm(x + self.attn(x))
+
+
+@pytest.mark.parametrize("block,weight,bias", [(FusedBlock, "attn.qkv.weight", "attn.qkv.bias"),
+                                               (MHABlock, "mha.in_proj_weight", "mha.in_proj_bias")])
+def test_fused_qkv_gets_only_its_v_slice_scaled(block, weight, bias):
+    torch.manual_seed(0)
+    net = nn.Sequential(block(), block())
+    x = torch.randn(2, 5, 16)
+    new, report = dn.deepnorm(net, Inputs((x,)), beta_mode="rescale")
+    beta = report.extra["stacks"]["encoder"]["beta"]
+    assert report.passed and len(applied(report)) == 2
+    for i in range(2):
+        w0, w1 = net.get_parameter(f"{i}.{weight}"), new.get_parameter(f"{i}.{weight}")
+        b0, b1 = net.get_parameter(f"{i}.{bias}"), new.get_parameter(f"{i}.{bias}")
+        assert torch.equal(w1[:32], w0[:32]) and torch.equal(b1[:32], b0[:32])  # q, k rows untouched
+        assert torch.allclose(w1[32:], beta * w0[32:]) and torch.allclose(b1[32:], beta * b0[32:])
+    roles = report.extra["sublayers"][0]["projections"]
+    assert roles["v"][0].endswith("[32:48]") and roles["q"][0].endswith("[0:16]")
+
+
+# -- refusals ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_pre_ln_zoo_models_are_refused(name):
+    model, inputs = zoo(name)
+    with pytest.raises(NormconvError, match="pre-LN model"):
+        dn.deepnorm(model, inputs)
+
+
+def test_hf_gpt2_is_refused_as_pre_ln():
+    model, inputs = tiny_gpt2()
+    with pytest.raises(NormconvError, match="pre-LN model"):
+        dn.deepnorm(model, inputs)
+
+
+def test_second_application_is_refused():
+    model, inputs = zoo("bert")
+    new, _ = dn.deepnorm(model, inputs)
+    with pytest.raises(NormconvError, match=f"already DeepNorm-rescaled.*{dn.MARKER}"):
+        dn.deepnorm(new, inputs)
+    new.__dict__.pop(dn.MARKER)  # the hooks alone still give it away
+    with pytest.raises(NormconvError, match="already carries normconv DeepNorm hooks"):
+        dn.deepnorm(new, inputs)
+
+
+def test_unidentified_sublayer_is_refused_with_its_reason():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, x):
+            return self.norm(x + torch.tanh(self.fc(x)))  # f(x) ends in an op, not a module
+
+    torch.manual_seed(0)
+    with pytest.raises(NormconvError, match=r"norm cannot be rewritten|sublayer not identified: f\(x\) ends in tanh"):
+        dn.deepnorm(nn.Sequential(Gate(), Gate()), Inputs((torch.randn(2, 16),)))
+
+
+def test_arch_that_contradicts_the_graph_is_refused():
+    model, inputs = zoo("seq2seq")
+    with pytest.raises(NormconvError, match="encoder and a decoder"):
+        dn.deepnorm(model, inputs, arch="encoder")
+    model, inputs = zoo("bert")
+    with pytest.raises(NormconvError, match="one post-LN stack"):
+        dn.deepnorm(model, inputs, arch="encoder-decoder")
+    with pytest.raises(NormconvError, match="beta mode"):
+        dn.deepnorm(model, inputs, beta_mode="sometimes")
+
+
+# -- CLI -----------------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_a_model_that_reloads_and_behaves(cli, tmp_path):
+    out = tmp_path / "bert_dn.pt"
+    code, stdout, stderr = cli("deepnorm", "zoo:bert", "-o", out, "--json")
+    assert code == 0, stderr
+    rep = json.loads(stdout)
+    assert rep["output"] == str(out) and rep["validation"]["passed"]
+    assert sum(s["applied"] for s in rep["sites"]) == 4 and rep["extra"]["arch"] == "encoder"
+    loaded = load(str(out), trust_pickle=True)
+    model, inputs = zoo("bert")
+    assert list(loaded.model.state_dict()) == list(model.state_dict())
+    assert getattr(loaded.model, dn.MARKER)["alpha"]["encoder"] == pytest.approx(2 ** 0.5)
+    # it still computes LN(alpha*x + f(x)) on its weights, and trains
+    assert dn.check_against_reference(loaded.model, inputs).passed
+    loaded.model.train()
+    loaded.model(*inputs.args).sum().backward()
+    assert loaded.model.layers[0].attn.v_proj.weight.grad is not None
+    # a second application of the saved model is refused
+    code, _, stderr = cli("deepnorm", out, "--trust-pickle")
+    assert code == 2 and "already DeepNorm-rescaled" in stderr
+
+
+def test_cli_table_and_refusals(cli, tmp_path):
+    code, stdout, _ = cli("deepnorm", "zoo:seq2seq", "--rescale")
+    assert code == 0 and "cross-attention" in stdout and "10 applied" in stdout
+    code, _, stderr = cli("deepnorm", "zoo:gpt", "-o", tmp_path / "x.pt")
+    assert code == 2 and "pre-LN model" in stderr and not (tmp_path / "x.pt").exists()
+    code, _, stderr = cli("deepnorm", "zoo:bert", "--init", "--rescale")
+    assert code == 2 and "choose one of" in stderr
+    code, _, stderr = cli("deepnorm", "zoo:bert", "--arch", "sideways")
+    assert code == 2 and "unknown --arch" in stderr
+    code, _, stderr = cli("deepnorm", "zoo:bert", "--alpha", "-1")
+    assert code == 2 and "positive" in stderr
+    code, _, stderr = cli("deepnorm", "zoo:bert", "-o", tmp_path / "w.safetensors")
+    assert code == 2 and "weights only" in stderr
+
+
+def test_cli_hf_folder(cli, hf_folders, tmp_path):
+    code, stdout, stderr = cli("deepnorm", hf_folders["bert"], "--no-beta", "--layers", "8", "--json")
+    assert code == 0, stderr
+    rep = json.loads(stdout)
+    assert rep["extra"]["stacks"]["encoder"]["alpha"] == pytest.approx(16 ** 0.25)
+    code, _, stderr = cli("deepnorm", hf_folders["gpt2"])
+    assert code == 2 and "pre-LN" in stderr
