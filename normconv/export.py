@@ -153,7 +153,10 @@ def _quiet():
 
 
 def _one_line(exc: BaseException) -> str:
-    lines = [l for l in str(exc).strip().splitlines() if l.strip()]
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # the exporter colours its messages
+    lines = [l for l in text.strip().splitlines() if l.strip()]
     return f"{type(exc).__name__}: {lines[0][:240]}" if lines else type(exc).__name__
 
 
@@ -272,7 +275,7 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
     from .detect import find_norms
     from .graph import capture
     from .onnx_fuse import fuse_skip_norms
-    from .onnx_ops import lower_norm_ops
+    from .onnx_ops import lower_norm_ops, repair_downconverted
     from .onnx_validate import validate as ort_validate
     from .pipeline import apply_passes
     from .verify import Inputs, compare, run
@@ -293,12 +296,13 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
         norms = find_norms(cap)
         report.sites.extend(plan(cap, norms, target, opset, canonicalize, fold))
     except NormconvError as exc:
-        report.notes.append(f"norm detection unavailable: {exc}")
+        cap = None
+        report.notes.append(f"norm detection and the torch passes skipped: {exc}")
     sites_by_kind = dict(collections.Counter(s.kind for s in norms))
     extra["norm_sites"] = sites_by_kind
 
     # exact rewrites first, verified against the original model
-    passes = preprocess_passes(canonicalize, fold)
+    passes = preprocess_passes(canonicalize, fold) if cap is not None else []
     extra["passes"] = [p.name for p in passes]
     prepared = model
     if passes:
@@ -318,6 +322,7 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
 
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic)
     onnx_model = program.model
+    repair_downconverted(onnx_model)
     extra["lowered"] = lower_norm_ops(onnx_model, target, opset)
     if target == "ort":
         for name, fused, reason in fuse_skip_norms(onnx_model):
@@ -396,6 +401,9 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     except NormconvError as exc:
         report.notes.append(f"plain torch.onnx.export failed, no baseline: {exc}")
         return
+    from .onnx_ops import repair_downconverted
+
+    repair_downconverted(plain.model)  # the same down-conversion fix, or plain opset-17 exports do not load
     report.before = op_counts(plain.model)
     report.extra["baseline_fused_norm_ops"] = fused_norms(plain.model)
     path = tmpdir / "baseline.onnx"

@@ -246,3 +246,35 @@ def _group_norm_function(opset: int) -> onnx.FunctionProto:
     return helper.make_function(DOMAIN, "GroupNorm", ["X", "scale", "bias"], ["Y"], nodes,
                                 [helper.make_opsetid("", opset)], attributes=["num_groups", "epsilon"],
                                 doc_string="GroupNorm with per-channel scale and bias (GroupNormalization-21 semantics)")
+
+
+def repair_downconverted(model: ir.Model) -> list[str]:
+    """Fix what torch's down-conversion to opset 17 leaves behind: Split with opset 18's ``num_outputs``.
+
+    Split-13 takes the sizes as an input; with a static axis length they are known:
+      Split(x; num_outputs=n)  =>  Split(x, [ceil(L/n)] * (n-1) + [rest])
+    """
+    fixed = []
+    if model.opset_imports.get("", 18) >= 18:
+        return fixed
+    for node in list(model.graph):
+        if node.op_type != "Split" or node.domain not in ("", "ai.onnx") or "num_outputs" not in node.attributes:
+            continue
+        n = int(node.attributes["num_outputs"].value)
+        axis = int(node.attributes["axis"].value) if "axis" in node.attributes else 0
+        shape = node.inputs[0].shape
+        length = shape[axis] if shape is not None else None
+        if not isinstance(length, int):
+            continue  # left as is; the checker reports it
+        chunk = -(-length // n)
+        sizes = [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+        if len(sizes) != n:
+            continue
+        const = ir.Value(name=f"{node.name or 'split'}_sizes", const_value=ir.tensor(np.array(sizes, dtype=np.int64)))
+        const.shape, const.type = ir.Shape([n]), ir.TensorType(ir.DataType.INT64)
+        model.graph.register_initializer(const)
+        node.attributes.pop("num_outputs")
+        node.resize_inputs(2)
+        node.replace_input_with(1, const)
+        fixed.append(node.name)
+    return fixed

@@ -1,0 +1,241 @@
+"""normconv export: every norm one fused op, validated in onnxruntime against torch; errors leave no file."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn as nn
+
+from normconv.errors import NormconvError
+from normconv.export import export_onnx
+from normconv.models import ZOO
+from normconv.verify import Inputs
+
+from hf_tiny import TINY
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+COMBOS = [(t, o) for o in (17, 18, 23) for t in ("onnx", "ort")]
+TRANSFORMERS = ("bert", "gpt", "llama", "seq2seq", "tutorial_ln", "tutorial_rms", "hf_style_norms")
+# non-norm uses of these ops in the zoo: global average pooling (ReduceMean), GELU-tanh (Pow)
+POOLING = {"resnet", "mobilenet", "conv1d", "conv3d", "tutorial_bn", "inline_norm"}
+
+
+def zoo_inputs(name):
+    z = ZOO[name]
+    return z.build().eval(), Inputs(tuple(z.example_inputs()))
+
+
+def export(model, inputs, tmp_path, target, opset, **kw):
+    kw.setdefault("baseline", False)
+    kw.setdefault("repeats", 0)
+    return export_onnx(model, inputs, tmp_path / "m.onnx", target, opset, **kw)
+
+
+def node_types(path):
+    m = onnx.load(str(path))
+    return Counter((n.domain, n.op_type) for n in m.graph.node), m
+
+
+def check_fused(report, path, name):
+    """ORT agrees with torch at both levels; one fused op per norm site; no decomposed-norm ops left."""
+    ex = report.extra
+    assert report.passed and os.path.exists(path)
+    runs = {(r["provider"], r["optimizations"]) for r in ex["ort"]}
+    assert runs == {("cpu", "disabled"), ("cpu", "default")}
+    assert all(r["max_abs_error"] < 1e-4 for r in ex["ort"])
+    assert ex["fused_matches_sites"], (ex["fused_norm_ops"], ex["norm_sites"])
+    sites = ZOO[name].norms if name in ZOO else ex["norm_sites"]
+    non_bn = sum(v for k, v in sites.items() if k != "batchnorm")
+    assert sum(v for k, v in ex["fused_norm_ops"].items() if k != "batchnorm") == non_bn
+    left = ex["leftover_decomposed_ops"]
+    assert left.get("Sqrt", 0) == 0 and left.get("Reciprocal", 0) == 0
+    assert left.get("ReduceMean", 0) <= (1 if name in POOLING else 0)
+    if name not in ("gpt", "gpt2"):
+        assert left.get("Pow", 0) == 0
+
+
+# one (target, opset) per zoo model, rotating so every combination is exercised; the transformers get more below
+ROTATION = [(name, *COMBOS[i % len(COMBOS)]) for i, name in enumerate(ZOO)]
+
+
+@pytest.mark.parametrize("name,target,opset", ROTATION)
+def test_zoo_exports_and_validates(tmp_path, name, target, opset):
+    model, inputs = zoo_inputs(name)
+    report = export(model, inputs, tmp_path, target, opset)
+    check_fused(report, tmp_path / "m.onnx", name)
+
+
+@pytest.mark.parametrize("target,opset", COMBOS)
+def test_llama_rmsnorm_every_target_and_opset(tmp_path, target, opset):
+    model, inputs = zoo_inputs("llama")
+    report = export(model, inputs, tmp_path, target, opset)
+    check_fused(report, tmp_path / "m.onnx", "llama")
+    types, m = node_types(tmp_path / "m.onnx")
+    rms = {k: v for k, v in types.items() if "Normalization" in k[1] or k[1] == "RMSNorm"}
+    if target == "ort":  # 4 residual adds feed a norm; the first norm reads the embedding
+        assert rms == {("", "SimplifiedLayerNormalization"): 1, ("com.microsoft", "SkipSimplifiedLayerNormalization"): 4}
+    elif opset >= 23:
+        assert rms == {("", "RMSNormalization"): 5}
+    else:
+        assert rms == {("normconv", "RMSNorm"): 5}
+        assert [f.name for f in m.functions] == ["RMSNorm"] and m.functions[0].domain == "normconv"
+
+
+@pytest.mark.parametrize("name,target,opset", [("bert", "ort", 17), ("gpt2", "onnx", 18), ("llama", "ort", 23)])
+def test_hf_tiny_models(tmp_path, name, target, opset):
+    model, inputs = TINY[name]()
+    report = export(model, inputs, tmp_path, target, opset)
+    check_fused(report, tmp_path / "m.onnx", name)
+    if target == "ort":
+        assert report.extra["skip_fused"] == 4  # the residual adds of 2 layers; the embedding LN has a broadcast add
+
+
+def test_skip_fusion_post_ln_bert_and_exposed_sum(tmp_path):
+    model, inputs = zoo_inputs("bert")
+    report = export(model, inputs, tmp_path, "ort", 18)
+    types, m = node_types(tmp_path / "m.onnx")
+    assert types[("com.microsoft", "SkipLayerNormalization")] == 4
+    assert types[("", "LayerNormalization")] == 1  # embeddings: word + position is a broadcast add
+    fused = [s for s in report.sites if s.pass_name == "export:skip-fusion"]
+    assert sum(s.applied for s in fused) == 4
+    assert any(not s.applied and "broadcast" in s.reason for s in fused)
+    # pre-norm llama: the residual stream continues, so the sum output (index 3) is wired to its other uses
+    model, inputs = zoo_inputs("llama")
+    export(model, inputs, tmp_path, "ort", 18)
+    _, m = node_types(tmp_path / "m.onnx")
+    skip = [n for n in m.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+    used = {i for n in m.graph.node for i in n.input} | {o.name for o in m.graph.output}
+    assert sum(len(n.output) == 4 and n.output[3] in used for n in skip) == 3  # all but the final norm
+
+
+def test_function_bodied_op_runs_inlined_in_ort(tmp_path):
+    model, inputs = zoo_inputs("tutorial_rms")
+    export(model, inputs, tmp_path, "onnx", 18)
+    path = tmp_path / "m.onnx"
+    types, m = node_types(path)
+    assert types[("normconv", "RMSNorm")] == 5
+    onnx.checker.check_model(m, full_check=True)  # the function body type-checks
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.optimized_model_filepath = str(tmp_path / "inlined.onnx")
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    out = sess.run(None, {sess.get_inputs()[0].name: inputs.args[0].numpy()})[0]
+    np.testing.assert_allclose(out, model(*inputs.args).detach().numpy(), atol=1e-5, rtol=1e-4)
+    inlined = onnx.load(str(tmp_path / "inlined.onnx"))
+    assert not any(n.domain == "normconv" for n in inlined.graph.node)  # ORT inlined the body
+    assert sum(n.op_type == "ReduceMean" for n in inlined.graph.node) == 5
+
+
+def test_groupnorm_function_below_21_and_standard_op_at_21(tmp_path):
+    model, inputs = zoo_inputs("unet")
+    export(model, inputs, tmp_path, "onnx", 18)
+    types, m = node_types(tmp_path / "m.onnx")
+    assert types[("normconv", "GroupNorm")] == 5 and [f.name for f in m.functions] == ["GroupNorm"]
+    onnx.checker.check_model(m, full_check=True)
+    export(model, inputs, tmp_path, "onnx", 21)
+    types, m = node_types(tmp_path / "m.onnx")
+    assert types[("", "GroupNormalization")] == 5 and not m.functions
+
+
+def test_dynamic_axes_run_other_shapes(tmp_path):
+    model, inputs = zoo_inputs("gpt")
+    report = export(model, inputs, tmp_path, "ort", 18, dynamic=True)
+    dims = next(iter(report.extra["dynamic_axes"].values()))
+    assert len(dims) == 2 and not any(d.isdigit() for d in dims)
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    ids = torch.randint(0, 50, (3, 9))
+    out = sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})[0]
+    with torch.no_grad():
+        ref = model(ids)
+    np.testing.assert_allclose(out, ref.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_report_has_baseline_counts_and_latency(tmp_path):
+    model, inputs = zoo_inputs("llama")
+    report = export_onnx(model, inputs, tmp_path / "m.onnx", "ort", 18, repeats=3)
+    assert report.before["ReduceMean"] == 5 and "ReduceMean" not in report.after  # plain export decomposes
+    assert report.extra["baseline_latency_ms"]["cpu"] > 0 and report.extra["latency_ms"]["cpu"] > 0
+    assert report.extra["checker"].startswith("skipped")  # SimplifiedLayerNormalization in the default domain
+    payload = report.to_json()
+    json.dumps(payload)
+    assert payload["output"] == str(tmp_path / "m.onnx")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# errors
+
+
+class NotExportable(nn.Module):
+    def forward(self, x):  # output shape depends on the data: torch.export cannot trace it
+        n = int(x.argmax())
+        return x[:, :n].sum(-1) if bool(x.sum() > 0) else x.new_zeros(1)
+
+
+def test_unexportable_model_is_a_clear_error(tmp_path):
+    with pytest.raises(NormconvError, match="cannot export NotExportable to ONNX at opset 18: TorchExportError") as e:
+        export(NotExportable(), Inputs((torch.randn(2, 3),)), tmp_path, "onnx", 18)
+    assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failing_validation_exits_1_and_writes_nothing(cli, tmp_path):
+    out = tmp_path / "m.onnx"
+    code, stdout, stderr = cli("export", "zoo:gpt", "-o", out, "--atol", "0", "--rtol", "0", "--no-baseline")
+    assert code == 1
+    assert "differs from torch beyond tolerance" in stderr and "nothing written" in stderr
+    assert list(tmp_path.iterdir()) == []  # no file, no temp folder left behind
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--opset", "16"), "unsupported --opset 16: normconv exports opsets 17 to 23"),
+    (("--opset", "24"), "unsupported --opset 24"),
+    (("--target", "tensorrt"), "unknown --target 'tensorrt'"),
+    (("--validate", "tpu"), "unknown --validate provider 'tpu'"),
+])
+def test_bad_flags_exit_2(cli, tmp_path, args, message):
+    code, _, stderr = cli("export", "zoo:mlp", "-o", tmp_path / "m.onnx", *args)
+    assert code == 2 and message in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_bad_output_paths_exit_2(cli, tmp_path):
+    code, _, stderr = cli("export", "zoo:mlp", "-o", tmp_path / "m.pt")
+    assert code == 2 and "must end with .onnx" in stderr
+    code, _, stderr = cli("export", "zoo:mlp", "-o", tmp_path / "missing" / "m.onnx")
+    assert code == 2 and "does not exist" in stderr
+
+
+def test_cli_json_and_cuda_unavailable_note(cli, tmp_path):
+    out = tmp_path / "m.onnx"
+    code, stdout, stderr = cli("export", "zoo:tutorial_ln", "-o", out, "--target", "ort", "--validate", "cpu,cuda",
+                               "--json", "--repeats", "2")
+    assert code == 0, stderr
+    d = json.loads(stdout)
+    assert d["command"] == "export" and d["output"] == str(out) and out.exists()
+    assert d["extra"]["fused_norm_ops"] == {"layernorm": 3} and d["extra"]["norm_sites"] == {"layernorm": 3}
+    assert d["before"].get("LayerNormalization", 0) == 0  # plain export leaves the hand-written norms decomposed
+    if not HAS_CUDA:
+        assert any(n.startswith("cuda: not validated: CUDAExecutionProvider") for n in d["notes"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDAExecutionProvider and a CUDA device are not available")
+def test_cuda_validation(tmp_path):
+    model, inputs = zoo_inputs("llama")
+    report = export(model, inputs, tmp_path, "ort", 18, validate=("cpu", "cuda"))
+    assert {r["provider"] for r in report.extra["ort"]} == {"cpu", "cuda"} and report.passed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,opset", COMBOS)
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_full_matrix_transformers(tmp_path, name, target, opset):
+    model, inputs = zoo_inputs(name)
+    check_fused(export(model, inputs, tmp_path, target, opset), tmp_path / "m.onnx", name)
