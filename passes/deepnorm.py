@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -30,10 +29,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.detect import NormSite, _ancestor, aliases_of, find_norms, producer_of
+from normconv.detect import NormSite, _ancestor, find_norms, producer_of
 from normconv.errors import NormconvError
 from normconv.graph import Captured, capture
-from normconv.match import TRANSPARENT, is_native_norm
+from normconv.match import TRANSPARENT
 from normconv.report import PassResult, Report, Site, Validation
 from normconv.verify import Inputs, compare, run
 
@@ -318,7 +317,8 @@ def _calls(cap: Captured, module: str) -> int:
     if isinstance(cap.modules.get(module), nn.MultiheadAttention):
         module += ".out_proj"  # exported MHA: its out_proj linear runs once per call
     weight = f"{module}.weight"
-    return sum(1 for n in cap.gm.graph.nodes if _is_linear(cap, n) and (_proj(cap, n, "out") or Proj("", "", "")).weight == weight)
+    projs = [_proj(cap, n, "out") for n in cap.gm.graph.nodes if _is_linear(cap, n)]
+    return sum(1 for p in projs if p is not None and p.weight == weight)
 
 
 def _only_feeds(cap: Captured, node: fx.Node, add: fx.Node) -> bool:
@@ -543,8 +543,8 @@ def _native_eps(site: NormSite) -> bool:
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-    """What DeepNorm would do at each norm site (the same analysis deepnorm() applies)."""
-    return sites_of(analyze(cap, norms, beta_mode="none"), beta_mode="none")
+    """What ``normconv deepnorm`` (default --init) would do at each norm site: the analysis deepnorm() applies."""
+    return sites_of(analyze(cap, norms, beta_mode="init"), beta_mode="init")
 
 
 def sites_of(an: Analysis, beta_mode: str) -> list[Site]:

@@ -488,3 +488,11 @@ def test_cli_hf_folder(cli, hf_folders, tmp_path):
     assert rep["extra"]["stacks"]["encoder"]["alpha"] == pytest.approx(16 ** 0.25)
     code, _, stderr = cli("deepnorm", hf_folders["gpt2"])
     assert code == 2 and "pre-LN" in stderr
+
+
+def test_cli_reference_check_miss_exits_1_and_writes_nothing(cli, tmp_path):
+    out = tmp_path / "strict.pt"
+    # zero tolerance: float rounding between eps/alpha^2 + hook and the literal formula (~1e-7) is a miss
+    code, stdout, stderr = cli("deepnorm", "zoo:bert", "-o", out, "--atol", "0", "--rtol", "0")
+    assert code == 1 and "differs from LN(alpha*x + f(x))" in stderr and "nothing written" in stderr
+    assert not out.exists() and "FAILED" in stdout
