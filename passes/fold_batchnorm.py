@@ -87,9 +87,9 @@ class _Context:
                     self.layer_calls[path] = self.layer_calls.get(path, 0) + 1
         # parameter object -> module paths holding it (tied weights cannot carry a fold for one module)
         self.holders: dict[int, list[str]] = {}
-        for path, mod in cap.model.named_modules(remove_duplicate=False):
+        for path, mod in cap.model.named_modules():  # each module object once, under its first path
             for pname in ("weight", "bias"):
-                p = mod._parameters.get(pname) if hasattr(mod, "_parameters") else None
+                p = mod._parameters.get(pname)
                 if p is not None:
                     self.holders.setdefault(id(p), []).append(path)
 
@@ -219,7 +219,7 @@ def _check_layer(ctx: _Context, node: fx.Node, path: str | None, what: str) -> t
     if ctx.layer_calls.get(path, 1) > 1:
         raise _Skip(f"{path} is called at {ctx.layer_calls[path]} places")
     # tied weights  =>  folding would change the other module too
-    others = [p for p in ctx.holders.get(id(mod.weight), [path]) if p != path]
+    others = [p for t in (mod.weight, mod.bias) if t is not None for p in ctx.holders.get(id(t), [path]) if p != path]
     if others:
         raise _Skip(f"{path} shares its weight with {others[0]}")
     if parametrize.is_parametrized(mod):

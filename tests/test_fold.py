@@ -293,3 +293,17 @@ def test_plan_and_pass_agree():
     planned = FOLD.plan(cap, find_norms(cap))
     _, report = fold(model, z.example_inputs())
     assert planned == report.sites
+
+
+def test_module_registered_under_two_names_still_folds():
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+            self.alias = self.conv  # same object, one call: not a tie
+
+        def forward(self, x):
+            return self.bn(self.conv(x))
+
+    folded, report = checked_fold(randomize_bn(Aliased()), torch.randn(2, 3, 6, 6))
+    assert applied(report) == {"bn": "fold into conv (backward)"}
