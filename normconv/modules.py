@@ -3,6 +3,8 @@ without --trust-pickle (io allowlists normconv.modules for the weights-only unpi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -23,3 +25,28 @@ class Float32Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.norm(x.to(self.compute_dtype))
         return y.to(x.dtype if self.out_dtype is None else self.out_dtype)
+
+
+# DeepNorm hooks: torch.save(model) keeps them with the modules they are registered on
+
+
+class BranchScale:
+    """Forward hook: the sublayer's last output times ``factor`` (1/alpha); a tuple output scales element 0."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] * self.factor,) + tuple(output[1:])
+        return output * self.factor
+
+
+class InputScale:
+    """Forward pre-hook on a norm: its input times ``factor`` (alpha)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        return (args[0] * self.factor,) + tuple(args[1:])

@@ -35,6 +35,7 @@ from normconv.graph import Captured, capture
 from normconv.match import TRANSPARENT
 from normconv.report import PassResult, Report, Site, Validation
 from normconv.verify import Inputs, compare, run
+from normconv.modules import BranchScale, InputScale
 
 from .base import apply, skip
 
@@ -69,32 +70,7 @@ def _positive(v: int | None, name: str) -> None:
         raise NormconvError(f"DeepNorm needs the number of layers {name} >= 1 (got {v})")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# hooks: small picklable objects (torch.save(model) keeps them with the modules)
-
-
-class BranchScale:
-    """Forward hook: the sublayer's last output times ``factor`` (1/alpha); a tuple output scales element 0."""
-
-    def __init__(self, factor: float):
-        self.factor = factor
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (output[0] * self.factor,) + tuple(output[1:])
-        return output * self.factor
-
-
-class InputScale:
-    """Forward pre-hook on a norm: its input times ``factor`` (alpha)."""
-
-    def __init__(self, factor: float):
-        self.factor = factor
-
-    def __call__(self, module: nn.Module, args: tuple) -> tuple:
-        return (args[0] * self.factor,) + tuple(args[1:])
-
-
+# hooks: BranchScale / InputScale live in normconv.modules (picklable, on the weights-only allowlist)
 # ---------------------------------------------------------------------------------------------------------
 # analysis: the one place decisions are made (plan() shows them, deepnorm() applies them)
 
