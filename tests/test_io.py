@@ -245,3 +245,20 @@ def test_float32norm_model_reloads_without_opt_in(tmp_path):
     torch.save(model, path)
     loaded = load(str(path), input_shapes=["input:2,8:float16"])
     assert isinstance(loaded.model[0], Float32Norm) and loaded.model[0].norm.weight.shape == (8,)
+
+
+@pytest.mark.parametrize("command,model", [
+    (["fold"], "zoo:resnet"),
+    (["canonicalize"], "zoo:hf_style_norms"),
+    (["swap", "--to", "rmsnorm"], "zoo:gpt"),
+    (["deepnorm"], "zoo:bert"),
+])
+def test_every_commands_output_chains_into_the_next(cli, tmp_path, command, model):
+    """A model normconv wrote loads again with no --trust-pickle and no --input-shape, in eval mode."""
+    out = tmp_path / "out.pt"
+    code, _, err = cli(*command, model, "-o", out)
+    assert code == 0, err
+    code, stdout, err = cli("inspect", out, "--json")
+    assert code == 0, err
+    again = load(str(out))
+    assert not any(m.training for m in again.model.modules())
