@@ -29,6 +29,9 @@ def register(app: typer.Typer) -> None:
         baseline: Annotated[bool, typer.Option(help="also export with plain torch.onnx.export and compare op "
                                                     "counts and latency")] = True,
         repeats: Annotated[int, typer.Option(help="timed onnxruntime runs per provider (0: no timing)")] = 10,
+        skip_fusion: Annotated[bool, typer.Option(
+            "--skip-fusion", help="with --target ort: fuse residual add + norm into Skip*LayerNormalization "
+                                  "(faster on GPU; measured slower on onnxruntime CPU)")] = False,
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
         weights: WeightsOpt = None,
@@ -46,5 +49,6 @@ def register(app: typer.Typer) -> None:
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
         report = export_onnx(loaded.model, loaded.require_inputs(), output, target, opset, dynamic=dynamic,
                              fold=not no_fold, canonicalize=not no_canonicalize, validate=providers, atol=atol,
-                             rtol=rtol, baseline=baseline, repeats=repeats, spec=loaded.spec)
+                             rtol=rtol, baseline=baseline, repeats=repeats, spec=loaded.spec,
+                             skip_fusion=skip_fusion)
         emit(report, as_json, print_export)
