@@ -82,22 +82,26 @@ def main() -> None:
             t0 = time.perf_counter()
             ours = Path(tmp) / "normconv.onnx"
             report = export_onnx(model, inputs, ours, a.target, a.opset, baseline=False, repeats=0, spec=name)
+            skip = Path(tmp) / "normconv_skip.onnx"
+            skip_report = export_onnx(model, inputs, skip, a.target, a.opset, baseline=False, repeats=0, spec=name,
+                                      skip_fusion=True)
             plain = torch_export(model, inputs, 20, normconv_ops=False, dynamic=False)  # torch's default opset
             plain_path = Path(tmp) / "plain.onnx"
             ir.save(plain.model, str(plain_path))
-            s_ours, s_plain = session(str(ours), "CPUExecutionProvider", "default"), \
-                session(str(plain_path), "CPUExecutionProvider", "default")
+            s_ours, s_plain, s_skip = (session(str(p), "CPUExecutionProvider", "default")
+                                       for p in (ours, plain_path, skip))
             f = feeds(s_ours, model, inputs)
-            # interleave the two so background load hits both alike
-            t_ours, t_plain = [], []
+            # interleave the three so background load hits all alike
+            t_ours, t_plain, t_skip = [], [], []
             for _ in range(3):
                 t_ours.append(latency_ms(s_ours, f, a.repeats))
                 t_plain.append(latency_ms(s_plain, feeds(s_plain, model, inputs), a.repeats))
-            lo, lp = float(np.median(t_ours)), float(np.median(t_plain))
+                t_skip.append(latency_ms(s_skip, feeds(s_skip, model, inputs), a.repeats))
+            lo, lp, ls = float(np.median(t_ours)), float(np.median(t_plain)), float(np.median(t_skip))
             fused = sum(report.extra["fused_norm_ops"].values())
             err = max(r["max_abs_error"] for r in report.extra["ort"])
-            rows.append((name, fused, sum(report.extra["norm_sites"].values()), report.extra["skip_fused"],
-                         lp, lo, lp / lo, err))
+            rows.append((name, fused, sum(report.extra["norm_sites"].values()), skip_report.extra["skip_fused"],
+                         lp, lo, lp / lo, err, ls, lp / ls))
             print(f"{name}: plain {lp:.3f} ms, normconv {lo:.3f} ms, speedup {lp / lo:.2f}x "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
 
@@ -106,10 +110,12 @@ def main() -> None:
              f"normconv: `--target {a.target} --opset {a.opset}`; plain: `torch.onnx.export(model, dynamo=True)` "
              "defaults (opset 20). Both at ORT_ENABLE_ALL on CPUExecutionProvider, same inputs, median of 3 "
              f"interleaved rounds of {a.repeats} runs, this machine (2 CPU cores, shared with other jobs).", "",
-             "| model | fused norm ops | norm sites | skip-fused | plain ms | normconv ms | speedup | max abs err vs torch |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | fused norm ops | norm sites | plain ms | normconv ms | plain / normconv | "
+             "skip-fused (--skip-fusion) | --skip-fusion ms | plain / --skip-fusion | max abs err vs torch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f}x | {r[7]:.2e} |")
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f}x | {r[3]} | {r[8]:.3f} | "
+                     f"{r[9]:.2f}x | {r[7]:.2e} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -35,6 +35,7 @@ import torch.nn as nn
 from normconv.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph import Captured
+from normconv.io import check_writable
 from normconv.report import Report, Site
 
 NAME = "export"
@@ -256,11 +257,7 @@ def _check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
     out = Path(path)
     if out.suffix != ".onnx":
         raise NormconvError(f"output {path} must end with .onnx")
-    if not out.parent.exists():
-        raise NormconvError(f"cannot write {path}: folder {out.parent} does not exist")
-    if out.is_dir():
-        raise NormconvError(f"cannot write {path}: it is a folder")
-    return out
+    return check_writable(out)
 
 
 def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str = "onnx", opset: int = DEFAULT_OPSET,

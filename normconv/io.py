@@ -419,10 +419,15 @@ def check_output_path(loaded: Loaded, out: str | os.PathLike, in_place: bool = F
     path = Path(out)
     if loaded.path is not None and path.exists() and path.resolve() == loaded.path.resolve() and not in_place:
         raise NormconvError(f"refusing to overwrite the input {out}: choose another -o or pass --in-place")
+    return check_writable(path)
+
+
+def check_writable(path: Path) -> Path:
+    """A file can be created at ``path``: its folder exists and it is not itself a folder."""
     if not path.parent.exists():
-        raise NormconvError(f"cannot write {out}: folder {path.parent} does not exist")
+        raise NormconvError(f"cannot write {path}: folder {path.parent} does not exist")
     if path.is_dir():
-        raise NormconvError(f"cannot write {out}: it is a folder")
+        raise NormconvError(f"cannot write {path}: it is a folder")
     return path
 
 

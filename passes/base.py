@@ -32,3 +32,12 @@ def skip(pass_name: str, site: NormSite, reason: str) -> Site:
 
 def apply(pass_name: str, site: NormSite, reason: str) -> Site:
     return Site(pass_name, site.target, True, reason)
+
+
+def replace_module(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at dotted ``path`` in ``root`` (the user's class stays), in the replaced module's mode."""
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    new.train(getattr(parent, name).training)
+    setattr(parent, name, new)
+    return new

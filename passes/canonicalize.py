@@ -41,7 +41,7 @@ from normconv.rmsnorm import make_rmsnorm
 from normconv.verify import Inputs, compare, default_tolerance
 from normconv.modules import Float32Norm
 
-from .base import apply, skip
+from .base import apply, replace_module, skip
 
 NAME = "canonicalize"
 
@@ -366,17 +366,9 @@ class Canonicalize:
             done: set[str] = set()
             for d in applied:
                 if d.site.target not in done:  # a module called twice is replaced once
-                    _replace_module(model, d.site.target, d.module)
+                    replace_module(model, d.site.target, d.module)
                     done.add(d.site.target)
         return PassResult(model, bool(applied), tuple(d.to_site() for d in decisions))
-
-
-def _replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    old = getattr(parent, name)
-    new.train(old.training)
-    setattr(parent, name, new)
 
 
 def _rewrite_graph(cap: Captured, applied: list[Decision]) -> fx.GraphModule:

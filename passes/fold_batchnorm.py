@@ -30,7 +30,7 @@ from normconv.match import arg, batch_norm_args
 from normconv.report import PassResult, Report, Site
 from normconv.verify import Inputs
 
-from .base import apply, skip
+from .base import apply, replace_module, skip
 
 NAME = "fold"
 
@@ -345,11 +345,6 @@ def _store(layer: nn.Module, w: torch.Tensor, b: torch.Tensor) -> None:
             layer.bias.copy_(b.to(layer.bias.dtype))
 
 
-def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, new)
-
-
 class FoldBatchNorm:
     """The fold pass: apply what ``analyze`` decided, remove folded BNs, hand back the model."""
 
@@ -373,7 +368,7 @@ class FoldBatchNorm:
             model = _remove_from_graph(cap, done)
         else:
             for d in done:
-                _set_submodule(model, d.site.target, nn.Identity())  # bn  =>  identity (keys of the rest unchanged)
+                replace_module(model, d.site.target, nn.Identity())  # bn  =>  identity (keys of the rest unchanged)
         return PassResult(model, bool(done), tuple(d.to_site() for d in decisions))
 
 

@@ -27,6 +27,7 @@ from normconv.detect import NormSite
 from normconv.graph import Captured
 from normconv.match import TRANSPARENT
 from normconv.report import PassResult, Site
+from .base import replace_module
 
 NAME = "swap"
 
@@ -567,7 +568,7 @@ class SwapPass:
                     self._fold_beta(cap, p, folded)
                 if p.module not in replaced:
                     replaced.add(p.module)
-                    _set_module(model, p.module, self._replacement(cap, p))
+                    replace_module(model, p.module, self._replacement(cap, p))
         if self.dropped:
             self.notes.append(f"bias dropped at {len(self.dropped)} norm(s), e.g. {self.dropped[0]}")
         return PassResult(model, bool(replaced), tuple(a.sites(self.approximate)))
@@ -632,11 +633,6 @@ class SwapPass:
                 new.weight.data.copy_(weight.detach())
         new.train(old.training)
         return new
-
-
-def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
 
 
 def _untie_config(model: nn.Module, notes: list[str]) -> None:
