@@ -12,6 +12,7 @@ from test_fold_helpers import applied, bn_modules, checked_fold, randomize_bn, s
 from normconv.errors import NormconvError
 from normconv.models import get
 from normconv.passes.fold_batchnorm import FOLD, fold
+from normconv.modules import ChannelShift
 
 torch.manual_seed(0)
 
@@ -77,8 +78,13 @@ def test_backward_fold_layouts(dims, bias, groups, transposed, dtype):
                            groups=groups, bias=bias)
     model = randomize_bn(nn.Sequential(layer, BN[dims](layer.out_channels), nn.ReLU()), seed=dims).to(dtype)
     folded, report = checked_fold(model, _x(dims, dtype=dtype))
-    assert applied(report) == {"1": "fold into 0 (backward)"}
-    assert isinstance(folded[1], nn.Identity) and folded[0].bias is not None and folded[0].weight.dtype == dtype
+    assert folded[0].weight.dtype == dtype
+    if transposed and not bias:  # a bias would put torch's CPU ConvTranspose on a 3-12x slower path
+        assert applied(report)["1"].startswith("fold the scale into 0 (backward); the shift stays as a ChannelShift")
+        assert isinstance(folded[1], ChannelShift) and folded[0].bias is None
+    else:
+        assert applied(report) == {"1": "fold into 0 (backward)"}
+        assert isinstance(folded[1], nn.Identity) and folded[0].bias is not None
 
 
 @pytest.mark.parametrize("affine", [True, False])
