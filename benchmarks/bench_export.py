@@ -56,17 +56,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[128])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--target", default="ort")
-    ap.add_argument("--opset", type=int, default=18)
+    ap.add_argument("--opset", type=int, default=None, help="default: normconv's default")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    from normconv.export import export_onnx, torch_export
+    from normconv.export import DEFAULT_OPSET, export_onnx, torch_export
     from normconv.models import ZOO
     from normconv.onnx_validate import feeds, latency_ms, session
     from normconv.verify import Inputs
     import onnx_ir as ir
 
+    a.opset = DEFAULT_OPSET if a.opset is None else a.opset
     cases = [(f"zoo:{n}", ZOO[n].build().eval(), Inputs(tuple(ZOO[n].example_inputs())))
              for n in ("bert", "gpt", "llama", "seq2seq")]
     for seq in a.seq:
@@ -109,7 +110,7 @@ def main() -> None:
              f"Command: `python benchmarks/bench_export.py {' '.join(sys.argv[1:])}`", "",
              f"normconv: `--target {a.target} --opset {a.opset}`; plain: `torch.onnx.export(model, dynamo=True)` "
              "defaults (opset 20). Both at ORT_ENABLE_ALL on CPUExecutionProvider, same inputs, median of 3 "
-             f"interleaved rounds of {a.repeats} runs, this machine (2 CPU cores, shared with other jobs).", "",
+             f"interleaved rounds of {a.repeats} runs, this machine (2 CPU cores).", "",
              "| model | fused norm ops | norm sites | plain ms | normconv ms | plain / normconv | "
              "skip-fused (--skip-fusion) | --skip-fusion ms | plain / --skip-fusion | max abs err vs torch |",
              "|---|---|---|---|---|---|---|---|---|---|"]

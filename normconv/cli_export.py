@@ -8,6 +8,7 @@ import typer
 
 from .cli_common import (AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt, emit,
                          load_from_flags, user_errors)
+from .export import DEFAULT_OPSET
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
         output: Annotated[str, typer.Option("--output", "-o", help="the .onnx file to write")],
         target: Annotated[str, typer.Option(help="onnx: standard ops only; ort: onnxruntime's fused ops "
                                                  "(SimplifiedLayerNormalization, Skip*LayerNormalization)")] = "onnx",
-        opset: Annotated[int, typer.Option(help="ONNX opset, 17 to 23")] = 18,
+        opset: Annotated[int, typer.Option(help="ONNX opset, 17 to 23")] = DEFAULT_OPSET,
         dynamic: Annotated[bool, typer.Option("--dynamic", help="dynamic batch and sequence axes where the "
                                                                 "model allows them")] = False,
         no_fold: Annotated[bool, typer.Option("--no-fold", help="do not fold BatchNorm before export")] = False,
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
         repeats: Annotated[int, typer.Option(help="timed onnxruntime runs per provider (0: no timing)")] = 10,
         skip_fusion: Annotated[bool, typer.Option(
             "--skip-fusion", help="with --target ort: fuse residual add + norm into Skip*LayerNormalization "
-                                  "(faster on GPU; measured slower on onnxruntime CPU)")] = False,
+                                  "(onnxruntime's GPU kernels; measured slower on onnxruntime CPU)")] = False,
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
         weights: WeightsOpt = None,

@@ -21,7 +21,7 @@ from normconv.verify import Inputs
 from hf_tiny import TINY
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
-COMBOS = [(t, o) for o in (17, 18, 23) for t in ("onnx", "ort")]
+COMBOS = [(t, o) for o in (17, 18, 20, 23) for t in ("onnx", "ort")]  # 20: the default
 # non-norm uses of these ops in the zoo: global average pooling (ReduceMean), GELU-tanh (Pow)
 POOLING = {"resnet", "mobilenet", "conv1d", "conv3d", "tutorial_bn", "inline_norm"}
 
