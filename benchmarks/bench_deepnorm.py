@@ -8,13 +8,14 @@ Task: reverse a random token sequence (encoder-only, per-position cross-entropy)
 no warm-up (the setting in which the paper reports post-LN instability). Writes the loss curves to
 benchmarks/results/deepnorm_loss.png and the table to benchmarks/results/deepnorm.md.
 
-    python benchmarks/bench_deepnorm.py [--layers 32] [--steps 500] [--lr 1e-3]
+    python benchmarks/bench_deepnorm.py [--layers 32] [--steps 500] [--lr 1e-3] [--stem deepnorm]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)  # 2 threads on a loaded 2-core box is 5x slower
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--stem", default="deepnorm", help="results/STEM.md and results/STEM_loss.png")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dims = dict(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers=args.layers, ffn=args.ffn)
@@ -136,7 +138,7 @@ def main() -> None:
 
 def write(args, runs, stack, applied, report) -> None:
     RESULTS.mkdir(exist_ok=True)
-    png = RESULTS / "deepnorm_loss.png"
+    png = RESULTS / f"{args.stem}_loss.png"
     if not args.no_plot:
         import matplotlib
 
@@ -158,7 +160,7 @@ def write(args, runs, stack, applied, report) -> None:
     lines = [
         "# deepnorm: training a deep post-LN transformer three ways",
         "",
-        f"Command: `{cmd}` (torch {torch.__version__}, CPU, {args.threads} threads, shared machine).",
+        f"Command: `{cmd}` (torch {torch.__version__}, CPU, {args.threads} threads, load average {os.getloadavg()[0]:.1f} at the end).",
         "",
         f"Model: {args.layers} post-LN encoder layers x 2 sublayers = {2 * args.layers} sublayers, hidden {args.hidden}, "
         f"{args.heads} heads, FFN {args.ffn}; task: reverse a random sequence of {args.seq} tokens over a vocabulary "
@@ -180,8 +182,8 @@ def write(args, runs, stack, applied, report) -> None:
                      f"| {r['max_grad']:.3g} "
                      f"| {r['verdict']} | {r['secs']:.0f} s |")
     lines += ["", f"Loss curves: `{png.name}` (log scale).", ""]
-    (RESULTS / "deepnorm.md").write_text("\n".join(lines))
-    print(f"wrote {RESULTS / 'deepnorm.md'}" + ("" if args.no_plot else f" and {png}"))
+    (RESULTS / f"{args.stem}.md").write_text("\n".join(lines))
+    print(f"wrote {RESULTS / (args.stem + '.md')}" + ("" if args.no_plot else f" and {png}"))
 
 
 if __name__ == "__main__":

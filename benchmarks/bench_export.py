@@ -54,7 +54,8 @@ def hf_models(seq: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, nargs="+", default=[128])
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=20, help="minimum runs per round")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     ap.add_argument("--target", default="ort")
     ap.add_argument("--opset", type=int, default=None, help="default: normconv's default")
     ap.add_argument("--skip-hf", action="store_true")
@@ -89,15 +90,17 @@ def main() -> None:
             plain = torch_export(model, inputs, 20, normconv_ops=False, dynamic=False)  # torch's default opset
             plain_path = Path(tmp) / "plain.onnx"
             ir.save(plain.model, str(plain_path))
-            s_ours, s_plain, s_skip = (session(str(p), "CPUExecutionProvider", "default")
+            # idle sessions' threads spin by default: three sessions interleaved on 2 cores would time the spinning
+            s_ours, s_plain, s_skip = (session(str(p), "CPUExecutionProvider", "default", spin=False)
                                        for p in (ours, plain_path, skip))
-            f = feeds(s_ours, model, inputs)
-            # interleave the three so background load hits all alike
+            runs = [(s, feeds(s, model, inputs)) for s in (s_ours, s_plain, s_skip)]
+            # each round runs >= 0.2 s per variant: sub-millisecond models need hundreds of runs for a stable median
+            one = latency_ms(s_plain, runs[1][1], 3)
+            n = max(a.repeats, int(200 / max(one, 1e-3)))
             t_ours, t_plain, t_skip = [], [], []
-            for _ in range(3):
-                t_ours.append(latency_ms(s_ours, f, a.repeats))
-                t_plain.append(latency_ms(s_plain, feeds(s_plain, model, inputs), a.repeats))
-                t_skip.append(latency_ms(s_skip, feeds(s_skip, model, inputs), a.repeats))
+            for _ in range(a.rounds):  # interleaved so background load hits all alike
+                for times, (s, f) in zip((t_ours, t_plain, t_skip), runs):
+                    times.append(latency_ms(s, f, n))
             lo, lp, ls = float(np.median(t_ours)), float(np.median(t_plain)), float(np.median(t_skip))
             fused = sum(report.extra["fused_norm_ops"].values())
             err = max(r["max_abs_error"] for r in report.extra["ort"])
@@ -109,8 +112,9 @@ def main() -> None:
     lines = ["# normconv export: onnxruntime CPU latency vs plain torch.onnx.export", "",
              f"Command: `python benchmarks/bench_export.py {' '.join(sys.argv[1:])}`", "",
              f"normconv: `--target {a.target} --opset {a.opset}`; plain: `torch.onnx.export(model, dynamo=True)` "
-             "defaults (opset 20). Both at ORT_ENABLE_ALL on CPUExecutionProvider, same inputs, median of 3 "
-             f"interleaved rounds of {a.repeats} runs, this machine (2 CPU cores).", "",
+             "defaults (opset 20). Both at ORT_ENABLE_ALL on CPUExecutionProvider, same inputs, idle threads not "
+             f"spinning, median of {a.rounds} "
+             f"interleaved rounds of at least {a.repeats} runs and 0.2 s, this machine (2 CPU cores).", "",
              "| model | fused norm ops | norm sites | plain ms | normconv ms | plain / normconv | "
              "skip-fused (--skip-fusion) | --skip-fusion ms | plain / --skip-fusion | max abs err vs torch |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -120,10 +120,13 @@ def _like(reference: Any, outs: list) -> Any:
     return tree_unflatten(filled, spec)
 
 
-def session(path: str, provider: str, level: str):
+def session(path: str, provider: str, level: str, spin: bool = True):
+    """An onnxruntime session; ``spin=False`` stops idle threads spinning (for timing sessions side by side)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if level == "disabled"
                                      else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     opts.log_severity_level = 3

@@ -8,7 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_fold_helpers import applied, bn_modules, checked_fold, randomize_bn, skipped
+from fold_helpers import applied, bn_modules, checked_fold, randomize_bn, skipped
 from normconv.errors import NormconvError
 from normconv.models import get
 from normconv.passes.fold_batchnorm import FOLD, fold

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from test_fold_helpers import bn_modules, randomize_bn
+from fold_helpers import bn_modules, randomize_bn
 from normconv.passes.fold_batchnorm import fold
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d}
