@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from bench_output import emit_table
 warnings.filterwarnings("ignore")
 
 
@@ -121,11 +122,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f}x | {r[3]} | {r[8]:.3f} | "
                      f"{r[9]:.2f}x | {r[7]:.2e} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
+    emit_table(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,14 @@ Run: python benchmarks/bench_skip_norm.py --out benchmarks/results/skip_norm.md
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
 from onnx import TensorProto, helper
+
+from bench_output import emit_table
+from normconv.onnx_validate import latency_ms
 
 SHAPES = ([1, 128, 768], [8, 128, 768], [4, 512, 768], [1, 128, 4096])
 
@@ -53,14 +55,7 @@ def median_ms(model: bytes, feed: dict, repeats: int, disabled: list[str] | None
     opts.intra_op_num_threads = 2
     opts.log_severity_level = 3
     sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"], disabled_optimizers=disabled or [])
-    for _ in range(3):
-        sess.run(None, feed)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+    return latency_ms(sess, feed, repeats, warmup=3)
 
 
 def main() -> None:
@@ -83,10 +78,7 @@ def main() -> None:
         lines.append(f"| {tuple(shape)} | {t['add_ln']:.3f} | {t['skip_ln']:.3f} | {t['skip_ln'] / t['add_ln']:.2f} | "
                      f"{t['add_rms']:.3f} | {t['skip_rms']:.3f} | {t['skip_rms'] / t['add_rms']:.2f} | "
                      f"{own_on:.3f} | {own_off:.3f} | {own_on / own_off:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    emit_table(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn as nn
 
+from bench_output import emit_table
 from normconv.rmsnorm import make_rmsnorm
 
 SHAPES = [(32, 512, 768), (8, 128, 768), (4, 2048, 4096)]
@@ -107,18 +108,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cmd = "python " + " ".join(sys.argv)
-    lines = [f"# swap benchmark", "", f"Command: `{cmd}`", "",
+    lines = ["# swap benchmark", "", f"Command: `{cmd}`", "",
              f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} threads; medians of {args.repeats} interleaved runs.", "",
              "## RMSNorm implementations (eager CPU, fp32, inference)", ""]
     lines += bench_norms(args.repeats)
     lines += ["", "## Swapped model vs original (zoo GPT architecture, LayerNorm -> RMSNorm, exact)", ""]
     lines += bench_models(max(5, args.repeats // 2))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit_table(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from bench_output import emit_table
 from normconv.models.handwritten import BatchNorm, GemmaRMSNorm, LayerNorm, LlamaRMSNorm, T5LayerNorm
 from normconv.passes.canonicalize import canonicalize
 from normconv.verify import Inputs
@@ -107,11 +108,7 @@ def main() -> None:
     ]
     for label, native, mo, mn, r, no, nn_ in rows:
         lines.append(f"| {label} | {native} | {mo:.2f} | {mn:.2f} | {r:.2f}x | {no} | {nn_} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    emit_table(lines, a.out)
 
 
 if __name__ == "__main__":

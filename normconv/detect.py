@@ -19,7 +19,7 @@ Placement says what feeds the norm and where it sits in a residual stream:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -294,7 +294,6 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
 
     centered: bool
     x_stat: Any = None
-    mean_node: Any = None
     running_var = cap.param_name(stat)
     dims: tuple[int, ...] | None = None
     if running_var is not None:  # (x - running_mean) / sqrt(running_var + eps)
@@ -320,7 +319,7 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
             m = _strip(cap, base.args[1], acc)
             if isinstance(m, fx.Node) and cap.op(m) == "mean":
                 acc |= {base.name, m.name}
-                x_stat, mean_node, centered, kind = _strip(cap, base.args[0], acc), m, True, "layernorm"
+                x_stat, centered, kind = _strip(cap, base.args[0], acc), True, "layernorm"
             else:
                 raise _NoMatch
         else:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import io
 import logging
 import os

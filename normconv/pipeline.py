@@ -12,7 +12,6 @@ import copy
 import time
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.nn as nn
 
 from .errors import NormconvError, VerificationError

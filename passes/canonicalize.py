@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from normconv.detect import NormSite, find_norms
 from normconv.errors import NormconvError
-from normconv.graph import Captured, capture
+from normconv.graph import Captured
 from normconv.report import PassResult, Report, Site
 from normconv.rmsnorm import make_rmsnorm
 from normconv.verify import Inputs, compare, default_tolerance

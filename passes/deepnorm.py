@@ -451,7 +451,6 @@ def _block(path: str) -> str | None:
 
 def _stacks(an: Analysis, arch: str | None, n_layers: int | None, m_layers: int | None) -> None:
     """Chains of post-LN sites along the residual stream -> stacks -> N, M -> constants."""
-    by_target = {s.norm.target: s for s in an.sublayers}
     chains: list[list[Sublayer]] = []
     chain_of: dict[str, int] = {}
     for s in an.sublayers:  # graph order: a site's predecessor is already placed
@@ -745,9 +744,9 @@ def deepnorm(model: nn.Module, inputs: Inputs, arch: str | None = None, alpha: f
                     extra={"arch": an.arch, "beta_mode": beta_mode, "stacks": p.stacks,
                            "capture": cap.method, "marker": MARKER, "sublayers": p.records})
     report.notes.append(
-        f"DeepNorm changes what the model computes (it is for (re)training); validation compares it with "
-        f"LN(alpha*x + f(x)) computed literally on the same weights. Save the module itself (torch.save(model)): "
-        f"a state_dict alone does not carry the residual scaling.")
+        "DeepNorm changes what the model computes (it is for (re)training); validation compares it with "
+        "LN(alpha*x + f(x)) computed literally on the same weights. Save the module itself (torch.save(model)): "
+        "a state_dict alone does not carry the residual scaling.")
     return result.model, report
 
 

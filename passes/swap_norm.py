@@ -15,7 +15,6 @@ Approximate (opt-in): a site that cannot be made exact is replaced as is (RMSNor
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

@@ -18,7 +18,7 @@ from normconv.errors import NormconvError
 from normconv.graph import capture
 from normconv.io import load
 from normconv.models import get
-from normconv.models.transformer import Attention, PostLNEncoderLayer
+from normconv.models.transformer import PostLNEncoderLayer
 from normconv.passes import deepnorm as dn
 from normconv.verify import Inputs
 
