@@ -6,9 +6,11 @@
 differs: torch's CPU ``rms_norm`` is a composite (pow, mean, add, rsqrt, mul, mul: five passes over memory),
 2.5-2.8x slower than ``nn.LayerNorm``'s fused kernel. Here the sum of squares is one fused reduction
 (``torch.linalg.vector_norm``), and the scale is applied in two in-place multiplies (three passes), which
-measures as fast as ``nn.LayerNorm`` (benchmarks/results/swap.md). Anything else -- autograd through
-the weight or input is kept with out-of-place ops; torch.export / torch.compile / FX tracing / jit tracing,
-CUDA, half precision, active dispatch modes -- calls ``F.rms_norm``, so graphs see one ``aten.rms_norm``.
+measures as fast as ``nn.LayerNorm`` up to (32, 512, 768) and 8-12% behind it on (4, 2048, 4096)
+(benchmarks/results/swap.md; row-chunking to keep passes 2-3 in cache measured no better:
+benchmarks/results/rmsnorm_chunking.md). With autograd on, the same math runs out of place. Under torch.export,
+torch.compile, FX or jit tracing, on CUDA, in half precision or with a dispatch mode active it calls
+``F.rms_norm``, so graphs see one ``aten.rms_norm``.
 """
 
 from __future__ import annotations
