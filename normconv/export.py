@@ -303,10 +303,6 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
         if not check.passed:
             raise VerificationError(f"export: {check.label} differs from the original beyond tolerance "
                                     f"(max abs error {check.max_abs_error:.3g}); nothing written", report)
-    missing = [n for n, on in (("canonicalize", canonicalize), ("fold", fold)) if on and
-               n not in extra["passes"]]
-    if missing:
-        report.notes.append(f"pass(es) not available, skipped: {', '.join(missing)}")
 
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic)
     onnx_model = program.model
@@ -315,10 +311,10 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
     if target == "ort" and skip_fusion:
         for name, fused, reason in fuse_skip_norms(onnx_model):
             report.sites.append(Site(NAME + ":skip-fusion", name, fused, reason))
-    elif target == "ort":
+    elif target == "ort" and any("residual add left unfused" in s.reason for s in report.sites):
         report.notes.append("residual add + norm left unfused: onnxruntime CPU Skip*LayerNormalization measured "
-                            "slower than Add + norm (pass --skip-fusion for GPU deployment); onnxruntime's own "
-                            "session fusion does the same to post-LN adds unless the session disables "
+                            "slower than Add + norm (--skip-fusion fuses them where that op is faster); onnxruntime's "
+                            "own session fusion does the same to post-LN adds unless the session disables "
                             "'SkipLayerNormFusion'")
     after = op_counts(onnx_model)
     report.after = after
@@ -377,7 +373,11 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
     except (VerificationError, NormconvError):
         raise
     except Exception as exc:
-        raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}") from None
+        hint = ""
+        if "NOT_IMPLEMENTED" in str(exc):  # e.g. bfloat16 MatMul on the CPU provider
+            hint = (" (onnxruntime has no kernel for that op at this dtype on this provider; validate on another "
+                    "provider, or pass --validate none to write it unvalidated)")
+        raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}{hint}") from None
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return report

@@ -237,3 +237,38 @@ def test_skip_fusion_is_opt_in(tmp_path):
     types, _ = node_types(tmp_path / "m.onnx")
     assert not any(op.startswith("Skip") for _, op in types) and types[("", "LayerNormalization")] == 5
     assert any("--skip-fusion" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("target", ["onnx", "ort"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_fp16_export_keeps_dtype_and_fuses(cli, tmp_path, name, target):
+    out = tmp_path / "m16.onnx"
+    code, stdout, stderr = cli("export", f"zoo:{name}", "--dtype", "float16", "--target", target, "-o", out,
+                               "--json", "--no-baseline")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    m = onnx.load(str(out))
+    assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert sum(report["extra"]["fused_norm_ops"].values()) == sum(report["extra"]["norm_sites"].values()) == 5
+    assert report["validation"] and all(v["passed"] for v in report["validation"])
+
+
+def test_bf16_on_cpu_provider_is_a_clear_error(cli, tmp_path):
+    out = tmp_path / "bf16.onnx"
+    code, _, stderr = cli("export", "zoo:llama", "--dtype", "bfloat16", "--target", "ort", "-o", out)
+    assert code == 2 and not out.exists()
+    assert "no kernel for that op at this dtype" in stderr and "--validate none" in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    code, _, stderr = cli("export", "zoo:llama", "--dtype", "bfloat16", "--target", "ort", "-o", out,
+                          "--validate", "none", "--no-baseline")
+    assert code == 0 and out.exists(), stderr
+    assert onnx.load(str(out)).graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+
+
+def test_skip_fusion_note_only_where_an_add_feeds_a_norm(tmp_path):
+    model, inputs = zoo_inputs("resnet")
+    report = export(model, inputs, tmp_path, "ort", 20)
+    assert not any("--skip-fusion" in n for n in report.notes)
+    model, inputs = zoo_inputs("llama")
+    report = export(model, inputs, tmp_path, "ort", 20)
+    assert any("--skip-fusion" in n for n in report.notes)
