@@ -427,7 +427,8 @@ def print_export(report: Report) -> None:
     sites = sum(ex.get("norm_sites", {}).values())
     c.print(f"fused norm ops: {fused} ({ex.get('fused_norm_ops')}), norm sites: {sites} ({ex.get('norm_sites')}), "
             f"folded batchnorm: {ex.get('folded_batchnorm')}, skip-fused: {ex.get('skip_fused')}, "
-            f"leftover ReduceMean/Pow/Sqrt/Reciprocal: {ex.get('leftover_decomposed_ops') or 'none'}")
+            f"ReduceMean/Pow/Sqrt/Reciprocal left (pooling and GELU use them too): "
+            f"{ex.get('leftover_decomposed_ops') or 'none'}")
     for v in report.validation:
         c.print(render_validation(v))
     rows = [[r["provider"], r["optimizations"], r["max_abs_error"], r["min_atol"], r["min_rtol"],

@@ -64,3 +64,31 @@ def tiny_gemma():
 
 
 TINY = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama, "t5": tiny_t5, "gemma": tiny_gemma}
+
+
+def _image(batch: int = 2, size: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_resnet():
+    from transformers import ResNetConfig, ResNetModel
+
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    return _build(ResNetModel, cfg), Inputs((_image(),))
+
+
+def tiny_mobilenetv2():
+    from transformers import MobileNetV2Config, MobileNetV2Model
+
+    cfg = MobileNetV2Config(depth_multiplier=0.25, image_size=32)
+    return _build(MobileNetV2Model, cfg), Inputs((_image(),))
+
+
+def tiny_convnext():
+    from transformers import ConvNextConfig, ConvNextModel
+
+    cfg = ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2)
+    return _build(ConvNextModel, cfg), Inputs((_image(),))
+
+
+TINY_VISION = {"resnet": tiny_resnet, "mobilenetv2": tiny_mobilenetv2, "convnext": tiny_convnext}

@@ -42,6 +42,9 @@ def node_types(path):
     return Counter((n.domain, n.op_type) for n in m.graph.node), m
 
 
+TANH_GELU = ("gpt", "gpt2", "gemma")  # below opset 20 their GELU decomposes with a Pow
+
+
 def check_fused(report, path, name):
     """ORT agrees with torch at both levels; one fused op per norm site; no decomposed-norm ops left."""
     ex = report.extra
@@ -56,7 +59,7 @@ def check_fused(report, path, name):
     left = ex["leftover_decomposed_ops"]
     assert left.get("Sqrt", 0) == 0 and left.get("Reciprocal", 0) == 0
     assert left.get("ReduceMean", 0) <= (1 if name in POOLING else 0)
-    if name not in ("gpt", "gpt2"):
+    if name not in TANH_GELU:
         assert left.get("Pow", 0) == 0
 
 
@@ -92,6 +95,14 @@ def test_hf_tiny_models(tmp_path, name, target, opset):
     check_fused(report, tmp_path / "m.onnx", name)
     if target == "ort":
         assert report.extra["skip_fused"] == 4  # the residual adds of 2 layers; the embedding LN has a broadcast add
+
+
+@pytest.mark.parametrize("target,opset", [("onnx", 17), ("ort", 20)])
+@pytest.mark.parametrize("name", ["t5", "gemma"])
+def test_hf_t5_and_gemma_handwritten_rmsnorms_export_fused(tmp_path, name, target, opset):
+    """T5LayerNorm and GemmaRMSNorm (1 + w) are canonicalized, then exported as one op each."""
+    model, inputs = TINY[name]()
+    check_fused(export(model, inputs, tmp_path, target, opset), tmp_path / "m.onnx", name)
 
 
 def test_skip_fusion_post_ln_bert_and_exposed_sum(tmp_path):
