@@ -15,7 +15,7 @@ Approximate (opt-in): a site that cannot be made exact is replaced as is (RMSNor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -502,7 +502,8 @@ def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     for to in ("rmsnorm", "layernorm"):
         a = analyze(cap, norms, to)
         for p, s in zip(a.plans, a.sites()):
-            by_site[id(p.site)] = s
+            # a refusal names the direction it refuses (an applied site already says "to RMSNorm(...)")
+            by_site[id(p.site)] = s if s.applied else replace(s, reason=f"--to {to}: {s.reason}")
     return [by_site[id(s)] for s in norms if id(s) in by_site]
 
 
