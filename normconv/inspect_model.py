@@ -5,6 +5,7 @@ from __future__ import annotations
 from normconv.detect import NormSite, find_norms
 from normconv.graph import Captured, capture
 from normconv.io import Loaded
+from normconv.near_miss import find_near_misses
 from normconv.report import Report, Site, console, table
 
 from normconv.passes import canonicalize, deepnorm, fold_batchnorm, swap_norm
@@ -51,7 +52,8 @@ def inspect(loaded: Loaded, method: str = "auto") -> Report:
     return Report(
         command="inspect", model=loaded.spec, sites=sites,
         extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
-               "counts": counts, "parameters": sum(p.numel() for p in loaded.model.parameters())},
+               "counts": counts, "parameters": sum(p.numel() for p in loaded.model.parameters()),
+               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)]},
     )
 
 
@@ -73,6 +75,10 @@ def print_inspect(report: Report) -> None:
         for p in s["plan"]:
             plan_rows.append([s["target"], p["pass"], "apply" if p["applied"] else "skip", p["reason"]])
     c.print(table("plan", ["target", "pass", "would", "why"], plan_rows))
+    misses = ex.get("near_misses", [])
+    if misses:
+        c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],
+                      [[m["target"], m["computes"], m["reason"]] for m in misses]))
 
 
 def _shape(s: dict) -> str:

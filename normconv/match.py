@@ -30,6 +30,7 @@ _OPS: dict[str, tuple[list[Callable], list[str], list[Any]]] = {
     "rsqrt": ([torch.rsqrt], ["rsqrt"], [aten.rsqrt]),
     "mean": ([torch.mean], ["mean"], [aten.mean]),
     "var": ([torch.var], ["var"], [aten.var]),
+    "std": ([torch.std], ["std"], [aten.std]),
     "cast": ([], ["to", "float", "half", "bfloat16", "double", "type", "type_as"],
              [aten.to, aten._to_copy, aten.type_as]),
     "neg": ([operator.neg, torch.neg], ["neg"], [aten.neg]),
@@ -128,6 +129,7 @@ def op_of(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str | N
 _ARG_NAMES = {
     "mean": ("input", "dim", "keepdim"),
     "var": ("input", "dim", "unbiased", "keepdim"),
+    "std": ("input", "dim", "unbiased", "keepdim"),
     "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
     "rms_norm": ("input", "normalized_shape", "weight", "eps"),
     "group_norm": ("input", "num_groups", "weight", "bias", "eps"),

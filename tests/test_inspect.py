@@ -70,3 +70,22 @@ def test_post_ln_and_pre_ln_plans_differ(cli):
 def test_zoo_command_lists_models(cli):
     code, out, _ = cli("zoo", "--json")
     assert code == 0 and set(json.loads(out)) == set(ZOO)
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "torch.export"])
+def test_norm_like_subgraphs_are_listed_with_why(cli, capture):
+    """Close-but-not-equal hand-written norms are not sites (no exact rewrite exists) but inspect explains them."""
+    report = _json(cli, "tests.fixtures.user_models:near_miss_net", "--capture", capture)
+    assert [s["target"] for s in report["sites"]] == ["ln"]
+    misses = {m["target"]: m for m in report["extra"]["near_misses"]}
+    assert set(misses) == {"annotated", "unbiased", "eps_out"}
+    assert "unbiased" in misses["annotated"]["reason"] and "outside the sqrt" in misses["annotated"]["reason"]
+    assert "sqrt((n-1)/n) = 0.96825" in misses["unbiased"]["reason"]  # n = 16
+    assert "after the sqrt" in misses["eps_out"]["reason"]
+    code, out, _ = cli("inspect", "tests.fixtures.user_models:near_miss_net")
+    assert code == 0 and "norm-like but not a norm: 3 left as written" in out
+
+
+def test_no_norm_like_noise_on_the_zoo(cli):
+    for name in ZOO:
+        assert _json(cli, f"zoo:{name}")["extra"]["near_misses"] == [], name

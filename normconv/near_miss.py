@@ -1,0 +1,155 @@
+"""Norm-like subgraphs that are not a norm: what ``inspect`` lists so a hand-written norm never goes unexplained.
+
+Detection (detect.py) accepts only subgraphs that compute exactly what a native norm computes. Code copied from
+tutorials often computes something close but different, and no exact rewrite exists for it:
+
+  std rule        (x - mean) / (x.std(d) + eps)        torch.std is unbiased: sqrt(sum (x-m)^2 / (n-1)), and eps
+                                                       sits outside the sqrt (The Annotated Transformer's LayerNorm)
+  unbiased rule   (x - mean) / sqrt(x.var(d) + eps)    var defaults to unbiased (n-1); LayerNorm divides by n
+  eps-outside     x / (sqrt(mean(x^2)) + eps)          eps added after the sqrt, not under it
+
+For n normalized elements the unbiased forms scale the output by sqrt((n-1)/n) relative to LayerNorm (and eps
+acts differently), so canonicalize, swap and export leave them as written. Each becomes a ``NearMiss`` with
+the module that computes it and the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch.fx as fx
+
+from normconv.detect import NormSite
+from normconv.graph import Captured
+from normconv.match import TRANSPARENT, arg, dims_of, scalar
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A subgraph that normalizes like a norm but is not exactly one: where, what it computes, and why it stays."""
+
+    target: str
+    node: str
+    computes: str
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target": self.target, "node": self.node, "computes": self.computes, "reason": self.reason}
+
+
+def find_near_misses(cap: Captured, sites: Sequence[NormSite]) -> list[NearMiss]:
+    """Every std / unbiased-var / eps-outside-sqrt denominator not already part of a detected norm site."""
+    claimed = {n for s in sites for n in s.nodes}
+    found = []
+    for node in cap.gm.graph.nodes:
+        if node.name in claimed:
+            continue
+        op = cap.op(node)
+        miss = None
+        if op == "std" and _divides(cap, node):
+            miss = _std(cap, node)  # std rule
+        elif op == "var" and not _biased(node) and _divides(cap, node):
+            miss = _unbiased_var(cap, node)  # unbiased rule
+        elif op == "sqrt" and _is_statistic(cap, node.args[0]) and _eps_added(cap, node) is not None \
+                and _divides(cap, node):
+            miss = _eps_outside(cap, node)  # eps-outside rule
+        if miss is not None:
+            found.append(miss)
+    return found
+
+
+def _is_statistic(cap: Captured, node: Any) -> bool:
+    """A mean / var reduction (through casts): what a norm takes the sqrt of."""
+    while isinstance(node, fx.Node) and cap.op(node) in TRANSPARENT:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and cap.op(node) in ("mean", "var")
+
+
+def _biased(node: fx.Node) -> bool:
+    """var / std with unbiased=False or correction=0 (the default of both is unbiased)."""
+    unbiased = arg(node, 2, "unbiased", None)
+    return unbiased is False or node.kwargs.get("correction", None) in (0, 0.0)
+
+
+def _through(cap: Captured, node: fx.Node) -> list[fx.Node]:
+    """Users of ``node``, looking through casts / dropout / identity."""
+    out = []
+    for u in cap.users(node):
+        out += _through(cap, u) if cap.op(u) in TRANSPARENT else [u]
+    return out
+
+
+def _eps_added(cap: Captured, node: fx.Node) -> float | None:
+    """The scalar added to ``node`` by its (only) add user, if any."""
+    for u in _through(cap, node):
+        if cap.op(u) == "add":
+            for v in u.args[:2]:
+                if scalar(v) is not None:
+                    return scalar(v)
+    return None
+
+
+def _divides(cap: Captured, node: fx.Node, depth: int = 3) -> bool:
+    """``node`` (or node + eps, node ** 0.5, ...) ends up as a divisor within a few steps."""
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in _through(cap, n):
+                if cap.op(u) == "div" and len(u.args) > 1 and u.args[1] is n:
+                    return True
+                if cap.op(u) in ("add", "sqrt", "rsqrt", "pow"):
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+def _n(cap: Captured, node: fx.Node) -> int | None:
+    """How many elements the statistic reduces over, when shapes are known."""
+    x = node.args[0] if node.args else None
+    shape = cap.shape(x) if isinstance(x, fx.Node) else None
+    dims = dims_of(arg(node, 1, "dim"))
+    if shape is None:
+        return None
+    dims = dims if dims is not None else tuple(range(len(shape)))
+    return math.prod(shape[d] for d in dims)
+
+
+def _scale_note(n: int | None) -> str:
+    if not n or n < 2:
+        return ""
+    return f"; for n={n} its output is sqrt((n-1)/n) = {math.sqrt((n - 1) / n):.5f} x a LayerNorm's"
+
+
+def _where(cap: Captured, node: fx.Node) -> str:
+    return cap.owner(node) or node.name
+
+
+def _std(cap: Captured, node: fx.Node) -> NearMiss:
+    eps = _eps_added(cap, node)
+    biased = _biased(node)
+    what = f"(x - mean) / ({'biased ' if biased else ''}std(x){f' + {eps:g}' if eps is not None else ''})"
+    parts = [] if biased else ["torch.std is unbiased (divides by n-1)"]
+    if eps is not None:
+        parts.append("eps is added outside the sqrt")
+    reason = ("not a LayerNorm: " + " and ".join(parts) + (_scale_note(_n(cap, node)) if not biased else "")
+              + "; no exact native replacement, left as written")
+    return NearMiss(_where(cap, node), node.name, what, reason)
+
+
+def _unbiased_var(cap: Captured, node: fx.Node) -> NearMiss:
+    return NearMiss(_where(cap, node), node.name, "(x - mean) / sqrt(var(x) + eps), var unbiased",
+                    "not a LayerNorm: torch.var is unbiased by default (divides by n-1); pass unbiased=False "
+                    f"(correction=0) to make it one{_scale_note(_n(cap, node))}; left as written")
+
+
+def _eps_outside(cap: Captured, node: fx.Node) -> NearMiss:
+    eps = _eps_added(cap, node)
+    return NearMiss(_where(cap, node), node.name, f"x / (sqrt(stat) + {eps:g})",
+                    "not a native norm: eps is added after the sqrt, a native norm adds it under the sqrt "
+                    "(outputs differ where the statistic is small); left as written")
+
+
+__all__ = ["NearMiss", "find_near_misses"]
