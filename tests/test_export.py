@@ -283,3 +283,22 @@ def test_skip_fusion_note_only_where_an_add_feeds_a_norm(tmp_path):
     model, inputs = zoo_inputs("llama")
     report = export(model, inputs, tmp_path, "ort", 20)
     assert any("--skip-fusion" in n for n in report.notes)
+
+
+def test_external_data_sidecar_over_the_size_limit(tmp_path, monkeypatch):
+    """Above protobuf's 2 GB the weights go to a .data sidecar; the threshold is lowered to exercise the path."""
+    import normconv.export as ex
+
+    monkeypatch.setattr(ex, "EXTERNAL_DATA_BYTES", 0)
+    model, inputs = zoo_inputs("llama")
+    report = export(model, inputs, tmp_path, "ort", 20)
+    assert report.extra["external_data"] == "m.onnx.data" and report.passed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+    m = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in m.graph.initializer)
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    ids = inputs.args[0]
+    out = sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})[0]
+    with torch.no_grad():
+        ref = model(ids)
+    np.testing.assert_allclose(out, ref.numpy(), atol=1e-4, rtol=1e-4)
