@@ -34,8 +34,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object ins
 OutputOpt = Annotated[Optional[str], typer.Option(
     "--output", "-o", help="where to write the result (default: nothing is written)")]
 InPlaceOpt = Annotated[bool, typer.Option("--in-place", help="allow -o to overwrite the input file")]
-AtolOpt = Annotated[Optional[float], typer.Option("--atol", help="absolute tolerance (default by dtype: fp32 1e-4)")]
-RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="relative tolerance (default by dtype: fp32 1e-4)")]
+AtolOpt = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="absolute tolerance (default by dtype: fp32 1e-4)")]
+RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relative tolerance (default by dtype: fp32 1e-4)")]
 
 
 def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[list[str]], trust_pickle: bool,

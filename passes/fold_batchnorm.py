@@ -437,8 +437,12 @@ def fold_loaded(loaded: Loaded, *, eval_mode: bool = False, atol: float | None =
     check_eval(loaded.model, loaded.spec, eval_mode)
     if eval_mode:
         loaded.model.eval()
-    return rewrite(loaded, [FOLD], command=NAME, exact=True, atol=atol, rtol=rtol, output=output,
-                   in_place=in_place, method=method)
+    report, model = rewrite(loaded, [FOLD], command=NAME, exact=True, atol=atol, rtol=rtol, output=output,
+                            in_place=in_place, method=method)
+    if not any(s.applied for s in report.sites):
+        report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
+                            else "the model has no BatchNorm; it is unchanged")
+    return report, model
 
 
 def fold(model: nn.Module, inputs: Inputs | tuple | Any, atol: float | None = None, rtol: float | None = None,

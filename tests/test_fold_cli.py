@@ -73,6 +73,14 @@ def test_bad_inputs_exit_2(cli, tmp_path):
     assert code == 2 and "does not exist" in stderr
     code, _, stderr = cli("fold", "zoo:nope")
     assert code == 2 and "unknown zoo model" in stderr
+    code, _, stderr = cli("fold", "zoo:resnet", "-o", tmp_path / "x.pt", "--atol", "-1")
+    assert code == 2 and "--atol" in stderr and not (tmp_path / "x.pt").exists()
+
+
+def test_model_without_batchnorm_is_written_unchanged_with_a_note(cli, tmp_path):
+    code, stdout, _ = cli("fold", "zoo:gpt", "-o", tmp_path / "g.pt", "--json")
+    report = json.loads(stdout)
+    assert code == 0 and report["sites"] == [] and "the model has no BatchNorm; it is unchanged" in report["notes"]
 
 
 def test_no_output_flag_writes_nothing(cli, tmp_path, monkeypatch):
