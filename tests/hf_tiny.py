@@ -63,6 +63,17 @@ def tiny_gemma():
     return _build(GemmaForCausalLM, cfg), Inputs((), {"input_ids": _ids()})
 
 
+def tiny_bart():
+    """A post-LN encoder-decoder (BART): DeepNorm's encoder-decoder case, cross-attention included."""
+    from transformers import BartConfig, BartModel
+
+    cfg = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                     use_cache=False)
+    ids = _ids()
+    return _build(BartModel, cfg), Inputs((), {"input_ids": ids, "decoder_input_ids": ids[:, :8]})
+
+
 TINY = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama, "t5": tiny_t5, "gemma": tiny_gemma}
 
 

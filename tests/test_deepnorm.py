@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hf_tiny import tiny_bert, tiny_gpt2
+from hf_tiny import tiny_bart, tiny_bert, tiny_gpt2
 from normconv.detect import find_norms
 from normconv.errors import NormconvError
 from normconv.graph import capture
@@ -496,3 +496,22 @@ def test_cli_reference_check_miss_exits_1_and_writes_nothing(cli, tmp_path):
     code, stdout, stderr = cli("deepnorm", "zoo:bert", "-o", out, "--atol", "0", "--rtol", "0")
     assert code == 1 and "differs from LN(alpha*x + f(x))" in stderr and "nothing written" in stderr
     assert not out.exists() and "FAILED" in stdout
+
+
+def test_hf_bart_encoder_decoder_constants_sites_and_reference():
+    """A post-LN encoder-decoder nobody here wrote: N and M counted, the paper's encoder-decoder constants,
+    self-, cross-attention and FFN sublayers rescaled, embedding norms left with a reason."""
+    model, inputs = tiny_bart()
+    new, report = dn.deepnorm(model, inputs)
+    enc, dec = report.extra["stacks"]["encoder"], report.extra["stacks"]["decoder"]
+    assert report.extra["arch"] == "encoder-decoder" and enc["layers"] == 2 and dec["layers"] == 2
+    n = m = 2
+    assert enc["alpha"] == pytest.approx(0.81 * (n ** 4 * m) ** (1 / 16))
+    assert enc["beta"] == pytest.approx(0.87 * (n ** 4 * m) ** (-1 / 16))
+    assert dec["alpha"] == pytest.approx((3 * m) ** 0.25) and dec["beta"] == pytest.approx((12 * m) ** -0.25)
+    applied = [s.target for s in report.sites if s.applied]
+    assert len(applied) == 10 and sum("encoder_attn_layer_norm" in t for t in applied) == 2
+    skipped = {s.target: s.reason for s in report.sites if not s.applied}
+    assert set(skipped) == {"encoder.layernorm_embedding", "decoder.layernorm_embedding"}
+    assert all("not a post-LN residual sublayer" in r for r in skipped.values())
+    assert report.validation[0].passed and report.validation[0].max_abs_error < 1e-5
