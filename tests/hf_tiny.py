@@ -103,3 +103,32 @@ def tiny_convnext():
 
 
 TINY_VISION = {"resnet": tiny_resnet, "mobilenetv2": tiny_mobilenetv2, "convnext": tiny_convnext}
+
+
+def tiny_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                    max_position_embeddings=64, word_embed_proj_dim=32, use_cache=False)
+    return _build(OPTForCausalLM, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    cfg = GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+                       attention_types=[[["global", "local"], 1]], use_cache=False)
+    return _build(GPTNeoForCausalLM, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_gpt_neox():
+    """GPT-NeoX: parallel residual (x + attn(ln1(x)) + mlp(ln2(x))), untied head."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, use_cache=False)
+    return _build(GPTNeoXForCausalLM, cfg), Inputs((), {"input_ids": _ids()})
+
+
+# more pre-LN decoders with LayerNorm, for swap
+TINY_PRE_LN = {"opt": tiny_opt, "gpt_neo": tiny_gpt_neo, "gpt_neox": tiny_gpt_neox}

@@ -81,6 +81,21 @@ def test_hf_gpt2_swaps_exactly():
     _assert_same_logits(run(model, inputs).logits, run(new, inputs).logits)
 
 
+@pytest.mark.parametrize("name", ["opt", "gpt_neo", "gpt_neox"])
+def test_more_hf_pre_ln_decoders_swap_exactly(name):
+    """Pre-LN decoders nobody here wrote: OPT (learned positions with an offset), GPT-Neo (tied head),
+    GPT-NeoX (parallel residual): every LayerNorm becomes RMSNorm and the logits stay the same."""
+    from hf_tiny import TINY_PRE_LN
+
+    model, inputs = TINY_PRE_LN[name]()
+    _randomize_norms(model)
+    n_ln = _count(model, nn.LayerNorm)
+    new, report = swap(model, inputs)
+    _assert_same_logits(run(model, inputs).logits, run(new, inputs).logits)
+    assert _count(new, nn.LayerNorm) == 0 and _count(new, RMSNorm) == n_ln == 5
+    assert report.extra["exact"] and report.extra["argmax_agreement"] == 1.0
+
+
 def test_round_trip_back_to_layernorm_is_exact():
     model, inputs = _zoo("gpt")
     rms, _ = swap(model, inputs)
