@@ -170,11 +170,15 @@ def _functional_site(cap, node, x, owner, kind) -> NormSite:
             fields["notes"] = ("training=True: normalizes with batch statistics",)
     elif kind in ("layernorm", "rmsnorm"):
         ns = tuple(arg(node, 1, "normalized_shape") or ())
+        shape = cap.shape(x)
+        if not all(isinstance(d, int) for d in ns):  # (x.shape[-1],) traced: read the sizes off the input
+            ns = tuple(shape[len(shape) - len(ns):]) if shape and len(shape) >= len(ns) else None
         eps_i = 4 if kind == "layernorm" else 3
         eps = scalar(arg(node, eps_i, "eps"))
-        if eps is None and kind == "rmsnorm":
-            eps = torch.finfo(cap.dtype(x) or torch.float32).eps
-        fields = dict(normalized_shape=ns, dims=tuple(range(-len(ns), 0)), eps=eps, weight=p(arg(node, 2, "weight")),
+        if eps is None:  # the functions' defaults: 1e-5 for layer_norm, the dtype's epsilon for rms_norm
+            eps = 1e-5 if kind == "layernorm" else torch.finfo(cap.dtype(x) or torch.float32).eps
+        n_dims = len(arg(node, 1, "normalized_shape") or ())
+        fields = dict(normalized_shape=ns, dims=tuple(range(-n_dims, 0)), eps=eps, weight=p(arg(node, 2, "weight")),
                       bias=p(arg(node, 3, "bias")) if kind == "layernorm" else None)
     elif kind == "groupnorm":
         shape = cap.shape(x)

@@ -67,9 +67,12 @@ class Decision:
         return apply(NAME, self.site, self.reason) if self.applied else skip(NAME, self.site, self.reason)
 
 
-def analyze(cap: Captured, norms: Sequence[NormSite]) -> list[Decision]:
-    """Decide every site: structural rules first, then the replacement is checked on the recorded values."""
-    decisions = [_structural(cap, s) for s in norms]
+def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) -> list[Decision]:
+    """Decide every site: structural rules first, then the replacement is checked on the recorded values.
+
+    ``functional``: also turn functional ``F.layer_norm`` / ``F.rms_norm`` calls into modules (what swap asks
+    for, since it replaces norm modules; on its own canonicalize leaves a native functional call alone)."""
+    decisions = [_structural(cap, s, functional) for s in norms]
     candidates = [d for d in decisions if d.applied]
     if candidates:
         recorded = _record(cap, candidates)
@@ -82,12 +85,18 @@ def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     return [d.to_site() for d in analyze(cap, norms)]
 
 
-def _structural(cap: Captured, site: NormSite) -> Decision:
+def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Decision:
     no = lambda reason: Decision(site, False, reason)  # noqa: E731
+    owner_is_norm = isinstance(cap.modules.get(site.owner), (nn.LayerNorm, nn.RMSNorm))
+    # F.layer_norm / F.rms_norm in a user's forward  =>  a module, when asked (swap replaces modules)
+    modularize = (functional and site.source == "functional" and site.kind in ("layernorm", "rmsnorm")
+                  and not owner_is_norm)
     # already one native op  =>  nothing to do
-    if site.source != "handwritten":
-        return no(f"already native ({site.module_type or 'functional ' + site.kind})")
-    form = "module" if site.target == site.owner and site.target in cap.modules else "inline"
+    if site.source != "handwritten" and not modularize:
+        native = site.module_type if site.source == "module" or owner_is_norm else None
+        return no(f"already native ({native or 'functional ' + site.kind})")
+    form = "module" if site.source == "handwritten" and site.target == site.owner and site.target in cap.modules \
+        else "inline"
     # inline subgraph in an aten graph  =>  no user module to put a native one into
     if form == "inline" and cap.method != "symbolic_trace":
         return no(f"inline {site.kind} inside {site.owner or 'the root forward'} in a torch.export graph: only "
@@ -127,7 +136,8 @@ def _structural(cap: Captured, site: NormSite) -> Decision:
     out_dtype = cap.dtype(cap.nodes[site.node]) or in_dtype
     module, what = _build(site, tensors, shape, in_dtype, out_dtype)
     where = f"module {site.target} ({site.module_type})" if form == "module" else \
-        f"inline subgraph ({len(site.nodes)} ops) in {site.owner or 'the root forward'}"
+        f"functional {site.kind} in {site.owner or 'the root forward'} (so swap can replace a module)" \
+        if modularize else f"inline subgraph ({len(site.nodes)} ops) in {site.owner or 'the root forward'}"
     reason = f"replace {where} by {what}"
     renamed = _renamed_keys(site) if form == "module" else ""
     if renamed:
@@ -347,21 +357,27 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None) 
 
 
 class Canonicalize:
-    """Replace every hand-written norm by the native module that computes the same thing."""
+    """Replace every hand-written norm by the native module that computes the same thing
+    (``functional=True``: functional layer_norm / rms_norm calls too; see ``analyze``)."""
 
     name = NAME
     exact = True
 
+    def __init__(self, functional: bool = False):
+        self.functional = functional
+        self.renamed: dict[str, str] = {}  # site target -> path of the module that replaced it (last call)
+
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-        return plan(cap, norms)
+        return [d.to_site() for d in analyze(cap, norms, self.functional)]
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
         if cap.model is not model:
             raise ValueError("canonicalize: the capture must be of the model being rewritten")
-        decisions = analyze(cap, find_norms(cap))
+        decisions = analyze(cap, find_norms(cap), self.functional)
         applied = [d for d in decisions if d.applied]
+        self.renamed = {d.site.target: d.site.target for d in applied}
         if any(d.form == "inline" for d in applied):
-            model = _rewrite_graph(cap, applied)
+            model = _rewrite_graph(cap, applied, self.renamed)
         else:
             done: set[str] = set()
             for d in applied:
@@ -371,8 +387,9 @@ class Canonicalize:
         return PassResult(model, bool(applied), tuple(d.to_site() for d in decisions))
 
 
-def _rewrite_graph(cap: Captured, applied: list[Decision]) -> fx.GraphModule:
-    """Each applied site's subgraph -> one call_module of its native module; unused attributes are dropped."""
+def _rewrite_graph(cap: Captured, applied: list[Decision], renamed: dict[str, str]) -> fx.GraphModule:
+    """Each applied site's subgraph -> one call_module of its native module; unused attributes are dropped.
+    ``renamed`` gets each site's new module path."""
     gm, graph = cap.gm, cap.gm.graph
     taken = {name for name, _ in gm.named_modules()}
     modules: dict[str, nn.Module] = {}
@@ -383,6 +400,7 @@ def _rewrite_graph(cap: Captured, applied: list[Decision]) -> fx.GraphModule:
         else:
             target = _free_name(f"{s.owner}.{s.kind}" if s.owner else s.kind, taken)
         taken.add(target)
+        renamed[s.target] = target
         modules.setdefault(target, d.module)  # a module called twice: one native module, two call sites
         out, x = cap.nodes[s.node], cap.nodes[s.input]
         with graph.inserting_after(out):

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.detect import NormSite
+from normconv.detect import NormSite, find_norms
 from normconv.graph import Captured
 from normconv.match import TRANSPARENT
 from normconv.report import PassResult, Site
@@ -497,7 +497,20 @@ def _beta_consumers(cap: Captured, p: SitePlan, readers) -> tuple[list[Consumer]
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-    """What ``swap`` would do at each LayerNorm (to rmsnorm) and RMSNorm (to layernorm) site, in graph order."""
+    """What ``swap`` would do at each LayerNorm (to rmsnorm) and RMSNorm (to layernorm) site, in graph order.
+
+    ``swap`` first makes hand-written and functional norms modules (canonicalize); when that changes the model,
+    the plan is made on the model as swap will see it, and reported under the original site names."""
+    canonical = _as_swap_sees_it(cap)
+    if canonical is not None:
+        cap2, renamed = canonical
+        back = {new: old for old, new in renamed.items()}
+        planned = {back.get(s.target, s.target): s for s in _plan_on(cap2, find_norms(cap2))}
+        return [replace(planned[s.target], target=s.target) for s in norms if s.target in planned]
+    return _plan_on(cap, norms)
+
+
+def _plan_on(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     by_site: dict[int, Site] = {}
     for to in ("rmsnorm", "layernorm"):
         a = analyze(cap, norms, to)
@@ -505,6 +518,22 @@ def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
             # a refusal names the direction it refuses (an applied site already says "to RMSNorm(...)")
             by_site[id(p.site)] = s if s.applied else replace(s, reason=f"--to {to}: {s.reason}")
     return [by_site[id(s)] for s in norms if id(s) in by_site]
+
+
+def _as_swap_sees_it(cap: Captured) -> tuple[Captured, dict[str, str]] | None:
+    """(capture of the canonicalized copy, site target -> new module path), or None when canonicalize would
+    change nothing that swap reads (no site moves from inline / functional to a module)."""
+    import copy
+
+    from normconv.graph import capture
+    from normconv.passes.canonicalize import Canonicalize
+
+    canon = Canonicalize(functional=True)
+    if not any(s.applied for s in canon.plan(cap, find_norms(cap))):
+        return None
+    model = copy.deepcopy(cap.model)
+    result = canon(model, capture(model, cap.inputs, cap.method))
+    return capture(result.model, cap.inputs, cap.method), canon.renamed
 
 
 def _dim(layout: str) -> int:
@@ -538,7 +567,6 @@ class SwapPass:
         return analyze(cap, norms, self.to).sites(self.approximate)
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
-        from normconv.detect import find_norms
         from normconv.errors import NormconvError
 
         a = self.analysis = analyze(cap, find_norms(cap), self.to)
@@ -647,10 +675,6 @@ def _untie_config(model: nn.Module, notes: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # the command and the Python API
 
-try:  # the canonicalize pass runs first (hand-written norms -> native modules); it may not exist yet
-    from normconv.passes.canonicalize import CANONICALIZE
-except ImportError:  # pragma: no cover - depends on the canonicalize pass landing
-    CANONICALIZE = None
 
 
 def run_swap(loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
@@ -666,11 +690,15 @@ def run_swap(loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: fl
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
     swap_pass = SwapPass(to, approximate)
-    passes = ([CANONICALIZE] if canonicalize and CANONICALIZE is not None else []) + [swap_pass]
+    from normconv.passes.canonicalize import Canonicalize
+
+    # hand-written and functional norms -> native modules first: swap replaces modules
+    passes = ([Canonicalize(functional=True)] if canonicalize else []) + [swap_pass]
     report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method)
     report.notes.extend(swap_pass.notes)
-    if canonicalize and CANONICALIZE is None:
-        report.notes.append("canonicalize pass not available: hand-written norms were not converted first")
+    if isinstance(model, torch.fx.GraphModule) and not isinstance(loaded.model, torch.fx.GraphModule):
+        report.notes.append("functional / inline norms became modules in the traced graph: the result is a "
+                            "torch.fx.GraphModule (your class is not kept; loading it back needs --trust-pickle)")
     v = report.validation[0]
     agree = argmax_agreement(output_leaves(run(loaded.model, inputs)), output_leaves(run(model, inputs)))
     plans = swap_pass.analysis.plans if swap_pass.analysis else []

@@ -260,3 +260,34 @@ def test_cli_tolerance_miss_exits_1_and_writes_nothing(cli, tmp_path):
 def test_cli_bad_target(cli):
     code, _, stderr = cli("swap", "zoo:gpt", "--to", "batchnorm")
     assert code == 2 and "unknown --to" in stderr
+
+
+def test_functional_layer_norm_becomes_a_module_then_swaps_exactly(cli, tmp_path):
+    """F.layer_norm(x, (x.shape[-1],), w, b) inside a block: canonicalize (as swap's first step) makes it a module
+    in the traced graph, then swap handles it like any LayerNorm; the result is a GraphModule, said in a note."""
+    from torch.fx import GraphModule
+
+    from tests.fixtures.user_models import functional_pre_ln
+
+    model, args = functional_pre_ln()
+    new, report = swap(model, Inputs(args))
+    assert isinstance(new, GraphModule) and _count(new, RMSNorm) == 3 and _count(new, nn.LayerNorm) == 0
+    _assert_same_logits(run(model, Inputs(args)), run(new, Inputs(args)))
+    made = [s for s in report.sites if s.pass_name == "canonicalize" and s.applied]
+    assert len(made) == 2 and all("functional layernorm" in s.reason and "eps=1e-05" in s.reason for s in made)
+    assert report.extra["exact"] and any("GraphModule" in n for n in report.notes)
+    # canonicalize on its own leaves a native functional call alone
+    from normconv.passes.canonicalize import canonicalize
+
+    same, creport = canonicalize(model, Inputs(args))
+    assert same is not None and not any(s.applied for s in creport.sites)
+    code, _, stderr = cli("swap", "tests.fixtures.user_models:functional_pre_ln", "--to", "rmsnorm",
+                          "-o", tmp_path / "s.pt")
+    assert code == 0 and (tmp_path / "s.pt").exists(), stderr
+    # inspect plans on the model as swap will see it, under the original site names
+    code, stdout, _ = cli("inspect", "tests.fixtures.user_models:functional_pre_ln", "--json")
+    sites = json.loads(stdout)["sites"]
+    plans = {s["target"]: {p["pass"]: p for p in s["plan"]} for s in sites}
+    assert set(plans) == {"layer_norm", "layer_norm_1", "ln"}
+    assert all(p["swap"]["applied"] and "exact" in p["swap"]["reason"] for p in plans.values())
+    assert plans["layer_norm"]["canonicalize"]["reason"] == "already native (functional layernorm)"
