@@ -67,6 +67,7 @@ def main() -> None:
     from normconv.models import ZOO
     from normconv.onnx_validate import feeds, latency_ms, session
     from normconv.verify import Inputs
+    import onnx
     import onnx_ir as ir
 
     a.opset = DEFAULT_OPSET if a.opset is None else a.opset
@@ -79,49 +80,67 @@ def main() -> None:
         if not a.skip_hf:
             cases += [(name, m, Inputs((), kw)) for name, m, kw in hf_models(seq)]
 
+    try:  # the tool users reach for after a plain export; optional (pip install onnxslim)
+        import onnxslim
+    except ImportError:
+        onnxslim = None
+        print("onnxslim not installed: its column is left out", file=sys.stderr)
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, model, inputs in cases:
             t0 = time.perf_counter()
-            ours = Path(tmp) / "normconv.onnx"
-            report = export_onnx(model, inputs, ours, a.target, a.opset, baseline=False, repeats=0, spec=name)
-            skip = Path(tmp) / "normconv_skip.onnx"
-            skip_report = export_onnx(model, inputs, skip, a.target, a.opset, baseline=False, repeats=0, spec=name,
-                                      skip_fusion=True)
+            files = {"normconv": Path(tmp) / "normconv.onnx", "plain": Path(tmp) / "plain.onnx",
+                     "skip": Path(tmp) / "normconv_skip.onnx"}
+            report = export_onnx(model, inputs, files["normconv"], a.target, a.opset, baseline=False, repeats=0,
+                                 spec=name)
+            skip_report = export_onnx(model, inputs, files["skip"], a.target, a.opset, baseline=False, repeats=0,
+                                      spec=name, skip_fusion=True)
             plain = torch_export(model, inputs, 20, normconv_ops=False, dynamic=False)  # torch's default opset
-            plain_path = Path(tmp) / "plain.onnx"
-            ir.save(plain.model, str(plain_path))
-            # idle sessions' threads spin by default: three sessions interleaved on 2 cores would time the spinning
-            s_ours, s_plain, s_skip = (session(str(p), "CPUExecutionProvider", "default", spin=False)
-                                       for p in (ours, plain_path, skip))
-            runs = [(s, feeds(s, model, inputs)) for s in (s_ours, s_plain, s_skip)]
+            ir.save(plain.model, str(files["plain"]))
+            if onnxslim is not None:
+                files["slim"] = Path(tmp) / "plain_slim.onnx"
+                onnx.save(onnxslim.slim(str(files["plain"])), str(files["slim"]))
+            # idle sessions' threads spin by default: sessions interleaved on 2 cores would time the spinning
+            sessions = {k: session(str(f), "CPUExecutionProvider", "default", spin=False) for k, f in files.items()}
+            feed = {k: feeds(sess, model, inputs) for k, sess in sessions.items()}
             # each round runs >= 0.2 s per variant: sub-millisecond models need hundreds of runs for a stable median
-            one = latency_ms(s_plain, runs[1][1], 3)
+            one = latency_ms(sessions["plain"], feed["plain"], 3)
             n = max(a.repeats, int(200 / max(one, 1e-3)))
-            t_ours, t_plain, t_skip = [], [], []
-            for _ in range(a.rounds):  # interleaved so background load hits all alike
-                for times, (s, f) in zip((t_ours, t_plain, t_skip), runs):
-                    times.append(latency_ms(s, f, n))
-            lo, lp, ls = float(np.median(t_ours)), float(np.median(t_plain)), float(np.median(t_skip))
-            fused = sum(report.extra["fused_norm_ops"].values())
-            err = max(r["max_abs_error"] for r in report.extra["ort"])
-            rows.append((name, fused, sum(report.extra["norm_sites"].values()), skip_report.extra["skip_fused"],
-                         lp, lo, lp / lo, err, ls, lp / ls))
-            print(f"{name}: plain {lp:.3f} ms, normconv {lo:.3f} ms, speedup {lp / lo:.2f}x "
-                  f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+            times: dict[str, list[float]] = {k: [] for k in sessions}
+            keys = list(sessions)
+            for i in range(a.rounds):  # interleaved so background load hits all alike; rotated so no variant
+                for k in keys[i % len(keys):] + keys[:i % len(keys)]:  # always runs first (or right after another)
+                    times[k].append(latency_ms(sessions[k], feed[k], n))
+            ms = {k: float(np.median(v)) for k, v in times.items()}
+            rows.append(dict(name=name, fused=sum(report.extra["fused_norm_ops"].values()),
+                             sites=sum(report.extra["norm_sites"].values()), skip_fused=skip_report.extra["skip_fused"],
+                             err=max(r["max_abs_error"] for r in report.extra["ort"]), ms=ms))
+            print(f"{name}: plain {ms['plain']:.3f} ms, normconv {ms['normconv']:.3f} ms, speedup "
+                  f"{ms['plain'] / ms['normconv']:.2f}x ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
 
+    slim = onnxslim is not None
     lines = ["# normconv export: onnxruntime CPU latency vs plain torch.onnx.export", "",
              f"Command: `python benchmarks/bench_export.py {' '.join(sys.argv[1:])}`", "",
              f"normconv: `--target {a.target} --opset {a.opset}`; plain: `torch.onnx.export(model, dynamo=True)` "
-             "defaults (opset 20). Both at ORT_ENABLE_ALL on CPUExecutionProvider, same inputs, idle threads not "
+             "defaults (opset 20)" + (f"; plain + onnxslim {onnxslim.__version__}: `onnxslim.slim` on the plain file"
+                                      if slim else "") +
+             ". All at ORT_ENABLE_ALL on CPUExecutionProvider, same inputs, idle threads not "
              f"spinning, median of {a.rounds} "
-             f"interleaved rounds of at least {a.repeats} runs and 0.2 s, this machine (2 CPU cores).", "",
-             "| model | fused norm ops | norm sites | plain ms | normconv ms | plain / normconv | "
-             "skip-fused (--skip-fusion) | --skip-fusion ms | plain / --skip-fusion | max abs err vs torch |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"interleaved rounds of at least {a.repeats} runs and 0.2 s, this machine (2 CPU cores). "
+             "Ratios are time / normconv time (> 1: normconv is faster).", "",
+             "| model | fused norm ops | norm sites | normconv ms | plain ms | plain / normconv | "
+             + ("plain + onnxslim ms | slim / normconv | " if slim else "")
+             + "skip-fused (--skip-fusion) | --skip-fusion / normconv | max abs err vs torch |",
+             "|---|---|---|---|---|---|" + ("---|---|" if slim else "") + "---|---|---|"]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f}x | {r[3]} | {r[8]:.3f} | "
-                     f"{r[9]:.2f}x | {r[7]:.2e} |")
+        ms = r["ms"]
+        cells = [r["name"], r["fused"], r["sites"], f"{ms['normconv']:.3f}", f"{ms['plain']:.3f}",
+                 f"{ms['plain'] / ms['normconv']:.2f}x"]
+        if slim:
+            cells += [f"{ms['slim']:.3f}", f"{ms['slim'] / ms['normconv']:.2f}x"]
+        cells += [r["skip_fused"], f"{ms['skip'] / ms['normconv']:.2f}x", f"{r['err']:.2e}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     emit_table(lines, a.out)
 
 
