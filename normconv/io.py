@@ -299,10 +299,16 @@ def _load_hf(path: Path, spec: str) -> Loaded:
         cls = transformers.AutoModel
     if hasattr(config, "use_cache"):
         config.use_cache = False  # torch.export cannot capture a KV cache object
+    hf_logging = transformers.utils.logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # normconv's output is normconv's: no "Loading weights" bar on stderr
     try:
         model = cls.from_pretrained(str(path), config=config, local_files_only=True)
     except Exception as exc:
         raise NormconvError(f"cannot load the Hugging Face model in {spec} ({_why(exc)})") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return Loaded(model.eval(), hf_example_inputs(model), spec, "hf", path)
 
 

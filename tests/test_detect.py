@@ -95,6 +95,7 @@ def test_cli_inspect_on_saved_hf_folders(cli, hf_folders):
     for name, folder in hf_folders.items():
         code, out, err = cli("inspect", folder, "--json")
         assert code == 0, err
+        assert "Loading weights" not in err and "it/s" not in err  # no transformers progress bar in our output
         report = json.loads(out)
         assert len(report["sites"]) == HF_EXPECTED[name][0]
         for s in report["sites"]:
