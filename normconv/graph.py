@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .errors import NormconvError
-from .match import NATIVE_NORM_TYPES, is_native_norm, op_of
+from .match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
 from .verify import Inputs, compare, run
 
 
@@ -147,6 +147,19 @@ class Captured:
     def users(self, node: fx.Node) -> list[fx.Node]:
         """Users that compute something (export's metadata asserts and shape reads are not users)."""
         return [u for u in node.users if not self.is_noise(u)]
+
+    def users_through(self, node: fx.Node) -> list[fx.Node]:
+        """Users of ``node``, looking through pass-through ops (casts, dropout, identities)."""
+        out = []
+        for u in self.users(node):
+            out.extend(self.users_through(u) if self.op(u) in TRANSPARENT else [u])
+        return out
+
+    def source(self, value: Any) -> Any:
+        """``value`` with the pass-through ops that produced it skipped: what it really is."""
+        while isinstance(value, fx.Node) and self.op(value) in TRANSPARENT:
+            value = value.args[0]
+        return value
 
     @staticmethod
     def is_noise(node: fx.Node) -> bool:

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from normconv.detect import NormSite
 from normconv.graph import Captured
-from normconv.match import TRANSPARENT, arg, dims_of, scalar
+from normconv.match import arg, dims_of, scalar
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,7 @@ def find_near_misses(cap: Captured, sites: Sequence[NormSite]) -> list[NearMiss]
 
 def _is_statistic(cap: Captured, node: Any) -> bool:
     """A mean / var reduction (through casts): what a norm takes the sqrt of."""
-    while isinstance(node, fx.Node) and cap.op(node) in TRANSPARENT:
-        node = node.args[0]
+    node = cap.source(node)
     return isinstance(node, fx.Node) and cap.op(node) in ("mean", "var")
 
 
@@ -73,17 +72,9 @@ def _biased(node: fx.Node) -> bool:
     return unbiased is False or node.kwargs.get("correction", None) in (0, 0.0)
 
 
-def _through(cap: Captured, node: fx.Node) -> list[fx.Node]:
-    """Users of ``node``, looking through casts / dropout / identity."""
-    out = []
-    for u in cap.users(node):
-        out += _through(cap, u) if cap.op(u) in TRANSPARENT else [u]
-    return out
-
-
 def _eps_added(cap: Captured, node: fx.Node) -> float | None:
     """The scalar added to ``node`` by its (only) add user, if any."""
-    for u in _through(cap, node):
+    for u in cap.users_through(node):
         if cap.op(u) == "add":
             for v in u.args[:2]:
                 if scalar(v) is not None:
@@ -97,7 +88,7 @@ def _divides(cap: Captured, node: fx.Node, depth: int = 3) -> bool:
     for _ in range(depth):
         nxt = []
         for n in frontier:
-            for u in _through(cap, n):
+            for u in cap.users_through(n):
                 if cap.op(u) == "div" and len(u.args) > 1 and u.args[1] is n:
                     return True
                 if cap.op(u) in ("add", "sqrt", "rsqrt", "pow"):

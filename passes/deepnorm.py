@@ -367,7 +367,7 @@ def _attention_roles(cap: Captured, sub: Sublayer, core: fx.Node, end: fx.Node) 
     if _name(core) == "scaled_dot_product_attention":
         q, k, v = core.args[0], core.args[1], core.args[2]
     else:
-        pv = next((u for u in _through(cap, core) if cap.op(u) == "matmul" and u.args[0] is not None), None)
+        pv = next((u for u in cap.users_through(core) if cap.op(u) == "matmul" and u.args[0] is not None), None)
         if pv is not None:
             v = pv.args[1]
         scores = _score_matmul(cap, core.args[0])
@@ -387,23 +387,8 @@ def _attention_roles(cap: Captured, sub: Sublayer, core: fx.Node, end: fx.Node) 
         sub.projs.append(out)
     sub.kind = "attention"
     if "q" in found and "v" in found and found["q"][1].args[0] is not found["v"][1].args[0] and \
-            _stream(cap, found["q"][1].args[0]) is not _stream(cap, found["v"][1].args[0]):
+            cap.source(found["q"][1].args[0]) is not cap.source(found["v"][1].args[0]):
         sub.kind = "cross-attention"
-
-
-def _stream(cap: Captured, n: Any) -> Any:
-    """The value a projection reads, pass-through ops skipped."""
-    while isinstance(n, fx.Node) and cap.op(n) in TRANSPARENT:
-        n = n.args[0]
-    return n
-
-
-def _through(cap: Captured, n: fx.Node) -> list[fx.Node]:
-    """Users of ``n``, looking through dropout / casts."""
-    out = []
-    for u in cap.users(n):
-        out.extend(_through(cap, u) if cap.op(u) in TRANSPARENT else [u])
-    return out
 
 
 def _score_matmul(cap: Captured, s: Any) -> fx.Node | None:

@@ -501,7 +501,7 @@ def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
 
     ``swap`` first makes hand-written and functional norms modules (canonicalize); when that changes the model,
     the plan is made on the model as swap will see it, and reported under the original site names."""
-    canonical = _as_swap_sees_it(cap)
+    canonical = _as_swap_sees_it(cap, norms)
     if canonical is not None:
         cap2, renamed = canonical
         back = {new: old for old, new in renamed.items()}
@@ -520,7 +520,7 @@ def _plan_on(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     return [by_site[id(s)] for s in norms if id(s) in by_site]
 
 
-def _as_swap_sees_it(cap: Captured) -> tuple[Captured, dict[str, str]] | None:
+def _as_swap_sees_it(cap: Captured, norms: Sequence[NormSite]) -> tuple[Captured, dict[str, str]] | None:
     """(capture of the canonicalized copy, site target -> new module path), or None when canonicalize would
     change nothing that swap reads (no site moves from inline / functional to a module)."""
     import copy
@@ -529,7 +529,7 @@ def _as_swap_sees_it(cap: Captured) -> tuple[Captured, dict[str, str]] | None:
     from normconv.passes.canonicalize import Canonicalize
 
     canon = Canonicalize(functional=True)
-    if not any(s.applied for s in canon.plan(cap, find_norms(cap))):
+    if not any(s.applied for s in canon.plan(cap, norms)):
         return None
     model = copy.deepcopy(cap.model)
     result = canon(model, capture(model, cap.inputs, cap.method))
