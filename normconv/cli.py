@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -82,6 +84,9 @@ for _module in COMMAND_MODULES:
 
 
 def main() -> None:
+    # like `python -m`: a `package.module:factory` spec (and a pickle's own classes) import from the current folder
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     app()
 
 

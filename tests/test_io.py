@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -262,3 +264,19 @@ def test_every_commands_output_chains_into_the_next(cli, tmp_path, command, mode
     assert code == 0, err
     again = load(str(out))
     assert not any(m.training for m in again.model.modules())
+
+
+def test_console_script_imports_a_factory_from_the_current_folder(tmp_path):
+    """`normconv inspect mymodel:build` in the user's project folder finds mymodel.py, as `python -m` would."""
+    exe = shutil.which("normconv", path=os.path.dirname(sys.executable)) or shutil.which("normconv")
+    if exe is None:
+        pytest.skip("the normconv console script is not installed")
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)), (torch.randn(2, 8),)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([exe, "inspect", "mymodel:build", "--json"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert [s["kind"] for s in json.loads(r.stdout)["sites"]] == ["layernorm"]
