@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normconv.models.transformer import BertEncoder, PostLNEncoderLayer
-from normconv.passes.deepnorm import deepnorm
+from normconv.api import deepnorm
 from normconv.verify import Inputs
 
 RESULTS = Path(__file__).parent / "results"

@@ -63,9 +63,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    from normconv.export import DEFAULT_OPSET, export_onnx, torch_export
+    from normconv.api import export as export_onnx
+    from normconv.onnx.export import DEFAULT_OPSET, torch_export
     from normconv.models import ZOO
-    from normconv.onnx_validate import feeds, latency_ms, session
+    from normconv.onnx.validate import feeds, latency_ms, session
     from normconv.verify import Inputs
     import onnx
     import onnx_ir as ir

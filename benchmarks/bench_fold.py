@@ -33,11 +33,12 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # deep random chains drive activations into denormals, which make CPU convs 100x slower and swamp every timing
 torch.set_flush_denormal(True)
 
-from normconv.graph import capture  # noqa: E402
+from normconv.graph.capture import capture  # noqa: E402
 from normconv.models import get  # noqa: E402
 from normconv.models.cnn import BasicBlock, Decoder  # noqa: E402
-from normconv.passes.fold_batchnorm import FOLD, fold  # noqa: E402
-from normconv.pipeline import apply_passes  # noqa: E402
+from normconv.api import fold  # noqa: E402
+from normconv.passes.fold_batchnorm import FOLD  # noqa: E402
+from normconv.flow import apply_passes  # noqa: E402
 from normconv.verify import Inputs  # noqa: E402
 
 

@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from bench_output import emit_table
-from normconv.onnx_validate import latency_ms
+from normconv.onnx.validate import latency_ms
 
 SHAPES = ([1, 128, 768], [8, 128, 768], [4, 512, 768], [1, 128, 4096])
 

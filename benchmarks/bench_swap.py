@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from bench_output import emit_table
-from normconv.rmsnorm import make_rmsnorm
+from normconv.nn.rmsnorm import make_rmsnorm
 
 SHAPES = [(32, 512, 768), (8, 128, 768), (4, 2048, 4096)]
 
@@ -72,7 +72,7 @@ def _gpt(hidden: int, layers: int):
 def bench_models(repeats: int) -> list[str]:
     import onnxruntime as ort
 
-    from normconv.passes.swap_norm import swap
+    from normconv.api import swap
     from normconv.verify import Inputs
 
     rows = ["| model | input | eager original ms | eager swapped ms | swapped / original | "

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from bench_output import emit_table
 from normconv.models.handwritten import BatchNorm, GemmaRMSNorm, LayerNorm, LlamaRMSNorm, T5LayerNorm
-from normconv.passes.canonicalize import canonicalize
+from normconv.api import canonicalize
 from normconv.verify import Inputs
 
 warnings.filterwarnings("ignore")

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from bench_output import emit_table
-from normconv.rmsnorm import rms_norm_cpu
+from normconv.nn.rmsnorm import rms_norm_cpu
 
 CHUNK_KIB = (256, 1024, 4096)
 

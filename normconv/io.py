@@ -12,10 +12,12 @@ Example inputs come from the zoo, the .pt2, the Hugging Face config, or ``--inpu
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
 import pickle
+import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -25,8 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .errors import NormconvError
-from .verify import Inputs, run
+from normconv.errors import NormconvError
+from normconv.verify import Inputs, run
 
 HF_SEQ_LEN = 16
 HF_BATCH = 2
@@ -175,7 +177,8 @@ def _load_pickle(path: Path, spec: str, trust_pickle: bool) -> Loaded:
                 f"refusing to unpickle {spec}: a full pickled module runs code on load and would import "
                 f"{shown}; pass --trust-pickle if you trust this file") from None
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=False)
+            with _user_folder_importable():
+                obj = torch.load(path, map_location="cpu", weights_only=False)
         except (ImportError, AttributeError) as exc:
             raise NormconvError(f"cannot load {spec}: {_why(exc)} (the model's class must be importable "
                                 f"here: install its package or add it to PYTHONPATH)") from None
@@ -190,7 +193,7 @@ def _load_pickle(path: Path, spec: str, trust_pickle: bool) -> Loaded:
 
 
 # classes whose unpickling runs only torch's or normconv's own code: loaded without --trust-pickle
-_TRUSTED_PREFIXES = ("torch.nn.modules.", "normconv.models.", "normconv.rmsnorm.", "normconv.modules.")
+_TRUSTED_PREFIXES = ("torch.nn.modules.", "normconv.models.", "normconv.nn.rmsnorm.", "normconv.nn.modules.")
 _REFUSED = object()
 _INPUTS_ATTR = "_normconv_example_inputs"  # example inputs saved inside a pickle normconv wrote
 
@@ -224,10 +227,27 @@ def _unsafe_globals(path: Path) -> list[str]:
         return ["(globals could not be listed)"]
 
 
+@contextlib.contextmanager
+def _user_folder_importable():
+    """The current folder on sys.path, last: a factory spec or a trusted pickle's classes import from the user's
+    project as ``python -m`` would, while a ``rich.py`` or ``onnx.py`` lying there never shadows an installed
+    package. Only these two opt-in paths use it; no command puts the folder on sys.path otherwise."""
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(here)
+    try:
+        yield
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
+
+
 def _load_factory(spec: str, weights: str | None) -> Loaded:
     module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        with _user_folder_importable():
+            module = importlib.import_module(module_name)
     except ImportError as exc:
         raise NormconvError(f"cannot import {module_name!r} for {spec}: {_why(exc)}") from None
     factory: Callable | None = getattr(module, attr, None)

@@ -9,6 +9,7 @@ Per output leaf ``a`` (rewritten) against ``b`` (reference), computed in float64
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
-from .report import OutputError, Validation
+from normconv.report import OutputError, Validation
 
 # documented defaults: exact passes are float reassociation only, so fp32 stays within these
 DEFAULT_TOLERANCE = {
@@ -54,9 +55,36 @@ class Inputs:
         return ", ".join(parts)
 
 
+@contextlib.contextmanager
+def forward_guard(model: nn.Module):
+    """normconv's own forwards change nothing: eval mode and no autograd inside; on exit every module's training
+    flag and every buffer (BatchNorm statistics, counters, caches) is back bit for bit.
+
+    Flags are set on each module directly, never through ``.eval()``: an exported program's module refuses
+    ``.eval()``, and a user's override of ``train()`` is not ours to call."""
+    modules = list(model.modules())
+    flags = [m.training for m in modules]
+    buffers = [(m, name, b, b.detach().clone()) for m in modules for name, b in m._buffers.items()
+               if isinstance(b, torch.Tensor)]
+    try:
+        for m in modules:
+            m.training = False
+        with torch.no_grad():
+            yield
+    finally:
+        for m, flag in zip(modules, flags):
+            m.training = flag
+        for m, name, b, saved in buffers:
+            m._buffers[name] = b  # a forward that re-bound the buffer gets the original object back
+            if b.shape != saved.shape or not torch.equal(b, saved):
+                with torch.no_grad():
+                    b.set_(saved) if b.shape != saved.shape else b.copy_(saved)
+
+
 def run(model: nn.Module, inputs: Inputs) -> Any:
-    """Forward on a copy of the inputs without autograd (a model that mutates its inputs stays comparable)."""
-    with torch.no_grad():
+    """One guarded forward (``forward_guard``) on a copy of the inputs: a model that mutates its inputs or its
+    buffers stays comparable and unchanged."""
+    with forward_guard(model):
         return model(*copy.deepcopy(inputs.args), **copy.deepcopy(inputs.kwargs))
 
 
@@ -70,6 +98,16 @@ def output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
         if isinstance(leaf, torch.Tensor):
             named.append((keystr(path).lstrip(".") or "output", leaf))
     return named
+
+
+def argmax_agreement(ref: list, new: list) -> float | None:
+    """Fraction of positions where argmax over the last dim agrees (float outputs with a last dim > 1)."""
+    same = total = 0
+    for (_, a), (_, b) in zip(ref, new):
+        if a.is_floating_point() and a.dim() >= 1 and a.shape[-1] > 1 and a.shape == b.shape:
+            same += int((a.argmax(-1) == b.argmax(-1)).sum())
+            total += a[..., 0].numel()
+    return same / total if total else None
 
 
 def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:

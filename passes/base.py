@@ -12,8 +12,8 @@ from typing import Protocol, Sequence
 
 import torch.nn as nn
 
-from normconv.detect import NormSite
-from normconv.graph import Captured
+from normconv.graph.detect import NormSite
+from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site
 
 

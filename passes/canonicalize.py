@@ -33,13 +33,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.detect import NormSite, find_norms
-from normconv.errors import NormconvError
-from normconv.graph import Captured
-from normconv.report import PassResult, Report, Site
-from normconv.rmsnorm import make_rmsnorm
-from normconv.verify import Inputs, compare, default_tolerance
-from normconv.modules import Float32Norm
+from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.capture import Captured
+from normconv.report import PassResult, Site
+from normconv.nn.rmsnorm import make_rmsnorm
+from normconv.verify import compare, default_tolerance
+from normconv.nn.modules import Float32Norm
 
 from .base import apply, replace_module, skip
 
@@ -433,57 +432,4 @@ def _free_name(base: str, taken: set[str]) -> str:
 CANONICALIZE = Canonicalize()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Python API
-
-
-def canonicalize(model: nn.Module, inputs: Inputs | tuple, atol: float | None = None, rtol: float | None = None,
-                 method: str = "auto") -> tuple[nn.Module, Report]:
-    """Replace every hand-written norm of ``model`` by its native equivalent; returns (new model, report).
-
-    ``model`` is not modified. Raises VerificationError when the result misses (atol, rtol) on ``inputs``.
-    """
-    from normconv.io import Loaded
-
-    if not isinstance(model, nn.Module):
-        raise NormconvError(f"canonicalize needs a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(inputs, Inputs):
-        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
-    loaded = Loaded(model, inputs, type(model).__name__, "python")
-    report, new_model = canonicalize_loaded(loaded, atol=atol, rtol=rtol, method=method)
-    return new_model, report
-
-
-def canonicalize_loaded(loaded, *, atol: float | None = None, rtol: float | None = None, output: str | None = None,
-                        in_place: bool = False, method: str = "auto") -> tuple[Report, nn.Module]:
-    """The command's flow: canonicalize a loaded model through the shared pipeline (verify, atomic save)."""
-    from normconv.errors import VerificationError
-    from normconv.pipeline import rewrite
-
-    try:
-        report, model = rewrite(loaded, [CANONICALIZE], command=NAME, exact=True, atol=atol, rtol=rtol,
-                                output=output, in_place=in_place, method=method)
-    except VerificationError as exc:
-        if exc.report is not None:
-            exc.report.notes.extend(notes_for(exc.report, None))
-        raise
-    report.notes.extend(notes_for(report, model))
-    return report, model
-
-
-def notes_for(report: Report, model: nn.Module | None) -> list[str]:
-    """What a user should know about the result beyond the site table."""
-    ours = [s for s in report.sites if getattr(s, "pass_name", None) == NAME]
-    notes = []
-    if not any(s.applied for s in ours):
-        notes.append("no hand-written norm was replaced; the model is unchanged")
-    if isinstance(model, fx.GraphModule):
-        notes.append("inline norms were rewritten in the traced graph: the result is a torch.fx.GraphModule "
-                     "(the model's own class is not kept)")
-    if any(s.applied and "state_dict keys" in s.reason for s in ours):
-        notes.append("replaced modules use the native state_dict names (weight, bias, running_mean, running_var)")
-    return notes
-
-
-__all__ = ["CANONICALIZE", "Canonicalize", "Float32Norm", "analyze", "canonicalize", "canonicalize_loaded", "plan",
-           "NAME"]
+__all__ = ["CANONICALIZE", "Canonicalize", "Float32Norm", "analyze", "plan", "NAME"]

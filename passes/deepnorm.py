@@ -20,7 +20,6 @@ read by type (in_proj_weight slices q | k | v, out_proj).
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,13 +28,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.detect import NormSite, _ancestor, find_norms, producer_of
+from normconv.clone import clone_sharing_tensors, owned
+from normconv.graph.detect import NormSite, _ancestor, find_norms, producer_of
 from normconv.errors import NormconvError
-from normconv.graph import Captured, capture
-from normconv.match import TRANSPARENT
-from normconv.report import PassResult, Report, Site, Validation
+from normconv.graph.capture import Captured
+from normconv.graph.match import TRANSPARENT
+from normconv.report import PassResult, Site, Validation
 from normconv.verify import Inputs, compare, run
-from normconv.modules import BranchScale, InputScale
+from normconv.nn.modules import BranchScale, InputScale
 
 from .base import apply, skip
 
@@ -70,7 +70,7 @@ def _positive(v: int | None, name: str) -> None:
         raise NormconvError(f"DeepNorm needs the number of layers {name} >= 1 (got {v})")
 
 
-# hooks: BranchScale / InputScale live in normconv.modules (picklable, on the weights-only allowlist)
+# hooks: BranchScale / InputScale live in normconv.nn.modules (picklable, on the weights-only allowlist)
 # ---------------------------------------------------------------------------------------------------------
 # analysis: the one place decisions are made (plan() shows them, deepnorm() applies them)
 
@@ -576,10 +576,10 @@ def _apply(model: nn.Module, an: Analysis, beta_mode: str, alpha: float | None, 
 
 
 def _beta(model: nn.Module, p: Proj, gain: float, mode: str, generator: torch.Generator | None) -> None:
-    w = model.get_parameter(p.weight)
+    w = owned(model, model.get_parameter(p.weight))  # written in place below: the rewrite's own copy
     bias_name = p.weight[: -len("weight")] + "bias" if p.weight.endswith("weight") else None  # in_proj_bias too
     try:
-        bias = model.get_parameter(bias_name) if bias_name else None
+        bias = owned(model, model.get_parameter(bias_name)) if bias_name else None
     except AttributeError:
         bias = None
     with torch.no_grad():
@@ -629,6 +629,7 @@ class DeepNormPass:
         if why:
             raise NormconvError(why)
         sites = self.plan(cap, find_norms(cap))
+        self.capture_method = cap.method
         an = self.analysis
         if an.refusal:
             raise NormconvError(an.refusal)
@@ -658,7 +659,7 @@ class DeepNormPass:
 def reference_model(rewritten: nn.Module) -> nn.Module:
     """A copy of a DeepNorm'ed model computing LN_eps(alpha * x + f(x)) literally: hooks removed, eps restored,
     x recovered at each norm as (x + f) - f in float64 from the recorded branch output f."""
-    ref = copy.deepcopy(rewritten)
+    ref = clone_sharing_tensors(rewritten)  # hooks and eps change, no tensor is written
     mark = ref.__dict__.pop(MARKER)
     modules = dict(ref.named_modules())
     for m in modules.values():
@@ -696,44 +697,9 @@ class _Literal:
 def check_against_reference(rewritten: nn.Module, inputs: Inputs, atol: float | None = None,
                             rtol: float | None = None) -> Validation:
     """Rewritten model vs the literal LN(alpha * x + f(x)) on the same weights (eval mode)."""
-    new = copy.deepcopy(rewritten).eval()
-    ref = reference_model(rewritten).eval()
-    v = compare(run(ref, inputs), run(new, inputs), atol, rtol, label="reference LN(alpha*x + f(x))")
-    return v
+    ref = reference_model(rewritten)
+    return compare(run(ref, inputs), run(rewritten, inputs), atol, rtol, label="reference LN(alpha*x + f(x))")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the API
-
-
-def deepnorm(model: nn.Module, inputs: Inputs, arch: str | None = None, alpha: float | None = None,
-             beta: float | None = None, beta_mode: str = "init", n_layers: int | None = None,
-             m_layers: int | None = None, *, seed: int | None = 0, method: str = "auto",
-             atol: float | None = None, rtol: float | None = None, spec: str = "model") -> tuple[nn.Module, Report]:
-    """Apply DeepNorm to a copy of ``model``; returns (rewritten model, Report). Raises NormconvError on refusal.
-
-    The report's validation compares the rewritten model with a literal LN(alpha*x + f(x)) on the same weights;
-    ``report.passed`` is False when they differ beyond tolerance (the CLI then writes nothing)."""
-    if not isinstance(inputs, Inputs):
-        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
-    p = DeepNormPass(arch, alpha, beta, beta_mode, n_layers, m_layers, seed)
-    why = already_applied(model)
-    if why:
-        raise NormconvError(why)
-    new = copy.deepcopy(model)
-    cap = capture(new, inputs, method)
-    result = p(new, cap)
-    validation = check_against_reference(new, inputs, atol, rtol)
-    an = p.analysis
-    report = Report(command=NAME, model=spec, sites=list(result.sites), validation=[validation],
-                    extra={"arch": an.arch, "beta_mode": beta_mode, "stacks": p.stacks,
-                           "capture": cap.method, "marker": MARKER, "sublayers": p.records})
-    report.notes.append(
-        "DeepNorm changes what the model computes (it is for (re)training); validation compares it with "
-        "LN(alpha*x + f(x)) computed literally on the same weights. Save the module itself (torch.save(model)): "
-        "a state_dict alone does not carry the residual scaling.")
-    return result.model, report
-
-
-__all__ = ["deepnorm", "DeepNormPass", "analyze", "plan", "constants", "already_applied", "reference_model",
+__all__ = ["DeepNormPass", "analyze", "plan", "constants", "already_applied", "reference_model",
            "check_against_reference", "BranchScale", "InputScale", "MARKER"]

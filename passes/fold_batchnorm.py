@@ -13,23 +13,19 @@ A BN with no foldable neighbour is left as it is: its eval kernel is one fused p
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from normconv.detect import NormSite, find_norms, producer_of
-from normconv.errors import NormconvError
-from normconv.graph import Captured
-from normconv.io import Loaded
-from normconv.match import arg, batch_norm_args
-from normconv.report import PassResult, Report, Site
-from normconv.verify import Inputs
-from normconv.modules import ChannelShift
+from normconv.graph.detect import NormSite, find_norms, producer_of
+from normconv.graph.capture import Captured
+from normconv.graph.match import arg, batch_norm_args
+from normconv.report import PassResult, Site
+from normconv.nn.modules import ChannelShift
 
 from .base import apply, replace_module, skip
 
@@ -340,14 +336,14 @@ def fold_forward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def _store(layer: nn.Module, w: torch.Tensor, b: torch.Tensor) -> None:
-    """Write float64 results back in the layer's dtype; a layer without bias gets a bias Parameter."""
-    with torch.no_grad():
-        layer.weight.copy_(w.to(layer.weight.dtype))
-        if layer.bias is None:
-            layer.bias = nn.Parameter(b.to(layer.weight.dtype).to(layer.weight.device),
-                                      requires_grad=layer.weight.requires_grad)
-        else:
-            layer.bias.copy_(b.to(layer.bias.dtype))
+    """Give the layer new weight and bias Parameters from the float64 results, in the layer's dtype.
+
+    New tensors, never writes into the old ones: those are shared with the user's model, and a weight tied to
+    another layer keeps its value there (only this layer is followed by the BatchNorm)."""
+    old = layer.weight
+    dtype = (layer.bias if layer.bias is not None else old).dtype
+    layer.weight = nn.Parameter(w.to(old.dtype).to(old.device), requires_grad=old.requires_grad)
+    layer.bias = nn.Parameter(b.to(dtype).to(old.device), requires_grad=old.requires_grad)
 
 
 class FoldBatchNorm:
@@ -416,50 +412,4 @@ def _remove_from_graph(cap: Captured, done: list[Decision]) -> fx.GraphModule:
 FOLD = FoldBatchNorm()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Python API
-
-
-def check_eval(model: nn.Module, spec: str, eval_mode: bool) -> None:
-    """A model in training mode is an error unless the caller asked for eval mode (``--eval``)."""
-    training = [p for p, m in model.named_modules() if m.training]
-    if training and not eval_mode:
-        where = "the model" if training[0] == "" else training[0]
-        raise NormconvError(f"{spec} is in training mode ({where}): BatchNorm uses batch statistics there, so "
-                            f"folding would change it; call .eval() first or pass --eval")
-
-
-def fold_loaded(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, rtol: float | None = None,
-                output: str | None = None, in_place: bool = False, method: str = "auto") -> tuple[Report, nn.Module]:
-    """Fold a loaded model (what ``normconv fold`` runs): verify, then write ``output`` if it passed."""
-    from normconv.pipeline import rewrite
-
-    check_eval(loaded.model, loaded.spec, eval_mode)
-    if eval_mode:
-        loaded.model.eval()
-    report, model = rewrite(loaded, [FOLD], command=NAME, exact=True, atol=atol, rtol=rtol, output=output,
-                            in_place=in_place, method=method)
-    if not any(s.applied for s in report.sites):
-        report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
-                            else "the model has no BatchNorm; it is unchanged")
-    return report, model
-
-
-def fold(model: nn.Module, inputs: Inputs | tuple | Any, atol: float | None = None, rtol: float | None = None,
-         *, eval_mode: bool = False, method: str = "auto") -> tuple[nn.Module, Report]:
-    """Fold every BatchNorm of ``model`` that folds exactly; returns (folded copy, report).
-
-    ``inputs``: an ``Inputs``, a tuple of positional args, or one tensor. Raises VerificationError when the
-    folded model misses the tolerance, NormconvError when the model is in training mode (unless eval_mode).
-    """
-    if not isinstance(inputs, Inputs):
-        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
-    if eval_mode:
-        model = copy.deepcopy(model).eval()
-    loaded = Loaded(model, inputs, type(model).__name__, "module")
-    report, folded = fold_loaded(loaded, atol=atol, rtol=rtol, method=method)
-    return folded, report
-
-
-__all__ = ["NAME", "FOLD", "FoldBatchNorm", "Decision", "analyze", "plan", "fold", "fold_loaded",
-           "fold_backward", "fold_forward", "check_eval"]
+__all__ = ["NAME", "FOLD", "FoldBatchNorm", "Decision", "analyze", "plan", "fold_backward", "fold_forward"]

@@ -22,9 +22,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.detect import NormSite, find_norms
-from normconv.graph import Captured
-from normconv.match import TRANSPARENT
+from normconv.clone import owned
+from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.capture import Captured
+from normconv.graph.match import TRANSPARENT
 from normconv.report import PassResult, Site
 from .base import replace_module
 
@@ -523,15 +524,14 @@ def _plan_on(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
 def _as_swap_sees_it(cap: Captured, norms: Sequence[NormSite]) -> tuple[Captured, dict[str, str]] | None:
     """(capture of the canonicalized copy, site target -> new module path), or None when canonicalize would
     change nothing that swap reads (no site moves from inline / functional to a module)."""
-    import copy
-
-    from normconv.graph import capture
+    from normconv.clone import clone_sharing_tensors
+    from normconv.graph.capture import capture
     from normconv.passes.canonicalize import Canonicalize
 
     canon = Canonicalize(functional=True)
     if not any(s.applied for s in canon.plan(cap, norms)):
         return None
-    model = copy.deepcopy(cap.model)
+    model = clone_sharing_tensors(cap.model)  # canonicalize builds new modules, writes no shared tensor
     result = canon(model, capture(model, cap.inputs, cap.method))
     return capture(result.model, cap.inputs, cap.method), canon.renamed
 
@@ -541,8 +541,9 @@ def _dim(layout: str) -> int:
     return {"rows": 1, "out_in": 0, "in_out": 1}[layout]
 
 
-def _center(t: torch.Tensor, dim: int) -> None:
-    """t <- t - mean(t, dim), computed in float64."""
+def _center(model: nn.Module, t: torch.Tensor, dim: int) -> None:
+    """t <- t - mean(t, dim), computed in float64, into the rewrite's own copy of t (ties kept)."""
+    t = owned(model, t)
     t64 = t.detach().double()
     t.data.copy_((t64 - t64.mean(dim, keepdim=True)).to(t.dtype))
 
@@ -593,7 +594,7 @@ class SwapPass:
                     continue
                 self.exact = self.exact and p.exact
                 if self.to == "rmsnorm":
-                    self._fold_beta(cap, p, folded)
+                    self._fold_beta(model, cap, p, folded)
                 if p.module not in replaced:
                     replaced.add(p.module)
                     replace_module(model, p.module, self._replacement(cap, p))
@@ -619,9 +620,9 @@ class SwapPass:
                 t = cap.tensor(pname) if pname else None
                 if t is not None and id(t) not in done:
                     done.add(id(t))
-                    _center(t, dim)
+                    _center(model, t, dim)
 
-    def _fold_beta(self, cap: Captured, p: SitePlan, folded: set[int]) -> None:
+    def _fold_beta(self, model: nn.Module, cap: Captured, p: SitePlan, folded: set[int]) -> None:
         beta = getattr(cap.modules[p.module], "bias", None)
         if beta is None or not bool(torch.count_nonzero(beta)):
             return
@@ -640,11 +641,11 @@ class SwapPass:
                 cap.modules[c.module].bias = nn.Parameter(delta.to(w.dtype), requires_grad=w.requires_grad)
                 self.notes.append(f"added a bias to {c.module} to carry the bias of {p.module}")
             else:
-                b = cap.tensor(c.bias)
+                b = owned(model, cap.tensor(c.bias))
                 b.data.copy_((b.detach().double() + delta).to(b.dtype))
 
     def _replacement(self, cap: Captured, p: SitePlan) -> nn.Module:
-        from normconv.rmsnorm import make_rmsnorm
+        from normconv.nn.rmsnorm import make_rmsnorm
 
         old = cap.modules[p.module]
         weight = getattr(old, "weight", None)
@@ -670,80 +671,3 @@ def _untie_config(model: nn.Module, notes: list[str]) -> None:
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
             notes.append("set config.tie_word_embeddings = False so Hugging Face does not re-tie the weights")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the command and the Python API
-
-
-
-def run_swap(loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
-             rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
-             canonicalize: bool = True):
-    """Canonicalize, swap, verify against the original, then write ``output`` (exact: only if it verified)."""
-    from normconv.errors import VerificationError
-    from normconv.io import check_output_path, save
-    from normconv.pipeline import rewrite
-    from normconv.verify import output_leaves, run
-
-    inputs = loaded.require_inputs()
-    if output is not None:
-        check_output_path(loaded, output, in_place)  # fail before the work, not after
-    swap_pass = SwapPass(to, approximate)
-    from normconv.passes.canonicalize import Canonicalize
-
-    # hand-written and functional norms -> native modules first: swap replaces modules
-    passes = ([Canonicalize(functional=True)] if canonicalize else []) + [swap_pass]
-    report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method)
-    report.notes.extend(swap_pass.notes)
-    if isinstance(model, torch.fx.GraphModule) and not isinstance(loaded.model, torch.fx.GraphModule):
-        report.notes.append("functional / inline norms became modules in the traced graph: the result is a "
-                            "torch.fx.GraphModule (your class is not kept; loading it back needs --trust-pickle)")
-    v = report.validation[0]
-    agree = argmax_agreement(output_leaves(run(loaded.model, inputs)), output_leaves(run(model, inputs)))
-    plans = swap_pass.analysis.plans if swap_pass.analysis else []
-    report.extra.update({
-        "to": to, "approximate": approximate, "exact": swap_pass.exact,
-        "swapped": sum(p.module is not None and (p.exact or approximate) for p in plans),
-        "exact_sites": sum(p.exact for p in plans), "refused": sum(not p.exact for p in plans),
-        "argmax_agreement": agree,
-        "drift": {"max_abs_error": v.max_abs_error, "max_rel_error": v.max_rel_error, "cosine": v.cosine},
-    })
-    if swap_pass.exact and not v.passed:
-        raise VerificationError(
-            f"swap: outputs differ beyond tolerance (max abs error {v.max_abs_error:.3g}, atol {v.atol:g}, "
-            f"rtol {v.rtol:g}); nothing written", report)
-    if not swap_pass.exact:
-        report.notes.append(
-            f"approximate swap ({report.extra['refused']} site(s) not exact): output drift max abs "
-            f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}; fine-tune if it matters")
-    if output is not None:
-        report.output = str(save(loaded, model, output, in_place, inputs))
-    return report, model
-
-
-def argmax_agreement(ref: list, new: list) -> float | None:
-    """Fraction of positions where argmax over the last dim agrees (float outputs with a last dim > 1)."""
-    same = total = 0
-    for (_, a), (_, b) in zip(ref, new):
-        if a.is_floating_point() and a.dim() >= 1 and a.shape[-1] > 1 and a.shape == b.shape:
-            same += int((a.argmax(-1) == b.argmax(-1)).sum())
-            total += a[..., 0].numel()
-    return same / total if total else None
-
-
-def swap(model: nn.Module, inputs, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
-         rtol: float | None = None, method: str = "auto", canonicalize: bool = True):
-    """Python API: ``new_model, report = swap(model, Inputs(...), to="rmsnorm")``; ``model`` is not modified.
-
-    Raises NormconvError when a site cannot be swapped exactly and ``approximate`` is False, and
-    VerificationError when an exact swap misses the tolerance.
-    """
-    from normconv.io import Loaded
-    from normconv.verify import Inputs
-
-    if not isinstance(inputs, Inputs):
-        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
-    loaded = Loaded(model, inputs, type(model).__name__, "python")
-    report, new = run_swap(loaded, to, approximate, atol=atol, rtol=rtol, method=method, canonicalize=canonicalize)
-    return new, report

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from normconv.passes.fold_batchnorm import fold
+from normconv.api import fold
 
 
 def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:

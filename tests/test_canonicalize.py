@@ -11,10 +11,11 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from normconv.detect import find_norms
-from normconv.graph import capture
+from normconv.graph.detect import find_norms
+from normconv.graph.capture import capture
 from normconv.models import ZOO
-from normconv.passes.canonicalize import CANONICALIZE, Float32Norm, canonicalize, plan
+from normconv.api import canonicalize
+from normconv.passes.canonicalize import CANONICALIZE, Float32Norm, plan
 from normconv.verify import Inputs, compare, run
 
 import hf_tiny

@@ -13,9 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hf_tiny import tiny_bart, tiny_bert, tiny_gpt2
-from normconv.detect import find_norms
+from normconv.graph.detect import find_norms
 from normconv.errors import NormconvError
-from normconv.graph import capture
+from normconv.graph.capture import capture
+from normconv.api import deepnorm as api_deepnorm
 from normconv.io import load
 from normconv.models import get
 from normconv.models.transformer import PostLNEncoderLayer
@@ -74,7 +75,7 @@ def test_constants_refuse_bad_input():
 
 def test_zoo_bert_sites_and_roles():
     model, inputs = zoo("bert")
-    new, report = dn.deepnorm(model, inputs, beta_mode="none")
+    new, report = api_deepnorm(model, inputs, beta_mode="none")
     assert [s.target for s in applied(report)] == ["layers.0.attn_norm", "layers.0.ffn_norm",
                                                    "layers.1.attn_norm", "layers.1.ffn_norm"]
     skipped = {s.target: s.reason for s in report.sites if not s.applied}
@@ -91,7 +92,7 @@ def test_zoo_bert_sites_and_roles():
 
 def test_zoo_seq2seq_counts_encoder_and_decoder():
     model, inputs = zoo("seq2seq")
-    new, report = dn.deepnorm(model, inputs)
+    new, report = api_deepnorm(model, inputs)
     assert len(applied(report)) == 10 and len(report.sites) == 10
     assert report.extra["arch"] == "encoder-decoder"
     stacks = report.extra["stacks"]
@@ -112,7 +113,7 @@ def test_zoo_seq2seq_counts_encoder_and_decoder():
 
 def test_hf_bert_sites_and_roles():
     model, inputs = tiny_bert()
-    new, report = dn.deepnorm(model, inputs, beta_mode="none")
+    new, report = api_deepnorm(model, inputs, beta_mode="none")
     assert len(applied(report)) == 4
     assert [s.target for s in report.sites if not s.applied] == ["embeddings.LayerNorm"]
     assert report.extra["stacks"]["encoder"]["layers"] == 2 and report.extra["capture"] == "torch.export"
@@ -128,7 +129,7 @@ def test_plan_shows_what_the_command_does():
     model, inputs = zoo("seq2seq")
     cap = capture(model, inputs)
     planned = {(s.target, s.applied) for s in dn.plan(cap, find_norms(cap))}
-    _, report = dn.deepnorm(model, inputs)
+    _, report = api_deepnorm(model, inputs)
     assert planned == {(s.target, s.applied) for s in report.sites}
 
 
@@ -147,17 +148,17 @@ def test_single_causal_stack_is_a_decoder():
 
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (2, 8))
-    _, report = dn.deepnorm(Dec(), Inputs((ids,)))
+    _, report = api_deepnorm(Dec(), Inputs((ids,)))
     assert report.extra["arch"] == "decoder"
     assert report.extra["stacks"]["decoder"]["alpha"] == pytest.approx(6 ** 0.25)  # (2M)^(1/4), M = 3
 
 
 def test_layer_count_and_constant_overrides():
     model, inputs = zoo("bert")
-    _, r = dn.deepnorm(model, inputs, n_layers=6)
+    _, r = api_deepnorm(model, inputs, n_layers=6)
     assert r.extra["stacks"]["encoder"]["alpha"] == pytest.approx(12 ** 0.25)
     assert r.extra["stacks"]["encoder"]["counted_from"] == "given"
-    new, r = dn.deepnorm(model, inputs, alpha=3.0, beta_mode="none")
+    new, r = api_deepnorm(model, inputs, alpha=3.0, beta_mode="none")
     assert new.layers[0].attn_norm.eps == pytest.approx(1e-12 / 9)
     assert r.passed
 
@@ -201,7 +202,7 @@ def test_zoo_bert_forward_and_gradients_equal_reference(dtype, atol):
     model, inputs = zoo("bert")
     (ids,) = inputs.args
     model = model.to(dtype)
-    new, report = dn.deepnorm(model, Inputs((ids,)), beta_mode="init")
+    new, report = api_deepnorm(model, Inputs((ids,)), beta_mode="init")
     alpha = report.extra["stacks"]["encoder"]["alpha"]
     ref = strip_hooks(new)  # the same weights (beta-initialized), plain modules
     new.train(), ref.train()  # training mode: the zoo models have no dropout, so both are deterministic
@@ -217,7 +218,7 @@ def test_large_eps_is_rescaled_exactly():
     torch.manual_seed(0)
     model = BertEncoder(layers=3, eps=0.5).double()
     ids = get("bert").example_inputs()[0]
-    new, report = dn.deepnorm(model, Inputs((ids,)), beta_mode="none")
+    new, report = api_deepnorm(model, Inputs((ids,)), beta_mode="none")
     alpha = report.extra["stacks"]["encoder"]["alpha"]
     ref = strip_hooks(new)
     checked = grads_match(new, ref, lambda m: m(ids), lambda m: bert_reference(m, ids, alpha, 0.5), 1e-10)
@@ -245,7 +246,7 @@ def hf_reference(model, alpha):
 def test_hf_bert_forward_and_gradients_equal_reference(dtype, atol):
     model, inputs = tiny_bert()
     model = model.to(dtype)
-    new, report = dn.deepnorm(model, inputs, beta_mode="rescale")
+    new, report = api_deepnorm(model, inputs, beta_mode="rescale")
     alpha = report.extra["stacks"]["encoder"]["alpha"]
     ref = hf_reference(strip_hooks(new), alpha)
     new.eval(), ref.eval()  # dropout off; gradients still flow
@@ -256,7 +257,7 @@ def test_hf_bert_forward_and_gradients_equal_reference(dtype, atol):
 
 def test_native_eps_is_divided_and_state_dict_keys_are_intact():
     model, inputs = zoo("bert")
-    new, report = dn.deepnorm(model, inputs)
+    new, report = api_deepnorm(model, inputs)
     alpha = report.extra["stacks"]["encoder"]["alpha"]
     assert type(new) is type(model)
     assert list(new.state_dict()) == list(model.state_dict())
@@ -290,7 +291,7 @@ def test_handwritten_norm_module_gets_an_input_prehook():
     torch.manual_seed(0)
     x = torch.randn(4, 16)
     net = Net()
-    new, report = dn.deepnorm(net, Inputs((x,)), beta_mode="none")
+    new, report = api_deepnorm(net, Inputs((x,)), beta_mode="none")
     assert len(applied(report)) == 2 and report.passed
     a = report.extra["stacks"]["encoder"]["alpha"]
     assert a == pytest.approx(4 ** 0.25)  # N counted from the numbered blocks: 2
@@ -307,7 +308,7 @@ def xavier_std(w, gain):
 
 def test_init_statistics_match_xavier_gain_beta():
     model, inputs = zoo("bert")
-    new, report = dn.deepnorm(model, inputs, n_layers=50, seed=3)  # beta = 400^(-1/4) ~ 0.224
+    new, report = api_deepnorm(model, inputs, n_layers=50, seed=3)  # beta = 400^(-1/4) ~ 0.224
     beta = report.extra["stacks"]["encoder"]["beta"]
     assert beta == pytest.approx(400 ** -0.25)
     # pool the normalized weights of a role: w / expected std ~ N(0, 1); n samples -> std error 1/sqrt(2n)
@@ -321,20 +322,20 @@ def test_init_statistics_match_xavier_gain_beta():
         assert abs(float(z.mean())) < 4 / math.sqrt(z.numel())
     # biases are left as they were; a fixed seed gives the same init
     assert torch.equal(new.layers[0].fc1.bias, model.layers[0].fc1.bias)
-    again, _ = dn.deepnorm(model, inputs, n_layers=50, seed=3)
+    again, _ = api_deepnorm(model, inputs, n_layers=50, seed=3)
     assert torch.equal(again.layers[1].fc2.weight, new.layers[1].fc2.weight)
 
 
 def test_rescale_and_none_modes():
     model, inputs = zoo("bert")
-    new, report = dn.deepnorm(model, inputs, beta_mode="rescale")
+    new, report = api_deepnorm(model, inputs, beta_mode="rescale")
     beta = report.extra["stacks"]["encoder"]["beta"]
     for n in ("attn.v_proj", "attn.out_proj", "fc1", "fc2"):
         for t in ("weight", "bias"):
             assert torch.allclose(new.get_parameter(f"layers.0.{n}.{t}"), beta * model.get_parameter(f"layers.0.{n}.{t}"))
     for n in ("attn.q_proj", "attn.k_proj"):
         assert torch.equal(new.get_parameter(f"layers.1.{n}.weight"), model.get_parameter(f"layers.1.{n}.weight"))
-    same, _ = dn.deepnorm(model, inputs, beta_mode="none")
+    same, _ = api_deepnorm(model, inputs, beta_mode="none")
     for (k, a), b in zip(same.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
 
@@ -378,7 +379,7 @@ def test_fused_qkv_gets_only_its_v_slice_scaled(block, weight, bias):
     torch.manual_seed(0)
     net = nn.Sequential(block(), block())
     x = torch.randn(2, 5, 16)
-    new, report = dn.deepnorm(net, Inputs((x,)), beta_mode="rescale")
+    new, report = api_deepnorm(net, Inputs((x,)), beta_mode="rescale")
     beta = report.extra["stacks"]["encoder"]["beta"]
     assert report.passed and len(applied(report)) == 2
     for i in range(2):
@@ -397,23 +398,23 @@ def test_fused_qkv_gets_only_its_v_slice_scaled(block, weight, bias):
 def test_pre_ln_zoo_models_are_refused(name):
     model, inputs = zoo(name)
     with pytest.raises(NormconvError, match="pre-LN model"):
-        dn.deepnorm(model, inputs)
+        api_deepnorm(model, inputs)
 
 
 def test_hf_gpt2_is_refused_as_pre_ln():
     model, inputs = tiny_gpt2()
     with pytest.raises(NormconvError, match="pre-LN model"):
-        dn.deepnorm(model, inputs)
+        api_deepnorm(model, inputs)
 
 
 def test_second_application_is_refused():
     model, inputs = zoo("bert")
-    new, _ = dn.deepnorm(model, inputs)
+    new, _ = api_deepnorm(model, inputs)
     with pytest.raises(NormconvError, match=f"already DeepNorm-rescaled.*{dn.MARKER}"):
-        dn.deepnorm(new, inputs)
+        api_deepnorm(new, inputs)
     new.__dict__.pop(dn.MARKER)  # the hooks alone still give it away
     with pytest.raises(NormconvError, match="already carries normconv DeepNorm hooks"):
-        dn.deepnorm(new, inputs)
+        api_deepnorm(new, inputs)
 
 
 def test_unidentified_sublayer_is_refused_with_its_reason():
@@ -428,18 +429,18 @@ def test_unidentified_sublayer_is_refused_with_its_reason():
 
     torch.manual_seed(0)
     with pytest.raises(NormconvError, match=r"norm cannot be rewritten|sublayer not identified: f\(x\) ends in tanh"):
-        dn.deepnorm(nn.Sequential(Gate(), Gate()), Inputs((torch.randn(2, 16),)))
+        api_deepnorm(nn.Sequential(Gate(), Gate()), Inputs((torch.randn(2, 16),)))
 
 
 def test_arch_that_contradicts_the_graph_is_refused():
     model, inputs = zoo("seq2seq")
     with pytest.raises(NormconvError, match="encoder and a decoder"):
-        dn.deepnorm(model, inputs, arch="encoder")
+        api_deepnorm(model, inputs, arch="encoder")
     model, inputs = zoo("bert")
     with pytest.raises(NormconvError, match="one post-LN stack"):
-        dn.deepnorm(model, inputs, arch="encoder-decoder")
+        api_deepnorm(model, inputs, arch="encoder-decoder")
     with pytest.raises(NormconvError, match="beta mode"):
-        dn.deepnorm(model, inputs, beta_mode="sometimes")
+        api_deepnorm(model, inputs, beta_mode="sometimes")
 
 
 # -- CLI -----------------------------------------------------------------------------------------------------
@@ -502,7 +503,7 @@ def test_hf_bart_encoder_decoder_constants_sites_and_reference():
     """A post-LN encoder-decoder nobody here wrote: N and M counted, the paper's encoder-decoder constants,
     self-, cross-attention and FFN sublayers rescaled, embedding norms left with a reason."""
     model, inputs = tiny_bart()
-    new, report = dn.deepnorm(model, inputs)
+    new, report = api_deepnorm(model, inputs)
     enc, dec = report.extra["stacks"]["encoder"], report.extra["stacks"]["decoder"]
     assert report.extra["arch"] == "encoder-decoder" and enc["layers"] == 2 and dec["layers"] == 2
     n = m = 2

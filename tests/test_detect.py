@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from normconv.detect import find_norms
-from normconv.graph import capture
+from normconv.graph.detect import find_norms
+from normconv.graph.capture import capture
 from normconv.models import ZOO
 from normconv.verify import Inputs
 from tests.hf_tiny import TINY

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
-from normconv.export import export_onnx
+from normconv.api import export as export_onnx
 from normconv.models import ZOO
 from normconv.verify import Inputs
 
@@ -287,7 +287,7 @@ def test_skip_fusion_note_only_where_an_add_feeds_a_norm(tmp_path):
 
 def test_external_data_sidecar_over_the_size_limit(tmp_path, monkeypatch):
     """Above protobuf's 2 GB the weights go to a .data sidecar; the threshold is lowered to exercise the path."""
-    import normconv.export as ex
+    import normconv.onnx.export as ex
 
     monkeypatch.setattr(ex, "EXTERNAL_DATA_BYTES", 0)
     model, inputs = zoo_inputs("llama")

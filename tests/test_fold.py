@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from fold_helpers import applied, bn_modules, checked_fold, randomize_bn, skipped
 from normconv.errors import NormconvError
 from normconv.models import get
-from normconv.passes.fold_batchnorm import FOLD, fold
-from normconv.modules import ChannelShift
+from normconv.api import fold
+from normconv.passes.fold_batchnorm import FOLD
+from normconv.nn.modules import ChannelShift
 
 torch.manual_seed(0)
 
@@ -289,8 +290,8 @@ def test_training_mode_is_an_error_unless_eval():
 
 def test_plan_and_pass_agree():
     """inspect's plan and the pass's sites come from one analysis."""
-    from normconv.detect import find_norms
-    from normconv.graph import capture
+    from normconv.graph.detect import find_norms
+    from normconv.graph.capture import capture
     from normconv.verify import Inputs
 
     z = get("mlp")

@@ -34,7 +34,12 @@ def test_json_report(cli):
                                                                        ("bn2", True)]
     assert report["validation"]["passed"] and report["validation"]["max_abs_error"] < 1e-5
     assert report["before"]["batchnorm modules"] == 3 and report["after"]["batchnorm modules"] == 0
-    assert "latency ms" in report["before"] and report["after"]["parameters"] < report["before"]["parameters"]
+    assert "latency ms" not in report["before"], "timing is opt-in (--bench): it costs extra forwards"
+    assert report["after"]["parameters"] < report["before"]["parameters"]
+    code, stdout, stderr = cli("fold", "zoo:mlp", "--json", "--bench")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["before"]["latency ms"] > 0 and report["after"]["latency ms"] > 0
 
 
 def test_beyond_tolerance_exits_1_and_writes_nothing(cli, tmp_path):

@@ -14,7 +14,7 @@ import torch.nn as nn
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fold_helpers import bn_modules, randomize_bn
-from normconv.passes.fold_batchnorm import fold
+from normconv.api import fold
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d}
 CONVT = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d}

@@ -9,10 +9,10 @@ import onnx
 import pytest
 import torch
 
-from normconv.detect import find_norms
-from normconv.export import export_onnx
-from normconv.graph import capture
-from normconv.passes.fold_batchnorm import fold
+from normconv.graph.detect import find_norms
+from normconv.api import export as export_onnx
+from normconv.graph.capture import capture
+from normconv.api import fold
 from normconv.verify import run
 
 from fold_helpers import randomize_bn

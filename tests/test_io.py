@@ -226,7 +226,7 @@ def test_inserted_modules_keep_the_replaced_modules_mode():
     """A pass that swaps a module for a new one must not hand back a half-training model."""
     import torch.nn as nn
 
-    from normconv.pipeline import apply_passes
+    from normconv.flow import apply_passes
     from normconv.report import PassResult
 
     def replace_bn(model, cap):
@@ -238,9 +238,9 @@ def test_inserted_modules_keep_the_replaced_modules_mode():
 
 
 def test_float32norm_model_reloads_without_opt_in(tmp_path):
-    """Modules normconv inserts (normconv.modules, normconv.rmsnorm) are on the weights-only allowlist."""
-    from normconv.modules import Float32Norm
-    from normconv.rmsnorm import make_rmsnorm
+    """Modules normconv inserts (normconv.nn.modules, normconv.nn.rmsnorm) are on the weights-only allowlist."""
+    from normconv.nn.modules import Float32Norm
+    from normconv.nn.rmsnorm import make_rmsnorm
 
     model = torch.nn.Sequential(Float32Norm(make_rmsnorm(8, 1e-6, torch.rand(8)), torch.float32)).eval()
     path = tmp_path / "m.pt"

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from normconv.rmsnorm import RMSNorm, make_rmsnorm
+from normconv.nn.rmsnorm import RMSNorm, make_rmsnorm
 
 
 def _pair(shape, eps, affine=True, dtype=torch.float32):

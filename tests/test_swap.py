@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from normconv.errors import NormconvError
 from normconv.models import ZOO
-from normconv.passes.swap_norm import swap
-from normconv.rmsnorm import RMSNorm
+from normconv.api import swap
+from normconv.nn.rmsnorm import RMSNorm
 from normconv.verify import Inputs, run
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)  # the documented fp32 tolerance of exact passes (verify.DEFAULT_TOLERANCE)
@@ -277,7 +277,7 @@ def test_functional_layer_norm_becomes_a_module_then_swaps_exactly(cli, tmp_path
     assert len(made) == 2 and all("functional layernorm" in s.reason and "eps=1e-05" in s.reason for s in made)
     assert report.extra["exact"] and any("GraphModule" in n for n in report.notes)
     # canonicalize on its own leaves a native functional call alone
-    from normconv.passes.canonicalize import canonicalize
+    from normconv.api import canonicalize
 
     same, creport = canonicalize(model, Inputs(args))
     assert same is not None and not any(s.applied for s in creport.sites)

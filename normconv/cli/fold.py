@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from .cli_common import (AtolOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
-    "--eval", help="put a model saved in training mode into eval mode first (BN then uses its running statistics)")]
+    "--eval", help="rewrite a model saved in training mode as its eval-mode self (BN then uses its running statistics)")]
 
 
 def register(app: typer.Typer) -> None:
@@ -27,11 +27,13 @@ def register(app: typer.Typer) -> None:
         trust_pickle: TrustOpt = False,
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
+        bench: BenchOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
-        from normconv.passes.fold_batchnorm import fold_loaded
+        from normconv import flow
 
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
-        report, _ = fold_loaded(loaded, eval_mode=eval_mode, atol=atol, rtol=rtol, output=output, in_place=in_place)
+        report, _ = flow.fold(loaded, eval_mode=eval_mode, atol=atol, rtol=rtol, output=output, in_place=in_place,
+                              bench=bench)
         emit(report, as_json)

@@ -21,9 +21,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from .errors import NormconvError
-from .match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
-from .verify import Inputs, compare, run
+from normconv.errors import NormconvError
+from normconv.graph.match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
+from normconv.verify import Inputs, compare, forward_guard, run
 
 
 class NormLeafTracer(fx.Tracer):
@@ -203,28 +203,32 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto") -> Captured:
     """Capture an FX graph of ``model`` on ``inputs``; raises NormconvError naming why each method failed."""
     attempts: dict[str, str] = {}
     methods = ("symbolic_trace", "torch.export") if method == "auto" else (method,)
-    reference = None
     for m in methods:
         try:
-            if m == "symbolic_trace":
-                if inputs.kwargs:
-                    raise NormconvError("keyword inputs need torch.export")
-                tracer = NormLeafTracer()
-                graph = tracer.trace(model)
-                gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-                with torch.no_grad():
-                    ShapeProp(gm).propagate(*inputs.args)
-                reference = run(model, inputs) if reference is None else reference
-                check = compare(reference, run(gm, inputs), atol=1e-5, rtol=1e-5)
-                if not check.passed:
-                    raise NormconvError(f"traced graph differs from eager (max abs error {check.max_abs_error:.3g})")
-                return Captured(model, gm, "symbolic_trace", inputs, attempts=attempts)
-            if m == "torch.export":
-                with torch.no_grad(), quiet_torch_logs():
-                    ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
-                return Captured(model, ep.graph_module, "torch.export", inputs, exported=ep, attempts=attempts)
-            raise NormconvError(f"unknown capture method {m!r}")
+            with forward_guard(model):  # tracing and shape propagation run forwards too: they change nothing
+                return _capture_with(m, model, inputs, attempts)
         except Exception as exc:  # each failure is recorded; the next method is tried
             attempts[m] = _one_line(exc)
     detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
     raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}")
+
+
+def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, str]) -> Captured:
+    if m == "symbolic_trace":
+        if inputs.kwargs:
+            raise NormconvError("keyword inputs need torch.export")
+        tracer = NormLeafTracer()
+        graph = tracer.trace(model)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*inputs.args)
+        reference = run(model, inputs)
+        check = compare(reference, run(gm, inputs), atol=1e-5, rtol=1e-5)
+        if not check.passed:
+            raise NormconvError(f"traced graph differs from eager (max abs error {check.max_abs_error:.3g})")
+        return Captured(model, gm, "symbolic_trace", inputs, attempts=attempts)
+    if m == "torch.export":
+        with torch.no_grad(), quiet_torch_logs():
+            ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+        return Captured(model, ep.graph_module, "torch.export", inputs, exported=ep, attempts=attempts)
+    raise NormconvError(f"unknown capture method {m!r}")

@@ -90,7 +90,7 @@ NATIVE_NORM_TYPES: tuple[type, ...] = (
 
 
 def is_native_norm(module: nn.Module) -> bool:
-    """A torch norm module whose forward is torch's own, or normconv's exact fast subclass (normconv.rmsnorm);
+    """A torch norm module whose forward is torch's own, or normconv's exact fast subclass (normconv.nn.rmsnorm);
     a subclass that overrides forward anywhere else is user code."""
     if not isinstance(module, NATIVE_NORM_TYPES):
         return False

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from .cli_common import (AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
+from normconv.cli.common import (AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
                          WeightsOpt, emit, load_from_flags, user_errors)
-from .errors import NormconvError, VerificationError
+from normconv.errors import NormconvError
 
 
 def register(app: typer.Typer) -> None:
@@ -44,8 +43,7 @@ def register(app: typer.Typer) -> None:
 
         The model changes (it is for (re)training); it is checked against LN(alpha*x + f(x)) computed literally
         on the same weights, and written only if that check passes."""
-        from normconv.io import check_output_path, save
-        from normconv.passes.deepnorm import deepnorm as run_deepnorm
+        from normconv import flow
 
         modes = [m for m, on in (("init", init), ("rescale", rescale), ("none", no_beta)) if on]
         if len(modes) > 1:
@@ -54,20 +52,6 @@ def register(app: typer.Typer) -> None:
         if beta is not None and beta_mode == "none":
             raise NormconvError("--beta has no effect with --no-beta")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
-        inputs = loaded.require_inputs()
-        if output is not None:
-            check_output_path(loaded, output)
-            if Path(output).suffix == ".safetensors":
-                raise NormconvError(f"{output}: a .safetensors file holds weights only and would drop the residual "
-                                    f"scaling; write a .pt (the module) instead")
-        new, report = run_deepnorm(loaded.model, inputs, arch=arch, alpha=alpha, beta=beta, beta_mode=beta_mode,
-                                   n_layers=layers, m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol,
-                                   spec=loaded.spec)
-        if not report.passed:
-            v = report.validation[0]
-            raise VerificationError(
-                f"deepnorm: the rewritten model differs from LN(alpha*x + f(x)) on the same weights (max abs "
-                f"error {v.max_abs_error:.3g}, atol {v.atol:g}, rtol {v.rtol:g}); nothing written", report)
-        if output is not None:
-            report.output = str(save(loaded, new, output, False, inputs))
+        report, _ = flow.deepnorm(loaded, arch=arch, alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=layers,
+                                  m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol, output=output)
         emit(report, as_json)

@@ -1,5 +1,5 @@
 """Small modules normconv inserts into models. They live here so a saved model that contains them loads
-without --trust-pickle (io allowlists normconv.modules for the weights-only unpickler)."""
+without --trust-pickle (io allowlists normconv.nn.modules for the weights-only unpickler)."""
 
 from __future__ import annotations
 

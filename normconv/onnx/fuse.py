@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .onnx_ops import MS_DOMAIN
+from normconv.onnx.ops import MS_DOMAIN
 
 _SKIP_OF = {"LayerNormalization": "SkipLayerNormalization",
             "SimplifiedLayerNormalization": "SkipSimplifiedLayerNormalization"}

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .report import Validation
-from .verify import Inputs, compare, output_leaves
+from normconv.report import Validation
+from normconv.verify import Inputs, compare, output_leaves
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 LEVELS = ("disabled", "default")
@@ -46,7 +46,7 @@ class OrtResult:
 
 
 def parse_providers(spec: str) -> list[str]:
-    from .errors import NormconvError
+    from normconv.errors import NormconvError
 
     names = [s.strip().lower() for s in spec.split(",") if s.strip()] if spec else []
     bad = [n for n in names if n not in PROVIDERS and n != "none"]

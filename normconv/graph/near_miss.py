@@ -21,9 +21,9 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
-from normconv.detect import NormSite
-from normconv.graph import Captured
-from normconv.match import arg, dims_of, scalar
+from normconv.graph.detect import NormSite
+from normconv.graph.capture import Captured
+from normconv.graph.match import arg, dims_of, scalar
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@
   residual add feeding a norm (--target ort) -> SkipLayerNormalization / SkipSimplifiedLayerNormalization
   hand-written norms are canonicalized into native modules first (else they stay primitive ops)
 
-Flow: canonicalize + fold (exact, verified against torch) -> torch.onnx.export (dynamo) with normconv's
-translations (onnx_ops) -> lower placeholders for the target -> skip fusion (onnx_fuse, --target ort)
+Flow (normconv.flow.export runs the first step through the same door as every command, this module the rest):
+canonicalize + fold (exact, verified against torch) -> torch.onnx.export (dynamo) with normconv's
+translations (onnx.ops) -> lower placeholders for the target -> skip fusion (onnx_fuse, --target ort)
 -> write into a temp folder -> onnx.checker where the ops allow -> onnxruntime validation (onnx_validate)
 -> rename into place. Any failure leaves no file under the requested name.
 """
@@ -31,9 +32,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from normconv.detect import NormSite
+from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
-from normconv.graph import Captured
 from normconv.io import check_writable
 from normconv.report import Report, Site
 
@@ -70,11 +70,13 @@ def _op_for(kind: str, target: str, opset: int) -> str:
     return "BatchNormalization"
 
 
-def plan(cap: Captured, norms: Sequence[NormSite], target: str = "onnx", opset: int = DEFAULT_OPSET,
-         canonicalize: bool = True, fold: bool = True, skip_fusion: bool = False) -> list[Site]:
-    """Per norm site: the one op it becomes at this target and opset, or why it stays several ops."""
-    canon = _planned(cap, norms, "canonicalize") if canonicalize else {}
-    folds = _planned(cap, norms, "fold") if fold else {}
+def plan(norms: Sequence[NormSite], target: str = "onnx", opset: int = DEFAULT_OPSET,
+         canon: dict[str, tuple[bool, str]] | None = None, folds: dict[str, tuple[bool, str]] | None = None,
+         skip_fusion: bool = False) -> list[Site]:
+    """Per norm site: the one op it becomes at this target and opset, or why it stays several ops.
+
+    ``canon`` / ``folds``: target -> (applied, reason) from the canonicalize / fold plans (None: switched off)."""
+    canon, folds = canon or {}, folds or {}
     out = []
     for s in norms:
         op = _op_for(s.kind, target, opset)
@@ -100,22 +102,6 @@ def plan(cap: Captured, norms: Sequence[NormSite], target: str = "onnx", opset: 
                 reason += f"; residual add left unfused ({skip_op} is slower on onnxruntime CPU; --skip-fusion)"
         out.append(Site(NAME, s.target, applied, reason))
     return out
-
-
-def _planned(cap: Captured, norms: Sequence[NormSite], which: str) -> dict[str, tuple[bool, str]]:
-    """target -> (applied, reason) from the fold / canonicalize plans."""
-    from normconv.passes import canonicalize, fold_batchnorm
-
-    mod = fold_batchnorm if which == "fold" else canonicalize
-    return {p.target: (p.applied, p.reason) for p in mod.plan(cap, norms)}
-
-
-def preprocess_passes(canonicalize: bool = True, fold: bool = True) -> list[Any]:
-    """The exact passes that run before export: canonicalize hand-written norms, then fold BatchNorm."""
-    from normconv.passes.canonicalize import CANONICALIZE
-    from normconv.passes.fold_batchnorm import FOLD
-
-    return [p for p, on in ((CANONICALIZE, canonicalize), (FOLD, fold)) if on]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,7 +161,7 @@ def dynamic_shapes(model: nn.Module, inputs) -> dict[str, Any] | None:
 
 def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool):
     """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export."""
-    from .onnx_ops import translation_table
+    from normconv.onnx.ops import translation_table
 
     kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False)
     if normconv_ops:
@@ -201,7 +187,7 @@ def op_counts(model) -> dict[str, int]:
 
 
 def fused_norms(model) -> dict[str, int]:
-    from .onnx_ops import FUSED_NORM_OPS
+    from normconv.onnx.ops import FUSED_NORM_OPS
 
     out: dict[str, int] = {}
     for n in model.graph:
@@ -233,7 +219,7 @@ def _check(path: Path, model) -> str:
     return "passed"
 
 
-def _check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
+def check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
     if target not in TARGETS:
         raise NormconvError(f"unknown --target {target!r}; choose onnx or ort")
     if opset not in OPSETS:
@@ -244,15 +230,16 @@ def _check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
     return check_writable(out)
 
 
-def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str = "onnx", opset: int = DEFAULT_OPSET,
-                *, dynamic: bool = False, fold: bool = True, canonicalize: bool = True,
-                validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
-                baseline: bool = True, repeats: int = 10, spec: str | None = None,
-                skip_fusion: bool = False) -> Report:
-    """Export ``model`` on ``inputs`` to ``path`` with one fused op per norm, validated in onnxruntime.
+def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any, out: Path, report: Report,
+               norms: Sequence[NormSite], *, target: str = "onnx", opset: int = DEFAULT_OPSET, dynamic: bool = False,
+               validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
+               baseline: bool = True, repeats: int = 10, skip_fusion: bool = False) -> Report:
+    """Export ``prepared`` (the passes already applied and verified, in eval mode) to ``out`` with one fused op
+    per norm, validate it in onnxruntime against ``reference`` (the original's outputs), and rename it into
+    place. ``original`` is exported plainly for the baseline op counts and latency.
 
-    Raises NormconvError (bad arguments, unexportable model) or VerificationError (outputs beyond tolerance,
-    checker failure); in both cases nothing is left under ``path``.
+    Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
+    in both cases nothing is left under ``out``.
 
     ``skip_fusion`` (with target "ort") fuses residual add + norm into com.microsoft Skip*LayerNormalization.
     It is off by default because onnxruntime 1.31's CPU kernels for those ops measured 4.5-8x (LayerNorm) and
@@ -260,49 +247,14 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
     """
     import onnx_ir as ir
 
-    from .detect import find_norms
-    from .graph import capture
-    from .onnx_fuse import fuse_skip_norms
-    from .onnx_ops import lower_norm_ops, repair_downconverted
-    from .onnx_validate import validate as ort_validate
-    from .pipeline import apply_passes
-    from .verify import Inputs, compare, run
+    from normconv.onnx.fuse import fuse_skip_norms
+    from normconv.onnx.ops import lower_norm_ops, repair_downconverted
+    from normconv.onnx.validate import validate as ort_validate
 
-    out = _check_args(path, target, opset)
-    if not isinstance(inputs, Inputs):
-        inputs = Inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
-    model = model.eval()
-    reference = run(model, inputs)
-    report = Report(command=NAME, model=spec or type(model).__name__)
-    extra: dict[str, Any] = {"target": target, "opset": opset}
-    report.extra = extra
-
-    # norm sites and the plan (the same analysis inspect shows)
-    norms: list[NormSite] = []
-    try:
-        cap = capture(model, inputs)
-        norms = find_norms(cap)
-        report.sites.extend(plan(cap, norms, target, opset, canonicalize, fold, skip_fusion))
-    except NormconvError as exc:
-        cap = None
-        report.notes.append(f"norm detection and the torch passes skipped: {exc}")
+    extra = report.extra
+    extra.update({"target": target, "opset": opset})
     sites_by_kind = dict(collections.Counter(s.kind for s in norms))
     extra["norm_sites"] = sites_by_kind
-
-    # exact rewrites first, verified against the original model
-    passes = preprocess_passes(canonicalize, fold) if cap is not None else []
-    extra["passes"] = [p.name for p in passes]
-    prepared = model
-    if passes:
-        with _quiet():
-            prepared, pass_sites = apply_passes(model, inputs, passes)
-        report.sites.extend(pass_sites)
-        check = compare(reference, run(prepared, inputs), atol, rtol, label="torch, after " +
-                        " + ".join(p.name for p in passes))
-        report.validation.append(check)
-        if not check.passed:
-            raise VerificationError(f"export: {check.label} differs from the original beyond tolerance "
-                                    f"(max abs error {check.max_abs_error:.3g}); nothing written", report)
 
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic)
     onnx_model = program.model
@@ -348,7 +300,7 @@ def export_onnx(model: nn.Module, inputs, path: str | os.PathLike, target: str =
                                     f"nothing written", report)
 
         if baseline:
-            _baseline(model, inputs, opset, dynamic, tmpdir, validate, repeats, report)
+            _baseline(original, inputs, opset, dynamic, tmpdir, validate, repeats, report)
         result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
         for provider, why in result.unavailable.items():
             report.notes.append(f"{provider}: not validated: {why}")
@@ -387,14 +339,14 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     """Plain torch.onnx.export of the original model: op counts, and its latency at ORT's default level."""
     import onnx_ir as ir
 
-    from .onnx_validate import available, feeds, latency_ms, session
+    from normconv.onnx.validate import available, feeds, latency_ms, session
 
     try:
         plain = torch_export(model, inputs, opset, normconv_ops=False, dynamic=dynamic)
     except NormconvError as exc:
         report.notes.append(f"plain torch.onnx.export failed, no baseline: {exc}")
         return
-    from .onnx_ops import repair_downconverted
+    from normconv.onnx.ops import repair_downconverted
 
     repair_downconverted(plain.model)  # the same down-conversion fix, or plain opset-17 exports do not load
     report.before = op_counts(plain.model)
@@ -405,43 +357,11 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     lat = {}
     for name in validate:
         if available(name) is None and repeats > 0:
-            from .onnx_validate import PROVIDERS
+            from normconv.onnx.validate import PROVIDERS
 
             sess = session(str(path), PROVIDERS[name], "default")
             lat[name] = latency_ms(sess, feeds(sess, model, inputs), repeats)
     report.extra["baseline_latency_ms"] = lat
 
 
-def print_export(report: Report) -> None:
-    """Op counts side by side, the per-site plan, validations, latency."""
-    from .report import console, render_sites, render_validation, table
-
-    c = console()
-    ex = report.extra
-    keys = list(dict.fromkeys([*report.after, *report.before]))
-    c.print(table(f"op types: normconv ({ex.get('target')}, opset {ex.get('opset')}) vs plain torch.onnx.export",
-                  ["op", "normconv", "plain"], [[k, report.after.get(k, 0), report.before.get(k, 0)] for k in keys]))
-    if report.sites:
-        c.print(render_sites(report.sites, "export plan and passes"))
-    fused = sum(ex.get("fused_norm_ops", {}).values())
-    sites = sum(ex.get("norm_sites", {}).values())
-    c.print(f"fused norm ops: {fused} ({ex.get('fused_norm_ops')}), norm sites: {sites} ({ex.get('norm_sites')}), "
-            f"folded batchnorm: {ex.get('folded_batchnorm')}, skip-fused: {ex.get('skip_fused')}, "
-            f"ReduceMean/Pow/Sqrt/Reciprocal left (pooling and GELU use them too): "
-            f"{ex.get('leftover_decomposed_ops') or 'none'}")
-    for v in report.validation:
-        c.print(render_validation(v))
-    rows = [[r["provider"], r["optimizations"], r["max_abs_error"], r["min_atol"], r["min_rtol"],
-             r["latency_ms"], ex.get("baseline_latency_ms", {}).get(r["provider"]) if r["latency_ms"] else None]
-            for r in ex.get("ort", [])]
-    if rows:
-        c.print(table("onnxruntime", ["provider", "optimizations", "max abs err", "smallest atol", "smallest rtol",
-                                      "latency ms", "plain export ms"], rows))
-    c.print(f"checker: {ex.get('checker')}; dynamic axes: {ex.get('dynamic_axes') or 'none'}")
-    for n in report.notes:
-        c.print(f"note: {n}")
-    if report.output:
-        c.print(f"wrote {report.output}")
-
-
-__all__ = ["export_onnx", "plan", "print_export", "op_counts", "fused_norms", "DEFAULT_OPSET", "OPSETS", "TARGETS"]
+__all__ = ["write_onnx", "check_args", "plan", "op_counts", "fused_norms", "DEFAULT_OPSET", "OPSETS", "TARGETS"]

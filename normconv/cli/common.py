@@ -13,9 +13,9 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from .errors import EXIT_BAD_INPUT, NormconvError, VerificationError
-from .io import Loaded, load
-from .report import Report, print_json, print_report
+from normconv.errors import EXIT_BAD_INPUT, NormconvError, VerificationError
+from normconv.io import Loaded, load
+from normconv.report import Report, print_json, print_report
 
 EXIT_INTERNAL = 3
 
@@ -33,6 +33,8 @@ DtypeOpt = Annotated[Optional[str], typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 OutputOpt = Annotated[Optional[str], typer.Option(
     "--output", "-o", help="where to write the result (default: nothing is written)")]
+BenchOpt = Annotated[bool, typer.Option(
+    "--bench", help="also time the model before and after (median of 5 eager forwards each)")]
 InPlaceOpt = Annotated[bool, typer.Option("--in-place", help="allow -o to overwrite the input file")]
 AtolOpt = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="absolute tolerance (default by dtype: fp32 1e-4)")]
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relative tolerance (default by dtype: fp32 1e-4)")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .cli_common import (AtolOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 
@@ -21,11 +21,12 @@ def register(app: typer.Typer) -> None:
         trust_pickle: TrustOpt = False,
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
+        bench: BenchOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Replace hand-written norms (modules and inline code) by native ones; exits 1 (writing nothing) on drift."""
-        from normconv.passes.canonicalize import canonicalize_loaded
+        from normconv import flow
 
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
-        report, _ = canonicalize_loaded(loaded, atol=atol, rtol=rtol, output=output, in_place=in_place)
+        report, _ = flow.canonicalize(loaded, atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench)
         emit(report, as_json)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_common import (AtolOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 
@@ -29,15 +29,17 @@ def register(app: typer.Typer) -> None:
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
         in_place: InPlaceOpt = False,
+        bench: BenchOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Swap LayerNorm -> RMSNorm exactly (Pre-LN: center the residual writers, fold the bias), or back."""
+        from normconv import flow
         from normconv.errors import NormconvError
-        from normconv.passes.swap_norm import SOURCE_KIND, run_swap
+        from normconv.passes.swap_norm import SOURCE_KIND
 
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
-        report, _ = run_swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                             canonicalize=not no_canonicalize)
+        report, _ = flow.swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
+                              canonicalize=not no_canonicalize, bench=bench)
         emit(report, as_json)

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph import Captured
-from .match import TRANSPARENT, arg, batch_norm_args, dims_of, is_native_norm, scalar
+from normconv.graph.capture import Captured
+from normconv.graph.match import TRANSPARENT, arg, batch_norm_args, dims_of, is_native_norm, scalar
 
 KINDS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm")
 

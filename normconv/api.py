@@ -1,0 +1,104 @@
+"""The Python API: the commands, on a model you hold.
+
+    import normconv
+    folded, report = normconv.fold(model, x)                 # x: one tensor, a tuple of args, or Inputs
+    swapped, report = normconv.swap(model, x, to="rmsnorm")
+    report = normconv.export(model, x, "model.onnx")
+    report = normconv.inspect(model, x)
+
+Every call leaves ``model`` unchanged, verifies what it returns against it, and raises NormconvError (a user
+mistake or a refusal, with a one-line reason) or VerificationError (an exact rewrite that missed its tolerance,
+carrying the report). ``report.to_json()`` is what ``--json`` prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.nn as nn
+
+from normconv import flow
+from normconv.errors import NormconvError
+from normconv.io import Loaded
+from normconv.report import Report
+from normconv.verify import Inputs
+
+
+def as_inputs(example_inputs: Any) -> Inputs:
+    """Inputs from one tensor, a tuple / list of positional args, a dict of keyword args, or Inputs."""
+    if isinstance(example_inputs, Inputs):
+        return example_inputs
+    if isinstance(example_inputs, dict):
+        return Inputs((), dict(example_inputs))
+    if isinstance(example_inputs, (tuple, list)):
+        return Inputs(tuple(example_inputs))
+    return Inputs((example_inputs,))
+
+
+def _loaded(model: nn.Module, example_inputs: Any) -> Loaded:
+    if not isinstance(model, nn.Module):
+        raise NormconvError(f"normconv needs a torch.nn.Module, got {type(model).__name__}")
+    return Loaded(model, as_inputs(example_inputs), type(model).__name__, "python")
+
+
+def fold(model: nn.Module, example_inputs: Any, *, eval_mode: bool = False, atol: float | None = None,
+         rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
+    """BatchNorm folded into its neighbouring conv / linear; ``eval_mode`` rewrites a training-mode model as its
+    eval-mode self. Returns (folded model, report)."""
+    report, new = flow.fold(_loaded(model, example_inputs), eval_mode=eval_mode, atol=atol, rtol=rtol, method=method)
+    return new, report
+
+
+def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = None, rtol: float | None = None,
+                 method: str = "auto") -> tuple[nn.Module, Report]:
+    """Hand-written norms replaced by torch's native modules. Returns (new model, report)."""
+    report, new = flow.canonicalize(_loaded(model, example_inputs), atol=atol, rtol=rtol, method=method)
+    return new, report
+
+
+def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate: bool = False, *,
+         atol: float | None = None, rtol: float | None = None, method: str = "auto",
+         canonicalize: bool = True) -> tuple[nn.Module, Report]:
+    """LayerNorm -> RMSNorm (exact on pre-LN models) or back; ``approximate`` swaps the rest and reports the drift.
+    Returns (new model, report)."""
+    report, new = flow.swap(_loaded(model, example_inputs), to, approximate, atol=atol, rtol=rtol, method=method,
+                            canonicalize=canonicalize)
+    return new, report
+
+
+def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alpha: float | None = None,
+             beta: float | None = None, beta_mode: str = "init", n_layers: int | None = None,
+             m_layers: int | None = None, *, seed: int | None = 0, method: str = "auto", atol: float | None = None,
+             rtol: float | None = None) -> tuple[nn.Module, Report]:
+    """DeepNorm: LN(alpha*x + f(x)) at every post-LN sublayer, beta on FFN / v / out. Returns (new model, report)."""
+    report, new = flow.deepnorm(_loaded(model, example_inputs), arch=arch, alpha=alpha, beta=beta,
+                                beta_mode=beta_mode, n_layers=n_layers, m_layers=m_layers, seed=seed, atol=atol,
+                                rtol=rtol, method=method)
+    return new, report
+
+
+def export(model: nn.Module, example_inputs: Any, path: str, target: str = "onnx", opset: int | None = None, *,
+           dynamic: bool = False, fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
+           atol: float | None = None, rtol: float | None = None, baseline: bool = True, repeats: int = 10,
+           skip_fusion: bool = False) -> Report:
+    """ONNX at ``path`` with one fused op per norm, validated in onnxruntime. Returns the report."""
+    return flow.export(_loaded(model, example_inputs), str(path), target, opset, dynamic=dynamic, fold=fold,
+                       canonicalize=canonicalize, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
+                       repeats=repeats, skip_fusion=skip_fusion)
+
+
+def inspect(model: nn.Module, example_inputs: Any, method: str = "auto") -> Report:
+    """Every norm site, and what each pass would do with it or why not."""
+    return flow.inspect(_loaded(model, example_inputs), method)
+
+
+def load(spec: str, **kwargs: Any) -> tuple[nn.Module, Inputs | None]:
+    """What the command line loads: ``zoo:NAME``, a Hugging Face folder, a .pt2, a pickle, or
+    ``package.module:factory``; returns (model, example inputs or None). See ``normconv.io.load`` for options."""
+    from normconv.io import load as load_spec
+
+    loaded = load_spec(spec, **kwargs)
+    return loaded.model, loaded.inputs
+
+
+__all__ = ["fold", "canonicalize", "swap", "deepnorm", "export", "inspect", "load", "as_inputs", "Inputs"]

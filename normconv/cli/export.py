@@ -1,0 +1,86 @@
+"""``normconv export``: ONNX with one fused op per norm, validated in onnxruntime."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from normconv.cli.common import (AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
+                                 emit, load_from_flags, user_errors)
+from normconv.onnx.export import DEFAULT_OPSET
+from normconv.report import Report, console, render_sites, render_validation, table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @user_errors
+    def export(
+        model: ModelArg,
+        output: Annotated[str, typer.Option("--output", "-o", help="the .onnx file to write")],
+        target: Annotated[str, typer.Option(help="onnx: standard ops only; ort: onnxruntime's fused ops "
+                                                 "(SimplifiedLayerNormalization, Skip*LayerNormalization)")] = "onnx",
+        opset: Annotated[int, typer.Option(help="ONNX opset, 17 to 23")] = DEFAULT_OPSET,
+        dynamic: Annotated[bool, typer.Option("--dynamic", help="dynamic batch and sequence axes where the "
+                                                                "model allows them")] = False,
+        no_fold: Annotated[bool, typer.Option("--no-fold", help="do not fold BatchNorm before export")] = False,
+        no_canonicalize: Annotated[bool, typer.Option("--no-canonicalize",
+                                                      help="do not canonicalize hand-written norms")] = False,
+        validate: Annotated[str, typer.Option(help="onnxruntime providers to validate on: cpu, cuda, "
+                                                   "comma separated, or none")] = "cpu",
+        baseline: Annotated[bool, typer.Option(help="also export with plain torch.onnx.export and compare op "
+                                                    "counts and latency")] = True,
+        repeats: Annotated[int, typer.Option(help="timed onnxruntime runs per provider (0: no timing)")] = 10,
+        skip_fusion: Annotated[bool, typer.Option(
+            "--skip-fusion", help="with --target ort: fuse residual add + norm into Skip*LayerNormalization "
+                                  "(onnxruntime's GPU kernels; measured slower on onnxruntime CPU)")] = False,
+        atol: AtolOpt = None,
+        rtol: RtolOpt = None,
+        weights: WeightsOpt = None,
+        input_shape: InputShapeOpt = None,
+        trust_pickle: TrustOpt = False,
+        dtype: DtypeOpt = None,
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Export to ONNX with every norm as one fused op; validate in onnxruntime (exit 1, no file, if it fails)."""
+        from normconv import flow
+        from normconv.onnx.export import check_args
+        from normconv.onnx.validate import parse_providers
+
+        providers = parse_providers(validate)
+        check_args(output, target, opset)  # bad flags fail before loading the model
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        report = flow.export(loaded, output, target, opset, dynamic=dynamic, fold=not no_fold,
+                             canonicalize=not no_canonicalize, validate=providers, atol=atol, rtol=rtol,
+                             baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)
+        emit(report, as_json, print_export)
+
+
+def print_export(report: Report) -> None:
+    """Op counts side by side, the per-site plan, validations, latency."""
+    c = console()
+    ex = report.extra
+    keys = list(dict.fromkeys([*report.after, *report.before]))
+    c.print(table(f"op types: normconv ({ex.get('target')}, opset {ex.get('opset')}) vs plain torch.onnx.export",
+                  ["op", "normconv", "plain"], [[k, report.after.get(k, 0), report.before.get(k, 0)] for k in keys]))
+    if report.sites:
+        c.print(render_sites(report.sites, "export plan and passes"))
+    fused = sum(ex.get("fused_norm_ops", {}).values())
+    sites = sum(ex.get("norm_sites", {}).values())
+    c.print(f"fused norm ops: {fused} ({ex.get('fused_norm_ops')}), norm sites: {sites} ({ex.get('norm_sites')}), "
+            f"folded batchnorm: {ex.get('folded_batchnorm')}, skip-fused: {ex.get('skip_fused')}, "
+            f"ReduceMean/Pow/Sqrt/Reciprocal left (pooling and GELU use them too): "
+            f"{ex.get('leftover_decomposed_ops') or 'none'}")
+    for v in report.validation:
+        c.print(render_validation(v))
+    rows = [[r["provider"], r["optimizations"], r["max_abs_error"], r["min_atol"], r["min_rtol"],
+             r["latency_ms"], ex.get("baseline_latency_ms", {}).get(r["provider"]) if r["latency_ms"] else None]
+            for r in ex.get("ort", [])]
+    if rows:
+        c.print(table("onnxruntime", ["provider", "optimizations", "max abs err", "smallest atol", "smallest rtol",
+                                      "latency ms", "plain export ms"], rows))
+    c.print(f"checker: {ex.get('checker')}; dynamic axes: {ex.get('dynamic_axes') or 'none'}")
+    for n in report.notes:
+        c.print(f"note: {n}")
+    if report.output:
+        c.print(f"wrote {report.output}")

@@ -1,0 +1,77 @@
+"""``normconv inspect``: every norm site, and what each pass would do with it or why not."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from normconv.cli.common import (DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
+                                 load_from_flags, user_errors)
+from normconv.errors import NormconvError
+from normconv.report import Report, console, table
+
+CAPTURES = ("auto", "symbolic_trace", "torch.export")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @user_errors
+    def inspect(
+        model: ModelArg,
+        weights: WeightsOpt = None,
+        input_shape: InputShapeOpt = None,
+        trust_pickle: TrustOpt = False,
+        dtype: DtypeOpt = None,
+        capture: Annotated[str, typer.Option(help="graph capture: auto, symbolic_trace or torch.export")] = "auto",
+        as_json: JsonOpt = False,
+    ) -> None:
+        """List every norm site: kind, eps, placement, and what each pass would do with it or why not."""
+        from normconv import flow
+
+        if capture not in CAPTURES:
+            raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        emit(flow.inspect(loaded, capture), as_json, print_inspect)
+
+
+def print_inspect(report: Report) -> None:
+    c = console()
+    ex = report.extra
+    c.print(f"{report.model}: {len(report.sites)} norm sites "
+            f"({', '.join(f'{v} {k}' for k, v in ex['counts'].items()) or 'none'}); "
+            f"graph by {ex['capture']}; inputs {ex['inputs']}")
+    for method, why in ex["capture_failures"].items():
+        c.print(f"note: {method} failed: {why}")
+    rows = []
+    for s in report.sites:
+        rows.append([s["target"], s["kind"], s["source"], s["module_type"], s["eps"], _shape(s), s["placement"],
+                     _affine(s)])
+    c.print(table("norm sites", ["target", "kind", "source", "class", "eps", "shape", "placement", "params"], rows))
+    plan_rows = []
+    for s in report.sites:
+        for p in s["plan"]:
+            plan_rows.append([s["target"], p["pass"], "apply" if p["applied"] else "skip", p["reason"]])
+    c.print(table("plan", ["target", "pass", "would", "why"], plan_rows))
+    misses = ex.get("near_misses", [])
+    if misses:
+        c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],
+                      [[m["target"], m["computes"], m["reason"]] for m in misses]))
+
+
+def _shape(s: dict) -> str:
+    if s["normalized_shape"]:
+        return "x".join(str(d) for d in s["normalized_shape"])
+    parts = []
+    if s["num_features"]:
+        parts.append(f"C={s['num_features']}")
+    if s["num_groups"]:
+        parts.append(f"G={s['num_groups']}")
+    return " ".join(parts) or "-"
+
+
+def _affine(s: dict) -> str:
+    a = s["affine"]
+    parts = [("w+1" if a["weight_offset"] else "w") if a["weight"] else "", "b" if a["bias"] else "",
+             "running" if s["running_stats"] else ""]
+    return ",".join(p for p in parts if p) or "-"

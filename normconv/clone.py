@@ -1,0 +1,63 @@
+"""Copies that cost only what changes: the module tree is copied, the tensors are shared until written.
+
+    work = clone_sharing_tensors(model)   # new modules, the user's Parameters and buffers (no bytes copied)
+    w = owned(work, work.conv.weight)     # before writing: one clone, swapped in wherever the tensor is held
+    w.mul_(s)                             # the user's model never sees it
+
+A pass never writes into a tensor it did not get from ``owned``: that is what keeps the user's model
+bit-identical while a 7B model is rewritten at the memory of the tensors that change.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+_OWNED_ATTR = "_normconv_owned_ids"  # ids of tensors this copy made for itself (kept on the root, out of state)
+
+
+def clone_sharing_tensors(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s module tree (modes, hooks, attributes) whose parameters and buffers are the
+    original tensor objects; plain tensor attributes and everything else are deep-copied."""
+    memo: dict[int, object] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        memo[id(t)] = t
+    clone = copy.deepcopy(model, memo)
+    clone.__dict__[_OWNED_ATTR] = set()
+    return clone
+
+
+def owned(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as ``root``'s own copy, safe to write in place. Every module of ``root`` that holds the tensor
+    (tied weights) gets the same copy, so ties survive. A tensor already owned is returned as it is."""
+    mine: set[int] = root.__dict__.setdefault(_OWNED_ATTR, set())
+    if id(tensor) in mine:
+        return tensor
+    data = tensor.detach().clone()
+    new = nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+    found = False
+    for module in root.modules():
+        for name, p in list(module._parameters.items()):
+            if p is tensor:
+                module._parameters[name] = new
+                found = True
+        for name, b in list(module._buffers.items()):
+            if b is tensor:
+                module._buffers[name] = new
+                found = True
+    if not found:  # not a parameter or buffer of root: a tensor the pass made itself, already its own
+        mine.add(id(tensor))
+        return tensor
+    mine.add(id(new))
+    return new
+
+
+def release(root: nn.Module) -> nn.Module:
+    """Forget the ownership record before the model leaves normconv (it is not part of the user's model)."""
+    root.__dict__.pop(_OWNED_ATTR, None)
+    return root
+
+
+__all__ = ["clone_sharing_tensors", "owned", "release"]

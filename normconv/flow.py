@@ -1,0 +1,357 @@
+"""The one flow every command runs: (loaded model) -> capture -> passes -> verify -> save.
+
+    report, model = fold(loaded, output="out.pt")          # what `normconv fold` runs
+    report, model = rewrite(loaded, [FOLD], command="fold", exact=True)
+
+Every rewriting command goes through ``rewrite`` (export through ``apply_passes`` then ONNX): the user's model is
+never changed (the passes work on a copy of the module tree that shares every tensor a pass does not write,
+``normconv.clone``), an exact rewrite that misses its tolerance raises VerificationError carrying the report,
+and nothing is written unless it verified. This is the only module that calls ``io.save``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+import torch.nn as nn
+
+from normconv.clone import clone_sharing_tensors, release
+from normconv.errors import NormconvError, VerificationError
+from normconv.graph.capture import Captured, capture
+from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.near_miss import find_near_misses
+from normconv.io import Loaded, check_output_path, save
+from normconv.passes import canonicalize as canonicalize_pass
+from normconv.passes import deepnorm as deepnorm_pass
+from normconv.passes import fold_batchnorm, swap_norm
+from normconv.report import PassResult, Report, Site
+from normconv.verify import Inputs, argmax_agreement, compare, output_leaves, run
+
+PassFn = Callable[[nn.Module, Captured], PassResult]
+
+# module families counted in before/after tables
+_COUNTED: tuple[tuple[str, tuple[type, ...]], ...] = (
+    ("batchnorm", (nn.modules.batchnorm._BatchNorm,)),
+    ("layernorm", (nn.LayerNorm,)),
+    ("rmsnorm", (nn.RMSNorm,)),
+    ("groupnorm", (nn.GroupNorm,)),
+    ("instancenorm", (nn.modules.instancenorm._InstanceNorm,)),
+    ("conv", (nn.modules.conv._ConvNd,)),
+    ("linear", (nn.Linear,)),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the door every rewrite goes through
+
+
+def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5) -> dict[str, Any]:
+    """Parameter count and module counts by family; with ``inputs``, the median latency (ms) of one eager forward
+    (opt-in, ``--bench``: it costs 2 x (repeats + 1) extra forwards)."""
+    stats: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
+    for name, types in _COUNTED:
+        stats[f"{name} modules"] = sum(isinstance(m, types) for m in model.modules())
+    if inputs is not None:
+        times = []
+        run(model, inputs)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(model, inputs)
+            times.append(time.perf_counter() - t0)
+        stats["latency ms"] = round(sorted(times)[len(times) // 2] * 1e3, 3)
+    return stats
+
+
+def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], method: str = "auto",
+                 eval_mode: bool = False) -> tuple[nn.Module, list[Site]]:
+    """Run passes in order on a tensor-sharing copy of ``model``, re-capturing the graph before each.
+
+    ``eval_mode`` puts the copy (never the user's model) in eval mode first. Returns (rewritten model, sites)."""
+    work = clone_sharing_tensors(model)
+    if eval_mode:
+        for m in work.modules():
+            m.training = False  # the flag itself: an exported program's module refuses .eval()
+    sites: list[Site] = []
+    for p in passes:
+        before = {path: (id(m), m.training) for path, m in work.named_modules()}
+        cap = capture(work, inputs, method)
+        try:
+            result = p(work, cap)
+        except NormconvError:
+            raise
+        except Exception as exc:  # name the failing pass (onnx-ir's pass manager does the same)
+            name = getattr(p, "name", getattr(p, "__name__", type(p).__name__))
+            raise RuntimeError(f"pass {name} failed: {type(exc).__name__}: {exc}") from exc
+        _inherit_training_flags(before, result.model)
+        work = result.model
+        sites.extend(result.sites)
+    return release(work), sites
+
+
+def _inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Module) -> None:
+    """A module a pass inserted (nn.Identity, nn.RMSNorm, ...) is born in training mode: give it the mode of
+    the module it replaced, or of its parent when it is new."""
+    for path, module in model.named_modules():
+        old = before.get(path)
+        if old is not None and old[0] == id(module):
+            continue  # the same module as before: its flag is the user's
+        parent = path.rpartition(".")[0]
+        mode = old[1] if old is not None else before.get(parent, (0, model.training))[1]
+        module.training = mode
+
+
+def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bool,
+            atol: float | None = None, rtol: float | None = None, output: str | None = None,
+            in_place: bool = False, method: str = "auto", eval_mode: bool = False,
+            bench: bool = False) -> tuple[Report, nn.Module]:
+    """Apply ``passes`` to a loaded model, verify against the original, write ``output`` if it passed."""
+    inputs = loaded.require_inputs()
+    if output is not None:
+        check_output_path(loaded, output, in_place)  # fail before the work, not after
+    reference = run(loaded.model, inputs)
+    model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode)
+    validation = compare(reference, run(model, inputs), atol, rtol)
+    report = Report(command=command, model=loaded.spec, sites=sites, validation=[validation],
+                    before=model_stats(loaded.model, inputs if bench else None),
+                    after=model_stats(model, inputs if bench else None))
+    if exact and not validation.passed:
+        raise VerificationError(
+            f"{command}: outputs differ beyond tolerance (max abs error {validation.max_abs_error:.3g}, "
+            f"atol {validation.atol:g}, rtol {validation.rtol:g}); nothing written", report)
+    if output is not None:
+        report.output = str(save(loaded, model, output, in_place, inputs))
+    return report, model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the commands
+
+
+def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, rtol: float | None = None,
+         output: str | None = None, in_place: bool = False, method: str = "auto",
+         bench: bool = False) -> tuple[Report, nn.Module]:
+    """``normconv fold``: BatchNorm folded into its neighbouring conv / linear, verified, then written."""
+    training = [p for p, m in loaded.model.named_modules() if m.training]
+    if training and not eval_mode:
+        where = "the model" if training[0] == "" else training[0]
+        raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
+                            f"so folding would change it; call .eval() first or pass --eval")
+    report, model = rewrite(loaded, [fold_batchnorm.FOLD], command=fold_batchnorm.NAME, exact=True, atol=atol,
+                            rtol=rtol, output=output, in_place=in_place, method=method, eval_mode=eval_mode,
+                            bench=bench)
+    if not any(s.applied for s in report.sites):
+        report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
+                            else "the model has no BatchNorm; it is unchanged")
+    return report, model
+
+
+def canonicalize(loaded: Loaded, *, atol: float | None = None, rtol: float | None = None, output: str | None = None,
+                 in_place: bool = False, method: str = "auto", bench: bool = False) -> tuple[Report, nn.Module]:
+    """``normconv canonicalize``: hand-written norms replaced by native modules, verified, then written."""
+    try:
+        report, model = rewrite(loaded, [canonicalize_pass.CANONICALIZE], command=canonicalize_pass.NAME,
+                                exact=True, atol=atol, rtol=rtol, output=output, in_place=in_place, method=method,
+                                bench=bench)
+    except VerificationError as exc:
+        if exc.report is not None:
+            exc.report.notes.extend(_canonicalize_notes(exc.report, None))
+        raise
+    report.notes.extend(_canonicalize_notes(report, model))
+    return report, model
+
+
+def _canonicalize_notes(report: Report, model: nn.Module | None) -> list[str]:
+    """What a user should know about a canonicalized model beyond the site table."""
+    ours = [s for s in report.sites if getattr(s, "pass_name", None) == canonicalize_pass.NAME]
+    notes = []
+    if not any(s.applied for s in ours):
+        notes.append("no hand-written norm was replaced; the model is unchanged")
+    if isinstance(model, fx.GraphModule):
+        notes.append("inline norms were rewritten in the traced graph: the result is a torch.fx.GraphModule "
+                     "(the model's own class is not kept)")
+    if any(s.applied and "state_dict keys" in s.reason for s in ours):
+        notes.append("replaced modules use the native state_dict names (weight, bias, running_mean, running_var)")
+    return notes
+
+
+def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
+         rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
+         canonicalize: bool = True, bench: bool = False) -> tuple[Report, nn.Module]:
+    """``normconv swap``: canonicalize, swap, verify against the original, then write (exact: only if verified)."""
+    inputs = loaded.require_inputs()
+    if output is not None:
+        check_output_path(loaded, output, in_place)  # fail before the work, not after
+    swap_pass = swap_norm.SwapPass(to, approximate)
+    # hand-written and functional norms -> native modules first: swap replaces modules
+    passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass]
+    report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method,
+                            bench=bench)
+    report.notes.extend(swap_pass.notes)
+    if isinstance(model, fx.GraphModule) and not isinstance(loaded.model, fx.GraphModule):
+        report.notes.append("functional / inline norms became modules in the traced graph: the result is a "
+                            "torch.fx.GraphModule (your class is not kept; loading it back needs --trust-pickle)")
+    v = report.validation[0]
+    agree = argmax_agreement(output_leaves(run(loaded.model, inputs)), output_leaves(run(model, inputs)))
+    plans = swap_pass.analysis.plans if swap_pass.analysis else []
+    report.extra.update({
+        "to": to, "approximate": approximate, "exact": swap_pass.exact,
+        "swapped": sum(p.module is not None and (p.exact or approximate) for p in plans),
+        "exact_sites": sum(p.exact for p in plans), "refused": sum(not p.exact for p in plans),
+        "argmax_agreement": agree,
+        "drift": {"max_abs_error": v.max_abs_error, "max_rel_error": v.max_rel_error, "cosine": v.cosine},
+    })
+    if swap_pass.exact and not v.passed:
+        raise VerificationError(
+            f"swap: outputs differ beyond tolerance (max abs error {v.max_abs_error:.3g}, atol {v.atol:g}, "
+            f"rtol {v.rtol:g}); nothing written", report)
+    if not swap_pass.exact:
+        report.notes.append(
+            f"approximate swap ({report.extra['refused']} site(s) not exact): output drift max abs "
+            f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}; fine-tune if it matters")
+    if output is not None:
+        report.output = str(save(loaded, model, output, in_place, inputs))
+    return report, model
+
+
+def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = None, beta: float | None = None,
+             beta_mode: str = "init", n_layers: int | None = None, m_layers: int | None = None,
+             seed: int | None = 0, atol: float | None = None, rtol: float | None = None, output: str | None = None,
+             in_place: bool = False, method: str = "auto") -> tuple[Report, nn.Module]:
+    """``normconv deepnorm``: LN(alpha*x + f(x)) at every post-LN sublayer and beta on FFN/v/out, checked against
+    that formula computed literally on the same weights, then written. Raises NormconvError on refusal."""
+    inputs = loaded.require_inputs()
+    if output is not None:
+        check_output_path(loaded, output, in_place)
+        if Path(output).suffix == ".safetensors":
+            raise NormconvError(f"{output}: a .safetensors file holds weights only and would drop the residual "
+                                f"scaling; write a .pt (the module) instead")
+    why = deepnorm_pass.already_applied(loaded.model)
+    if why:
+        raise NormconvError(why)
+    p = deepnorm_pass.DeepNormPass(arch, alpha, beta, beta_mode, n_layers, m_layers, seed)
+    new, sites = apply_passes(loaded.model, inputs, [p], method)
+    validation = deepnorm_pass.check_against_reference(new, inputs, atol, rtol)
+    an = p.analysis
+    report = Report(command=deepnorm_pass.NAME, model=loaded.spec, sites=sites, validation=[validation],
+                    extra={"arch": an.arch, "beta_mode": beta_mode, "stacks": p.stacks,
+                           "capture": p.capture_method, "marker": deepnorm_pass.MARKER, "sublayers": p.records})
+    report.notes.append(
+        "DeepNorm changes what the model computes (it is for (re)training); validation compares it with "
+        "LN(alpha*x + f(x)) computed literally on the same weights. Save the module itself (torch.save(model)): "
+        "a state_dict alone does not carry the residual scaling.")
+    if not validation.passed:
+        raise VerificationError(
+            f"deepnorm: the rewritten model differs from LN(alpha*x + f(x)) on the same weights (max abs "
+            f"error {validation.max_abs_error:.3g}, atol {validation.atol:g}, rtol {validation.rtol:g}); "
+            f"nothing written", report)
+    if output is not None:
+        report.output = str(save(loaded, new, output, in_place, inputs))
+    return report, new
+
+
+def export(loaded: Loaded, output: str, target: str = "onnx", opset: int | None = None, *, dynamic: bool = False,
+           fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
+           atol: float | None = None, rtol: float | None = None, baseline: bool = True, repeats: int = 10,
+           skip_fusion: bool = False, method: str = "auto") -> Report:
+    """``normconv export``: the exact passes (canonicalize, fold) through ``apply_passes``, verified against the
+    original in torch, then ONNX with one fused op per norm, validated in onnxruntime (normconv.onnx.export)."""
+    from normconv.onnx import export as onnx_export
+
+    opset = onnx_export.DEFAULT_OPSET if opset is None else opset
+    out = onnx_export.check_args(output, target, opset)
+    check_output_path(loaded, out)
+    inputs = loaded.require_inputs()
+    reference = run(loaded.model, inputs)
+    report = Report(command=onnx_export.NAME, model=loaded.spec)
+
+    # norm sites and the plan (the same analysis inspect shows)
+    norms: list[NormSite] = []
+    try:
+        cap = capture(loaded.model, inputs, method)
+        norms = find_norms(cap)
+        report.sites.extend(onnx_export.plan(norms, target, opset, _plan_of(cap, norms, "canonicalize", canonicalize),
+                                             _plan_of(cap, norms, "fold", fold), skip_fusion))
+    except NormconvError as exc:
+        cap = None
+        report.notes.append(f"norm detection and the torch passes skipped: {exc}")
+
+    # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
+    passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_batchnorm.FOLD, fold))
+              if on and cap is not None]
+    report.extra["passes"] = [p.name for p in passes]
+    with onnx_export._quiet():
+        prepared, pass_sites = apply_passes(loaded.model, inputs, passes, method, eval_mode=True)
+    report.sites.extend(pass_sites)
+    if passes:
+        check = compare(reference, run(prepared, inputs), atol, rtol,
+                        label="torch, after " + " + ".join(p.name for p in passes))
+        report.validation.append(check)
+        if not check.passed:
+            raise VerificationError(f"export: {check.label} differs from the original beyond tolerance "
+                                    f"(max abs error {check.max_abs_error:.3g}); nothing written", report)
+    original = clone_sharing_tensors(loaded.model)  # the plain baseline export runs on an eval-mode copy too
+    for m in original.modules():
+        m.training = False
+    return onnx_export.write_onnx(release(prepared), release(original), inputs, reference, out, report, norms,
+                                  target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
+                                  rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)
+
+
+def _plan_of(cap: Captured, norms: Sequence[NormSite], which: str, on: bool) -> dict[str, tuple[bool, str]] | None:
+    """target -> (applied, reason) from the fold / canonicalize plan; None when that pass is switched off."""
+    if not on:
+        return None
+    mod = fold_batchnorm if which == "fold" else canonicalize_pass
+    return {p.target: (p.applied, p.reason) for p in mod.plan(cap, norms)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inspect: every pass's plan, nothing applied
+
+
+def plans(cap: Captured, norms: list[NormSite]) -> dict[str, list[Site]]:
+    """target -> the sites each pass planned for it, in the order a user would run the passes."""
+    from normconv.onnx import export as onnx_export
+
+    planners = (fold_batchnorm.plan, canonicalize_pass.plan, swap_norm.plan, deepnorm_pass.plan,
+                lambda c, n: onnx_export.plan(n, canon=_plan_of(c, n, "canonicalize", True),
+                                              folds=_plan_of(c, n, "fold", True)))
+    by_target: dict[str, list[Site]] = {}
+    for planner in planners:
+        for site in planner(cap, norms):
+            by_target.setdefault(site.target, []).append(site)
+    return by_target
+
+
+def inspect(loaded: Loaded, method: str = "auto") -> Report:
+    """``normconv inspect``: every norm site with its kind, eps, placement, and what each pass would do or why not."""
+    inputs = loaded.require_inputs()
+    cap = capture(loaded.model, inputs, method)
+    norms = find_norms(cap)
+    plan = plans(cap, norms)
+    sites = []
+    for n in norms:
+        entry = n.to_json()
+        seen: set[tuple[str, bool, str]] = set()
+        entry["plan"] = []
+        for p in plan.get(n.target, []):
+            key = (p.pass_name, p.applied, p.reason)
+            if key not in seen:  # a module called twice plans once per call; show each distinct plan once
+                seen.add(key)
+                entry["plan"].append(p.to_json())
+        sites.append(entry)
+    return Report(
+        command="inspect", model=loaded.spec, sites=sites,
+        extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
+               "counts": dict(collections.Counter(n.kind for n in norms)),
+               "parameters": sum(p.numel() for p in loaded.model.parameters()),
+               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)]},
+    )
+
+
+__all__ = ["rewrite", "apply_passes", "model_stats", "fold", "canonicalize", "swap", "deepnorm", "export", "inspect",
+           "plans", "PassFn"]
