@@ -28,8 +28,8 @@ from normconv.io import Loaded, check_output_path, save
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
 from normconv.passes import fold_batchnorm, swap_norm
-from normconv.report import PassResult, Report, Site
-from normconv.verify import Inputs, argmax_agreement, compare, output_leaves, run
+from normconv.report import OutputError, PassResult, Report, Site, Validation
+from normconv.verify import Inputs, argmax_agreement, compare, other_shape, output_leaves, run
 
 PassFn = Callable[[nn.Module, Captured], PassResult]
 
@@ -114,17 +114,39 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
         check_output_path(loaded, output, in_place)  # fail before the work, not after
     reference = run(loaded.model, inputs)
     model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode)
-    validation = compare(reference, run(model, inputs), atol, rtol)
-    report = Report(command=command, model=loaded.spec, sites=sites, validation=[validation],
+    validations = [compare(reference, run(model, inputs), atol, rtol)] + _second_shape(loaded.model, model, inputs,
+                                                                                       atol, rtol)
+    report = Report(command=command, model=loaded.spec, sites=sites, validation=validations,
                     before=model_stats(loaded.model, inputs if bench else None),
                     after=model_stats(model, inputs if bench else None))
-    if exact and not validation.passed:
+    failed = next((v for v in validations if not v.passed), None)
+    if exact and failed is not None:
+        if not failed.outputs:
+            raise VerificationError(f"{command}: {failed.label}; nothing written", report)
         raise VerificationError(
-            f"{command}: outputs differ beyond tolerance (max abs error {validation.max_abs_error:.3g}, "
-            f"atol {validation.atol:g}, rtol {validation.rtol:g}); nothing written", report)
+            f"{command}: outputs differ beyond tolerance ({failed.label}: max abs error "
+            f"{failed.max_abs_error:.3g}, atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
     if output is not None:
         report.output = str(save(loaded, model, output, in_place, inputs))
     return report, model
+
+
+def _second_shape(original: nn.Module, rewritten: nn.Module, inputs: Inputs, atol: float | None,
+                  rtol: float | None) -> list[Validation]:
+    """The rewrite checked at a second input shape too, wherever the model's dimensions are free (a capture sees
+    one shape: a branch on the batch size, or a rewrite specialized to it, shows only at another)."""
+    alt = other_shape(original, inputs)
+    if alt is None:
+        return []
+    alt_inputs, reference = alt
+    label = f"torch, second shape ({alt_inputs.describe()})"
+    try:
+        candidate = run(rewritten, alt_inputs)
+    except Exception as exc:
+        return [Validation(float("inf"), float("inf"), atol or 0.0, rtol or 0.0, False, 0.0,
+                           (OutputError("output", float("inf"), float("inf"), 0.0, False),),
+                           f"{label}: the rewritten model fails where the original runs ({type(exc).__name__})")]
+    return [compare(reference, candidate, atol, rtol, label=label)]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import math
 import os
 import pickle
 import sys
+import warnings
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ class Loaded:
     spec: str
     fmt: str  # zoo | hf | pt2 | pickle | factory
     path: Path | None = None
+    reads: tuple[Path, ...] = ()  # every file or folder the load read: -o may not be one of them (or inside one)
 
     def require_inputs(self) -> Inputs:
         if self.inputs is None:
@@ -66,15 +69,21 @@ class Loaded:
 
 
 def load(spec: str, weights: str | None = None, input_shapes: list[str] | None = None,
-         trust_pickle: bool = False, dtype: str | None = None, check: bool = True) -> Loaded:
-    """Turn a model spec into a Loaded; every user mistake raises a one-line NormconvError."""
-    loaded = _load_model(spec, weights, trust_pickle)
+         trust_pickle: bool = False, dtype: str | None = None, check: bool = True,
+         trust_remote_code: bool = False) -> Loaded:
+    """Turn a model spec into a Loaded; every user mistake raises a one-line NormconvError.
+
+    Nothing from a file runs unless asked: pickles (also inside a .pt2) load with ``weights_only=True`` unless
+    ``trust_pickle``; a Hugging Face folder's own code (config ``auto_map``) only with ``trust_remote_code``."""
+    cast_to = parse_dtype(dtype, floating=True) if dtype else None  # a bad flag fails before the load
+    loaded = _load_model(spec, weights, trust_pickle, trust_remote_code)
     if weights and loaded.fmt != "factory":
         raise NormconvError(f"--weights applies to a package.module:factory spec, not to {spec}")
+    reads = [r.resolve() for r in ([loaded.path] if loaded.path else []) + ([Path(weights)] if weights else [])]
+    loaded.reads = tuple(dict.fromkeys(reads))
     if input_shapes:
         loaded.inputs = parse_input_shapes(loaded.model, input_shapes)
-    if dtype:
-        cast_to = parse_dtype(dtype)
+    if cast_to is not None:
         loaded.model = loaded.model.to(cast_to)
         if loaded.inputs is not None:
             loaded.inputs = loaded.inputs.to(cast_to)
@@ -83,19 +92,19 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
     return loaded
 
 
-def _load_model(spec: str, weights: str | None, trust_pickle: bool) -> Loaded:
+def _load_model(spec: str, weights: str | None, trust_pickle: bool, trust_remote_code: bool = False) -> Loaded:
     if spec.startswith("zoo:"):
         return _load_zoo(spec)
     path = Path(spec)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _load_hf(path, spec)
+            return _load_hf(path, spec, trust_remote_code)
         raise NormconvError(f"{spec} is a folder without config.json: not a Hugging Face model folder")
     if path.exists():
         if not path.is_file():
             raise NormconvError(f"{spec} is not a regular file")
         if path.suffix == ".pt2":
-            return _load_pt2(path, spec)
+            return _load_pt2(path, spec, trust_pickle)
         if path.suffix == ".safetensors":
             raise NormconvError(f"{spec} holds weights only: pass the model as package.module:factory "
                                 f"--weights {spec}")
@@ -116,17 +125,93 @@ def _load_zoo(spec: str) -> Loaded:
     return Loaded(model, Inputs(tuple(entry.example_inputs())), spec, "zoo")
 
 
-def _load_pt2(path: Path, spec: str) -> Loaded:
+def _load_pt2(path: Path, spec: str, trust_pickle: bool = False) -> Loaded:
+    """A torch.export program. torch.export.load unpickles example inputs, constants and some weights with
+    ``weights_only=False`` (after a failed ``weights_only=True``): every one of those loads goes through
+    ``weights_only=True`` here, and one that needs more is refused naming the globals it would import."""
+    if path.stat().st_size == 0:
+        raise NormconvError(f"{spec} is empty")
+    if not zipfile.is_zipfile(path):
+        raise NormconvError(f"{spec} is not a torch.export program (not a zip archive; truncated or another format)")
     try:
-        ep = torch.export.load(str(path))
+        with _only_weights_unpickled(trust_pickle), quiet_loaders():
+            ep = torch.export.load(str(path))
+    except _NeedsTrust as need:
+        raise NormconvError(f"refusing to load {spec}: a pickle inside the program runs code on load and would "
+                            f"import {_shown(need.globs)}; pass --trust-pickle if you trust this file") from None
     except Exception as exc:
         raise NormconvError(f"{spec} is not a readable torch.export program ({_why(exc)})") from None
     model = ep.module()
+    # train or eval is what the program computes, read from its graph; never .eval() on an exported module
+    training_ops = _training_ops(ep)
+    for m in model.modules():
+        m.training = bool(training_ops)
     inputs = None
     if ep.example_inputs is not None:
         args, kwargs = ep.example_inputs
         inputs = Inputs(tuple(args), dict(kwargs))
     return Loaded(model, inputs, spec, "pt2", path)
+
+
+# ops whose presence means the program was exported in training mode (batch statistics, live dropout)
+_TRAINING_OPS = ("_native_batch_norm_legit_functional", "_native_batch_norm_legit.default")
+
+
+def _training_ops(ep: Any) -> list[str]:
+    """Ops of an exported graph that only a training-mode export contains."""
+    found = []
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if any(t in name for t in _TRAINING_OPS):
+            found.append(name)
+        elif "batch_norm" in name and "no_training" not in name and len(node.args) > 5 and node.args[5] is True:
+            found.append(name)  # aten.batch_norm(..., training=True, ...)
+        elif "dropout" in name and any(a is True for a in node.args[2:3]) and node.args[1] not in (0, 0.0):
+            found.append(name)  # aten.dropout(x, p, train=True)
+    return found
+
+
+@contextlib.contextmanager
+def _only_weights_unpickled(trust: bool):
+    """Every torch.load inside the block runs with weights_only=True (unless ``trust``); a pickle that needs
+    more raises _NeedsTrust with the globals it names, which no library code can catch and fall back from."""
+    real = torch.load
+
+    def load_weights_only(f, *args, weights_only=None, **kwargs):
+        if trust:
+            return real(f, *args, weights_only=False if weights_only is None else weights_only, **kwargs)
+        try:
+            return real(f, *args, weights_only=True, **kwargs)
+        except pickle.UnpicklingError:
+            if hasattr(f, "seek"):
+                f.seek(0)
+            raise _NeedsTrust(_unsafe_globals(f)) from None
+
+    torch.load = load_weights_only
+    try:
+        yield
+    finally:
+        torch.load = real
+
+
+@contextlib.contextmanager
+def quiet_loaders():
+    """torch's loaders log warnings and whole tracebacks for files they cannot read; normconv says one line."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torch", "torch.export", "torch._export", "torch.serialization")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _why(exc: BaseException) -> str:
@@ -140,11 +225,15 @@ def _torch_load_safely(path: Path, spec: str) -> Any:
         raise NormconvError(f"{spec} is empty")
     if zipfile.is_zipfile(path) is False and _looks_truncated_zip(path):
         raise NormconvError(f"{spec} is truncated or corrupt (its zip archive has no end record)")
+    if _is_torchscript(path):
+        raise NormconvError(f"{spec} is a TorchScript archive (torch.jit.save): normconv rewrites nn.Modules; load "
+                            f"the original module, or save it with torch.save(model) or torch.export")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with quiet_loaders():
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
-            raise _NeedsTrust() from None
+            raise _NeedsTrust(_unsafe_globals(path)) from None
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
     except RuntimeError as exc:
         msg = str(exc)
@@ -155,27 +244,48 @@ def _torch_load_safely(path: Path, spec: str) -> Any:
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
 
 
+def _is_torchscript(path: Path) -> bool:
+    """torch.jit.save writes a zip holding code/ and constants.pkl beside data.pkl."""
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+    return any(n.split("/", 1)[-1].startswith("code/") for n in names) and any(
+        n.endswith("constants.pkl") for n in names)
+
+
 def _looks_truncated_zip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"PK\x03\x04"  # starts as a zip (torch.save) but is_zipfile said no
 
 
-class _NeedsTrust(Exception):
-    pass
+class _NeedsTrust(BaseException):
+    """A pickle that needs more than weights_only: BaseException, so no ``except Exception`` in a library can
+    swallow it and retry with weights_only=False."""
+
+    def __init__(self, globs: list[str] | None = None):
+        super().__init__()
+        self.globs = globs or []
+
+
+def _shown(globs: list[str]) -> str:
+    return ", ".join(globs[:8]) + (f" and {len(globs) - 8} more" if len(globs) > 8 else "")
 
 
 def _load_pickle(path: Path, spec: str, trust_pickle: bool) -> Loaded:
     try:
         obj = _torch_load_safely(path, spec)
-    except _NeedsTrust:
-        globs = _unsafe_globals(path)
+    except _NeedsTrust as need:
+        globs = need.globs
         obj = _load_allowlisted(path, globs)
     if obj is _REFUSED:
         if not trust_pickle:
-            shown = ", ".join(globs[:8]) + (f" and {len(globs) - 8} more" if len(globs) > 8 else "")
             raise NormconvError(
                 f"refusing to unpickle {spec}: a full pickled module runs code on load and would import "
-                f"{shown}; pass --trust-pickle if you trust this file") from None
+                f"{_shown(globs)}; pass --trust-pickle if you trust this file") from None
         try:
             with _user_folder_importable():
                 obj = torch.load(path, map_location="cpu", weights_only=False)
@@ -220,11 +330,46 @@ def _carried_inputs(model: nn.Module) -> Inputs | None:
     return None
 
 
-def _unsafe_globals(path: Path) -> list[str]:
+def _unsafe_globals(f: Any) -> list[str]:
+    """The globals a pickle would import that weights_only does not allow: from torch for a zip checkpoint,
+    from the opcodes themselves (pickletools, nothing executed) for an old-format or raw pickle."""
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
-    except Exception:  # very old or odd pickles: still refuse, without the list
+        found = list(torch.serialization.get_unsafe_globals_in_checkpoint(f if hasattr(f, "read") else str(f)))
+        if found:
+            return found
+    except Exception:
+        pass
+    try:
+        data = f.read() if hasattr(f, "read") else Path(f).read_bytes()
+    except OSError:
         return ["(globals could not be listed)"]
+    return _pickle_globals(data) or ["(globals could not be listed)"]
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """module.name of every GLOBAL / STACK_GLOBAL in the pickle streams of ``data`` (legacy torch.save writes
+    several pickles back to back), minus what weights_only allows anyway."""
+    import io as _io
+    import pickletools
+
+    found: list[str] = []
+    stream = _io.BytesIO(data)
+    while stream.tell() < len(data):
+        strings: list[str] = []
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                    strings.append(arg)
+                elif op.name == "GLOBAL":
+                    found.append(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    found.append(f"{strings[-2]}.{strings[-1]}")
+        except Exception:  # the raw tensor bytes after legacy pickles, or a damaged stream: stop listing
+            break
+    safe = ("torch._utils.", "collections.OrderedDict", "torch.FloatStorage", "torch.LongStorage", "torch.Size",
+            "torch.storage", "builtins.set", "torch.HalfStorage", "torch.DoubleStorage", "torch.BFloat16Storage",
+            "torch.IntStorage", "torch.BoolStorage", "torch.ByteStorage", "torch.CharStorage", "torch.ShortStorage")
+    return list(dict.fromkeys(g for g in found if not g.startswith(safe)))
 
 
 @contextlib.contextmanager
@@ -248,6 +393,8 @@ def _load_factory(spec: str, weights: str | None) -> Loaded:
     try:
         with _user_folder_importable():
             module = importlib.import_module(module_name)
+    except SystemExit as exc:
+        raise NormconvError(f"importing {module_name!r} for {spec} called sys.exit({exc.code!r})") from None
     except ImportError as exc:
         raise NormconvError(f"cannot import {module_name!r} for {spec}: {_why(exc)}") from None
     factory: Callable | None = getattr(module, attr, None)
@@ -255,8 +402,8 @@ def _load_factory(spec: str, weights: str | None) -> Loaded:
         raise NormconvError(f"{module_name!r} has no attribute {attr!r}")
     try:
         made = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
-    except Exception as exc:
-        raise NormconvError(f"{spec}() failed: {_why(exc)}") from None
+    except (Exception, SystemExit) as exc:  # a factory calling sys.exit() is a failure too, never a silent exit 0
+        raise NormconvError(f"{spec}() failed: {_why(exc) if not isinstance(exc, SystemExit) else f'it called sys.exit({exc.code!r})'}") from None
     inputs = None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         made, example = made
@@ -303,14 +450,20 @@ def load_weights(model: nn.Module, weights: str) -> None:
 # Hugging Face folders
 
 
-def _load_hf(path: Path, spec: str) -> Loaded:
+def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
     try:
         import transformers
     except ImportError:
         raise NormconvError(f"{spec} is a Hugging Face folder: pip install transformers") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    remote = _remote_code(path / "config.json")
+    if remote and not trust_remote_code:
+        # transformers would ask [y/N] on a terminal, and 'y' runs the folder's code: never prompt, refuse
+        raise NormconvError(f"{spec} ships its own model code (config.json auto_map: {remote}); normconv does not "
+                            f"run it unless you pass --trust-remote-code")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                         trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise NormconvError(f"{spec}/config.json is not a readable Hugging Face config ({_why(exc)})") from None
     archs = getattr(config, "architectures", None) or []
@@ -323,13 +476,28 @@ def _load_hf(path: Path, spec: str) -> Loaded:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # normconv's output is normconv's: no "Loading weights" bar on stderr
     try:
-        model = cls.from_pretrained(str(path), config=config, local_files_only=True)
+        model = cls.from_pretrained(str(path), config=config, local_files_only=True,
+                                    trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise NormconvError(f"cannot load the Hugging Face model in {spec} ({_why(exc)})") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
     return Loaded(model.eval(), hf_example_inputs(model), spec, "hf", path)
+
+
+def _remote_code(config_json: Path) -> str | None:
+    """The code a Hugging Face config asks to import (``auto_map``), or None."""
+    import json
+
+    try:
+        auto_map = json.loads(config_json.read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable: transformers says so next, in its own words
+    if not auto_map:
+        return None
+    values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    return ", ".join(sorted({str(v if isinstance(v, str) else v[0]) for v in values}))[:200]
 
 
 def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ_LEN) -> Inputs | None:
@@ -364,19 +532,37 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
 # example inputs from the command line
 
 
-def forward_params(model: nn.Module) -> list[str]:
+def forward_params(model: nn.Module, positional_only: bool = False) -> list[str]:
+    """Names of forward's parameters (no *args / **kwargs); ``positional_only``: those that can be passed by
+    position (a keyword-only ``forward(self, *, x)`` takes x by name only)."""
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
         return []
-    return [n for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) + (
+        (inspect.Parameter.KEYWORD_ONLY,) if positional_only else ())
+    return [n for n, p in sig.parameters.items() if p.kind not in kinds]
 
 
-def parse_dtype(text: str) -> torch.dtype:
+# an example input larger than this share of the machine's memory is refused before it is allocated
+_INPUT_MEMORY_SHARE = 0.5
+
+
+def _memory_bytes() -> int | None:
     try:
-        return _DTYPES[text.lower()]
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def parse_dtype(text: str, floating: bool = False) -> torch.dtype:
+    """A dtype by name; ``floating``: only the float dtypes a model can be cast to (--dtype)."""
+    names = {k: v for k, v in _DTYPES.items() if v.is_floating_point or not floating}
+    try:
+        return names[text.lower()]
     except KeyError:
-        raise NormconvError(f"unknown dtype {text!r}; choose from: {', '.join(sorted(set(_DTYPES)))}") from None
+        what = "float dtype (the model's weights are cast to it)" if floating else "dtype"
+        raise NormconvError(f"unknown {what} {text!r}; choose from: {', '.join(sorted(names))}") from None
 
 
 def parse_input_shapes(model: nn.Module, specs: list[str]) -> Inputs:
@@ -390,12 +576,20 @@ def parse_input_shapes(model: nn.Module, specs: list[str]) -> Inputs:
             raise NormconvError(f"bad --input-shape {spec!r}: expected NAME:D0,D1,...[:DTYPE]")
         name, dims = parts[0], parts[1]
         try:
-            shape = tuple(int(d) for d in dims.split(",") if d.strip())
+            # every comma separates a dimension: "1,,3" is a mistake, not (1, 3)
+            shape = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
         except ValueError:
-            raise NormconvError(f"bad --input-shape {spec!r}: dimensions must be integers") from None
+            raise NormconvError(f"bad --input-shape {spec!r}: dimensions must be integers separated by single "
+                                f"commas") from None
         if any(d <= 0 for d in shape):
             raise NormconvError(f"bad --input-shape {spec!r}: dimensions must be positive")
         dtype = parse_dtype(parts[2]) if len(parts) == 3 else torch.float32
+        nbytes = math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else
+                                     (8 if dtype == torch.bool else torch.iinfo(dtype).bits)) // 8
+        memory = _memory_bytes()
+        if memory and nbytes > _INPUT_MEMORY_SHARE * memory:
+            raise NormconvError(f"--input-shape {spec!r} needs {nbytes / 2**30:.1f} GiB, more than half of this "
+                                f"machine's {memory / 2**30:.1f} GiB: choose a smaller example input")
         if params and name not in params:
             raise NormconvError(f"--input-shape names {name!r}, but forward takes: {', '.join(params)}")
         if dtype.is_floating_point:
@@ -405,9 +599,9 @@ def parse_input_shapes(model: nn.Module, specs: list[str]) -> Inputs:
         else:
             vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 10
             given[name] = torch.randint(0, vocab, shape, generator=g, dtype=dtype)
-    # positional in forward order up to the first gap, keywords after
+    # positional in forward order up to the first gap (or keyword-only parameter), keywords after
     args: list[torch.Tensor] = []
-    for name in params:
+    for name in forward_params(model, positional_only=True):
         if name in given:
             args.append(given.pop(name))
         else:
@@ -441,30 +635,96 @@ def output_format(loaded: Loaded, out: Path) -> str:
 
 
 def check_output_path(loaded: Loaded, out: str | os.PathLike, in_place: bool = False) -> Path:
-    """Refuse to write over the input (unless in place) or into a folder that does not exist."""
+    """Refuse to write over anything the load read (the model file, its --weights, a file inside its Hugging
+    Face folder) unless ``in_place``, or where no file can be created."""
     path = Path(out)
-    if loaded.path is not None and path.exists() and path.resolve() == loaded.path.resolve() and not in_place:
-        raise NormconvError(f"refusing to overwrite the input {out}: choose another -o or pass --in-place")
+    target = path.resolve()
+    for read in loaded.reads or ((loaded.path.resolve(),) if loaded.path else ()):
+        inside = read.is_dir() and read in target.parents
+        if (target == read or inside) and not in_place:
+            what = f"a file inside the input folder {read}" if inside else f"the input {out}"
+            raise NormconvError(f"refusing to overwrite {what}: choose another -o or pass --in-place")
     return check_writable(path)
 
 
 def check_writable(path: Path) -> Path:
-    """A file can be created at ``path``: its folder exists and it is not itself a folder."""
-    if not path.parent.exists():
-        raise NormconvError(f"cannot write {path}: folder {path.parent} does not exist")
+    """A file can be created at ``path``: its folder exists, is a folder and is writable; it is not a folder."""
+    parent = path.parent
+    if not parent.exists():
+        raise NormconvError(f"cannot write {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise NormconvError(f"cannot write {path}: {parent} is a file, not a folder")
     if path.is_dir():
         raise NormconvError(f"cannot write {path}: it is a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise NormconvError(f"cannot write {path}: folder {parent} is not writable")
     return path
+
+
+TEMP_SUFFIX = ".normconv-tmp"  # every temp file / folder normconv makes next to an output ends with this
+
+
+def temp_name(path: Path) -> str:
+    """Prefix of normconv's temp files for ``path``: hidden, named after the output and this process."""
+    return f".{path.name}.{os.getpid()}."
+
+
+def remove_stale_temps(path: Path) -> list[str]:
+    """Temp files / folders an earlier, killed normconv left next to ``path`` (its process is gone): removed."""
+    import re
+    import shutil
+
+    removed = []
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\..*{re.escape(TEMP_SUFFIX)}$")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            removed.append(entry.name)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_error(out: Any, exc: BaseException) -> NormconvError:
+    """An OSError while writing is the user's situation (full disk, permissions), said in one line."""
+    import errno
+
+    why = {errno.ENOSPC: "no space left on the device", errno.EACCES: "permission denied",
+           errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded"}.get(
+        getattr(exc, "errno", None), _why(exc))
+    return NormconvError(f"cannot write {out}: {why}; nothing was written")
 
 
 def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: bool = False,
          inputs: Inputs | None = None) -> Path:
-    """Write ``model`` atomically (temp file + rename): a failure leaves no file and never a partial one."""
+    """Write ``model`` atomically (temp file + rename): any failure or interrupt (Ctrl-C, SIGTERM) leaves no
+    file under ``out`` and no temp file beside it."""
     path = check_output_path(loaded, out, in_place)
     fmt = output_format(loaded, path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
-    os.close(fd)
+    remove_stale_temps(path)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+        os.close(fd)
         if fmt == "pt2":
             inputs = inputs or loaded.require_inputs()
             ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
@@ -476,12 +736,16 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
         else:
             _save_pickle(model, tmp, inputs or loaded.inputs)
         os.replace(tmp, path)
+        tmp = None
     except NormconvError:
-        _unlink(tmp)
         raise
+    except OSError as exc:
+        raise write_error(out, exc) from None
     except Exception as exc:
-        _unlink(tmp)
         raise NormconvError(f"cannot write {out}: {_why(exc)}") from None
+    finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
+        if tmp is not None:
+            _unlink(tmp)
     return path
 
 

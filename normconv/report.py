@@ -103,8 +103,9 @@ class Report:
                 "model": self.model,
                 "output": self.output,
                 "sites": [s.to_json() if hasattr(s, "to_json") else s for s in self.sites],
-                # one validation is the common case: an object; several (e.g. per provider): a list
-                "validation": (val[0] if len(val) == 1 else (val or None)),
+                # every check made, in order (the example inputs first; a second shape, onnxruntime per provider)
+                "passed": self.passed if val else None,
+                "validation": val,
                 "before": self.before,
                 "after": self.after,
                 "extra": self.extra,

@@ -55,6 +55,13 @@ class Inputs:
         return ", ".join(parts)
 
 
+class _Guard:
+    """What a guarded forward saw: the buffers the forward changed (compared when the output holds no tensor)."""
+
+    def __init__(self) -> None:
+        self.mutated: dict[str, torch.Tensor] = {}
+
+
 @contextlib.contextmanager
 def forward_guard(model: nn.Module):
     """normconv's own forwards change nothing: eval mode and no autograd inside; on exit every module's training
@@ -66,15 +73,20 @@ def forward_guard(model: nn.Module):
     flags = [m.training for m in modules]
     buffers = [(m, name, b, b.detach().clone()) for m in modules for name, b in m._buffers.items()
                if isinstance(b, torch.Tensor)]
+    names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+    guard = _Guard()
     try:
         for m in modules:
             m.training = False
         with torch.no_grad():
-            yield
+            yield guard
     finally:
         for m, flag in zip(modules, flags):
             m.training = flag
         for m, name, b, saved in buffers:
+            now = m._buffers.get(name)
+            if now is not None and (now is not b or now.shape != saved.shape or not torch.equal(now, saved)):
+                guard.mutated[names.get(id(b), name)] = now.detach().clone()
             m._buffers[name] = b  # a forward that re-bound the buffer gets the original object back
             if b.shape != saved.shape or not torch.equal(b, saved):
                 with torch.no_grad():
@@ -83,9 +95,51 @@ def forward_guard(model: nn.Module):
 
 def run(model: nn.Module, inputs: Inputs) -> Any:
     """One guarded forward (``forward_guard``) on a copy of the inputs: a model that mutates its inputs or its
-    buffers stays comparable and unchanged."""
-    with forward_guard(model):
-        return model(*copy.deepcopy(inputs.args), **copy.deepcopy(inputs.kwargs))
+    buffers stays comparable and unchanged. A model whose output holds no tensor (it writes into buffers) is
+    judged by what it wrote: the changed buffers, by name."""
+    with forward_guard(model) as guard:
+        out = model(*copy.deepcopy(inputs.args), **copy.deepcopy(inputs.kwargs))
+    if not output_leaves(out) and guard.mutated:
+        return {f"buffer {k}": v for k, v in sorted(guard.mutated.items())}
+    return out
+
+
+def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
+    """The same inputs at a second shape where the model's dimensions are free: batch 1 (2 when the example's is
+    1; batch 1 is where batch-dependent code differs most) and, for sequences ((B, L) ids and masks, (B, L, C)
+    activations), length - 1. Each candidate is tried on ``model``; the first it accepts is returned with its
+    output, None when it takes no other shape (fixed sizes)."""
+    tensors = [x for x in list(inputs.args) + list(inputs.kwargs.values()) if isinstance(x, torch.Tensor)]
+    if not tensors or any(t.dim() == 0 for t in tensors):
+        return None
+    batch = tensors[0].shape[0]
+
+    def seq_axis(t: torch.Tensor) -> bool:
+        return (t.dim() == 2 and not t.is_floating_point() or t.dim() == 3 and t.is_floating_point()) and \
+            t.shape[1] > 2
+
+    def reshape(t: Any, new_batch: int, dl: int) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            return t
+        size = list(t.shape)
+        size[0] = new_batch
+        if dl and seq_axis(t):
+            size[1] += dl
+        index = [torch.arange(n) % m for n, m in zip(size, t.shape)]  # cycle the example's own values
+        return t[torch.meshgrid(*index, indexing="ij")] if t.dim() else t
+
+    has_seq = any(seq_axis(t) for t in tensors)
+    other = 1 if batch > 1 else 2
+    for new_batch, dl in ((other, -1), (other, 0), (batch, -1)) if has_seq else ((other, 0),):
+        alt = Inputs(tuple(reshape(x, new_batch, dl) for x in inputs.args),
+                     {k: reshape(v, new_batch, dl) for k, v in inputs.kwargs.items()})
+        try:
+            out = run(model, alt)
+        except Exception:
+            continue
+        if output_leaves(out):
+            return alt, out
+    return None
 
 
 def output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
@@ -118,6 +172,10 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
             label: str = "torch") -> Validation:
     """Compare two model outputs leaf by leaf; tolerances default from the reference's dtype."""
     ref, cand = output_leaves(reference), output_leaves(candidate)
+    if not ref:  # a check that compared nothing is not a pass
+        return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
+                          rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
+                          label=f"{label}: nothing compared (the model returned no tensor and changed no buffer)")
     if len(ref) != len(cand):
         raise ValueError(f"output structure changed: {len(ref)} tensors before, {len(cand)} after")
     floats = [t.dtype for _, t in ref if t.is_floating_point()]

@@ -37,7 +37,7 @@ from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site
 from normconv.nn.rmsnorm import make_rmsnorm
-from normconv.verify import compare, default_tolerance
+from normconv.verify import compare, default_tolerance, forward_guard, run
 from normconv.nn.modules import Float32Norm
 
 from .base import apply, replace_module, skip
@@ -295,8 +295,7 @@ def _record(cap: Captured, candidates: list[Decision]) -> dict[Any, Any]:
         for path in modules:
             handles.append(cap.modules[path].register_forward_hook(hook(path), with_kwargs=True))
         try:
-            with torch.no_grad():
-                cap.model(*copy.deepcopy(cap.inputs.args), **copy.deepcopy(cap.inputs.kwargs))
+            run(cap.model, cap.inputs)  # guarded: eval mode, no grad, the model's state restored
         finally:
             for h in handles:
                 h.remove()
@@ -311,7 +310,7 @@ def _record(cap: Captured, candidates: list[Decision]) -> dict[Any, Any]:
                     values[n.name] = _detach(v)
                 return v
 
-        with torch.no_grad():
+        with forward_guard(cap.gm):
             Recorder(cap.gm).run(*copy.deepcopy(cap.inputs.args))
         for d in inline:
             if d.site.input in values and d.site.node in values:

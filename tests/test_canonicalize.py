@@ -414,7 +414,7 @@ def test_cli_writes_a_loadable_model_and_json_shape(cli, tmp_path):
     assert code == 0, stdout
     doc = json.loads(stdout)
     assert {"command", "model", "output", "sites", "validation", "before", "after", "notes"} <= set(doc)
-    assert doc["command"] == "canonicalize" and doc["output"] == str(out) and doc["validation"]["passed"]
+    assert doc["command"] == "canonicalize" and doc["output"] == str(out) and doc["passed"]
     assert [s["applied"] for s in doc["sites"]] == [True] * 3
     assert set(doc["sites"][0]) == {"pass", "target", "applied", "reason"}
     assert doc["before"]["layernorm modules"] == 0 and doc["after"]["layernorm modules"] == 3
@@ -439,7 +439,7 @@ def test_cli_tolerance_miss_exits_1_and_writes_nothing(cli, tmp_path):
     assert code == 1
     assert "outputs differ beyond tolerance" in stderr and "nothing written" in stderr
     assert not out.exists() and not list(tmp_path.iterdir())
-    assert json.loads(stdout)["validation"]["passed"] is False
+    assert json.loads(stdout)["passed"] is False
 
 
 def test_cli_bad_input_exits_2(cli, tmp_path):

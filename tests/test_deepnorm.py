@@ -451,7 +451,7 @@ def test_cli_writes_a_model_that_reloads_and_behaves(cli, tmp_path):
     code, stdout, stderr = cli("deepnorm", "zoo:bert", "-o", out, "--json")
     assert code == 0, stderr
     rep = json.loads(stdout)
-    assert rep["output"] == str(out) and rep["validation"]["passed"]
+    assert rep["output"] == str(out) and rep["passed"]
     assert sum(s["applied"] for s in rep["sites"]) == 4 and rep["extra"]["arch"] == "encoder"
     loaded = load(str(out), trust_pickle=True)
     model, inputs = zoo("bert")

@@ -40,7 +40,14 @@ for _command in COMMANDS:
     _command.register(app)
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: every temp file is removed on the way out
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     app()
 
 

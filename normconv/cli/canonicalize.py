@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from normconv.cli.common import (AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 
@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
+        trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
@@ -27,6 +28,6 @@ def register(app: typer.Typer) -> None:
         """Replace hand-written norms (modules and inline code) by native ones; exits 1 (writing nothing) on drift."""
         from normconv import flow
 
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.canonicalize(loaded, atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench)
         emit(report, as_json)

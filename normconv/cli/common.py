@@ -28,6 +28,8 @@ InputShapeOpt = Annotated[Optional[list[str]], typer.Option(
     "--input-shape", "-i", help="example input NAME:D0,D1,...[:DTYPE] (repeatable), e.g. x:1,3,224,224")]
 TrustOpt = Annotated[bool, typer.Option(
     "--trust-pickle", help="allow loading a full pickled module (runs code from the file)")]
+TrustCodeOpt = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="allow a Hugging Face folder's own model code (config auto_map) to run")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", help="cast model and float inputs first: float32, float16, bfloat16, float64")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
@@ -41,8 +43,9 @@ RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relat
 
 
 def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[list[str]], trust_pickle: bool,
-                    dtype: Optional[str]) -> Loaded:
-    return load(model, weights=weights, input_shapes=input_shape, trust_pickle=trust_pickle, dtype=dtype)
+                    dtype: Optional[str], trust_remote_code: bool = False) -> Loaded:
+    return load(model, weights=weights, input_shapes=input_shape, trust_pickle=trust_pickle, dtype=dtype,
+                trust_remote_code=trust_remote_code)
 
 
 def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = print_report) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from normconv.cli.common import (AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
+from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
                          WeightsOpt, emit, load_from_flags, user_errors)
 from normconv.errors import NormconvError
 
@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
+        trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
@@ -51,7 +52,7 @@ def register(app: typer.Typer) -> None:
         beta_mode = modes[0] if modes else "init"
         if beta is not None and beta_mode == "none":
             raise NormconvError("--beta has no effect with --no-beta")
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.deepnorm(loaded, arch=arch, alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=layers,
                                   m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol, output=output)
         emit(report, as_json)

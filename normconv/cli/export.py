@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
+from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, load_from_flags, user_errors)
 from normconv.onnx.export import DEFAULT_OPSET
 from normconv.report import Report, console, render_sites, render_validation, table
@@ -39,6 +39,7 @@ def register(app: typer.Typer) -> None:
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
+        trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         as_json: JsonOpt = False,
     ) -> None:
@@ -49,7 +50,7 @@ def register(app: typer.Typer) -> None:
 
         providers = parse_providers(validate)
         check_args(output, target, opset)  # bad flags fail before loading the model
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report = flow.export(loaded, output, target, opset, dynamic=dynamic, fold=not no_fold,
                              canonicalize=not no_canonicalize, validate=providers, atol=atol, rtol=rtol,
                              baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
+from normconv.cli.common import (TrustCodeOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
                                  load_from_flags, user_errors)
 from normconv.errors import NormconvError
 from normconv.report import Report, console, table
@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
+        trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         capture: Annotated[str, typer.Option(help="graph capture: auto, symbolic_trace or torch.export")] = "auto",
         as_json: JsonOpt = False,
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
 
         if capture not in CAPTURES:
             raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         emit(flow.inspect(loaded, capture), as_json, print_inspect)
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 
@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
+        trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
 
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
                               canonicalize=not no_canonicalize, bench=bench)
         emit(report, as_json)

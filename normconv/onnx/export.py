@@ -286,8 +286,12 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     if dynamic and not extra["dynamic_axes"]:
         report.notes.append("--dynamic: the model specializes every input dimension; the graph is static")
 
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=str(out.parent)))
+    from normconv.io import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
+
+    remove_stale_temps(out)
+    tmpdir = None
     try:
+        tmpdir = Path(tempfile.mkdtemp(prefix=temp_name(out), suffix=TEMP_SUFFIX, dir=str(out.parent)))
         tmp = tmpdir / out.name
         external = _nbytes(onnx_model) > EXTERNAL_DATA_BYTES
         with _quiet():
@@ -324,14 +328,17 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         report.output = str(out)
     except (VerificationError, NormconvError):
         raise
+    except OSError as exc:
+        raise write_error(out, exc) from None
     except Exception as exc:
         hint = ""
         if "NOT_IMPLEMENTED" in str(exc):  # e.g. bfloat16 MatMul on the CPU provider
             hint = (" (onnxruntime has no kernel for that op at this dtype on this provider; validate on another "
                     "provider, or pass --validate none to write it unvalidated)")
         raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}{hint}") from None
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    finally:  # every exit path, interrupts included
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
     return report
 
 
