@@ -126,3 +126,27 @@ def test_replaced_norm_turns_off_torchs_fused_encoder_path():
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     # the user's model keeps its fast path and its output
     assert model.enc.layers[0].activation_relu_or_gelu == 1
+
+
+@pytest.mark.parametrize("bf", [True, False])
+def test_pre_ln_encoder_with_final_norm_swaps_exactly(bf):
+    """MultiheadAttention's out_proj reaches the stream through a transpose (batch_first) or views: exact."""
+    torch.manual_seed(0)
+    model = Encoder(True, bf)
+    model.enc.norm = nn.LayerNorm(D)
+    model.eval()
+    for m in model.modules():
+        if isinstance(m, nn.LayerNorm):
+            nn.init.normal_(m.weight, 1, 0.3)
+            nn.init.normal_(m.bias, 0, 0.3)
+    ids = torch.randint(0, 50, (2, 5) if bf else (5, 2))
+    new, report = normconv.swap(model, ids)
+    assert sum(isinstance(m, RMSNorm) for m in new.modules()) == 5
+    other = Inputs((torch.randint(0, 50, (3, 7) if bf else (7, 3)),))
+    torch.testing.assert_close(run(new, other), run(model, other), atol=1e-5, rtol=1e-4)
+
+
+def test_pre_ln_encoder_without_final_norm_is_refused_with_the_reader():
+    model, inputs = _build("encoder", True, True)
+    with pytest.raises(normconv.NormconvError, match="is also read by"):
+        normconv.swap(model, inputs)
