@@ -40,4 +40,22 @@ def replace_module(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
     parent = root.get_submodule(parent_path) if parent_path else root
     new.train(getattr(parent, name).training)
     setattr(parent, name, new)
+    for i in range(len(path.split("."))):
+        _fastpath_off(root.get_submodule(".".join(path.split(".")[:i])))
     return new
+
+
+def _fastpath_off(m: nn.Module) -> None:
+    """torch's fused inference kernels hard-code LayerNorm math: turn them off on a module whose norm was replaced.
+
+    ``TransformerEncoderLayer`` in eval / no_grad calls ``torch._transformer_encoder_layer_fwd`` with
+    ``norm1.weight / norm1.bias / norm1.eps`` (a LayerNorm whatever ``norm1`` now is) unless
+    ``activation_relu_or_gelu`` is 0; that flag gates only the fused path (the slow path calls ``self.activation``).
+    ``TransformerEncoder`` packs inputs into nested tensors for that path when ``use_nested_tensor`` is set.
+    """
+    # a replaced norm inside torch's encoder layer  =>  the layer runs its module-by-module path
+    if isinstance(m, nn.TransformerEncoderLayer):
+        m.activation_relu_or_gelu = 0
+    # ... and the encoder around it stops packing nested tensors for the fused path
+    if isinstance(m, nn.TransformerEncoder):
+        m.use_nested_tensor = False

@@ -34,8 +34,12 @@ NAME = "swap"
 # --to -> the norm kind it replaces
 SOURCE_KIND = {"rmsnorm": "layernorm", "layernorm": "rmsnorm"}
 
-# ops that forward their first input unchanged along the last dim (when the last dim size is kept)
-_VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "contiguous", "alias", "clone"})
+# ops that forward their first input unchanged, as long as the hidden axis survives whole (shapes decide)
+_VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "contiguous", "alias", "clone",
+                    "squeeze", "unsqueeze", "view_as", "reshape_as"})
+_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+_SWAPS = frozenset({"transpose", "swapaxes", "swapdims", "t"})
+_CATS = frozenset({"cat", "concat", "concatenate"})
 
 # a writer counts as zero-mean when |mean over the hidden dim| <= this * max |weight|
 _ZERO_MEAN_RTOL = 1e-5
@@ -53,8 +57,14 @@ class Writer:
     kind: str  # embedding | linear
     weight: str  # state_dict name the node reads
     bias: str | None
-    layout: str  # rows: (V, D) embedding | out_in: (D, in) nn.Linear | in_out: (in, D) addmm / HF Conv1D
+    layout: str  # rows: (V, D) embedding | out_in: (D, in) nn.Linear, conv | in_out: (in, D) addmm / HF Conv1D
     module: str  # owner module path
+    dim: int = -1  # the weight's axis that indexes the hidden dim (centered along it); -1: from layout
+    # kind param: the tensor itself is added (position embedding, class token); conv: output channels are hidden
+
+    @property
+    def axis(self) -> int:
+        return self.dim if self.dim >= 0 else _dim(self.layout)
 
 
 @dataclass(frozen=True)
@@ -119,25 +129,79 @@ def _fn_name(node: fx.Node) -> str:
     return ""
 
 
+def _last(cap: Captured, v: Any) -> int | None:
+    shape = cap.shape(v)
+    return len(shape) - 1 if shape else None
+
+
+def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
+    """The axis of ``node``'s first input that becomes ``node``'s hidden ``axis``; None: not a pass-through op."""
+    if axis is None or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if cap.op(node) in TRANSPARENT:  # cast / dropout / identity
+        return axis
+    name, a, b = _fn_name(node), cap.shape(node.args[0]), cap.shape(node)
+    if not a or not b:
+        return None
+    if name in _SWAPS:  # transpose(d0, d1)  =>  the hidden axis moves with the swap
+        d0, d1 = (node.args[1], node.args[2]) if len(node.args) >= 3 else (0, 1)
+        d0, d1 = d0 % len(b), d1 % len(b)
+        return d1 if axis == d0 else d0 if axis == d1 else axis
+    if name == "permute":  # permute(dims): output axis i is input axis dims[i]
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        return int(dims[axis]) % len(a)
+    if name in _EXPANDS:  # broadcast: axes align from the right; expanding the hidden axis itself is not a pass
+        j = axis - (len(b) - len(a))
+        return j if j >= 0 and a[j] == b[axis] else None
+    if name in ("select", "slice", "narrow", "getitem"):  # picking rows on other axes keeps every hidden vector
+        return _index_back(node, name, axis, len(a), b)
+    if name in _VIEWS:  # reshape keeps the hidden axis whole iff it has the same size and the same prefix product
+        prefix = _prod(b[:axis])
+        for j in range(len(a)):
+            if a[j] == b[axis] and _prod(a[:j]) == prefix:
+                return j
+    return None
+
+
 def _passes_through(cap: Captured, node: fx.Node) -> bool:
-    """cast / dropout / identity, or a view that keeps the last (hidden) dim."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    if cap.op(node) in TRANSPARENT:
-        return True
-    if _fn_name(node) in _VIEWS:
-        a, b = cap.shape(node.args[0]), cap.shape(node)
-        return bool(a) and bool(b) and a[-1] == b[-1]
-    return False
+    """cast / dropout / identity, or a view whose last (hidden) axis is its input's last axis."""
+    j = _back(cap, node, _last(cap, node))
+    return j is not None and j == _last(cap, node.args[0])
 
 
-def _source(cap: Captured, v: Any) -> tuple[Any, list[fx.Node]]:
-    """Walk back through pass-through ops: (the node computing the value, the pass-through nodes on the way)."""
+def _index_back(node: fx.Node, name: str, axis: int, rank: int, out: tuple[int, ...]) -> int | None:
+    """x[idx] / select / slice / narrow: the input axis behind output ``axis`` if the hidden axis is not indexed."""
+    if name in ("select", "slice", "narrow"):  # aten.select(x, dim, i), aten.slice(x, dim, ...), narrow(x, dim, ...)
+        dim = int(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+        src = axis + 1 if name == "select" and axis >= dim else axis
+        return src if src != dim and src < rank else None
+    idx = node.args[1] if len(node.args) > 1 else None
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if not all(isinstance(i, (int, slice)) for i in idx) or len(idx) >= rank:
+        return None  # tensors, None, Ellipsis: not followed; the hidden (last) axis must stay whole
+    kept = [j for j, i in enumerate(idx) if not isinstance(i, int)] + list(range(len(idx), rank))
+    return kept[axis] if axis < len(kept) else None
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def _source(cap: Captured, v: Any, axis: int | None = None) -> tuple[Any, list[fx.Node], int | None]:
+    """Walk back through pass-through ops: (the node computing the value, the pass-through nodes on the way,
+    the hidden axis there)."""
     path = []
-    while isinstance(v, fx.Node) and _passes_through(cap, v):
+    axis = _last(cap, v) if axis is None else axis
+    while isinstance(v, fx.Node):
+        j = _back(cap, v, axis)
+        if j is None:
+            break
         path.append(v)
-        v = v.args[0]
-    return v, path
+        v, axis = v.args[0], j
+    return v, path, axis
 
 
 def _param_readers(cap: Captured) -> dict[int, list[str]]:
@@ -198,13 +262,23 @@ def _linear_of(cap: Captured, node: fx.Node) -> tuple[Any, str | None, str | Non
     return None
 
 
-def _writer(cap: Captured, leaf: Any) -> Writer | str:
+def _writer(cap: Captured, leaf: Any, axis: int | None = None) -> Writer | str:
     """The writer at a leaf of the stream's sum tree, or why it cannot be made zero-mean."""
     if not isinstance(leaf, fx.Node):
         return f"a constant ({leaf!r}) is added to the stream"
     if cap.is_input(leaf):
         return f"the stream starts at the model input {leaf.name!r}, which cannot be centered"
+    if axis is None:  # x + c with c the same for every hidden feature: its mean is c, no weight to center
+        return f"{cap.describe(leaf)} is broadcast along the hidden axis (the same value added to every feature)"
+    pname = cap.param_name(leaf)
+    if pname is not None:
+        # a parameter / buffer added as is (position embedding, class token)  =>  center it along the hidden axis
+        return Writer(leaf.name, "param", _own_name(cap, cap.owner(leaf), pname), None, "rows", cap.owner(leaf), axis)
     op = cap.op(leaf)
+    if op == "conv":
+        return _conv_writer(cap, leaf, axis)
+    if op in ("embedding", "linear") and axis != _last(cap, leaf):
+        return f"stream writer {cap.describe(leaf)} ({op}) reaches the stream with its features off the hidden axis"
     if op == "embedding":
         if leaf.op == "call_module":
             return Writer(leaf.name, "embedding", f"{leaf.target}.weight", None, "rows", leaf.target)
@@ -219,6 +293,33 @@ def _writer(cap: Captured, leaf: Any) -> Writer | str:
                       lin[4])
     what = op or _fn_name(leaf) or leaf.op
     return f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding"
+
+
+def _conv_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
+    """conv y[:, o] = W[o] * x + b[o]  =>  zero mean over o iff W and b are centered over output channels."""
+    where = cap.describe(leaf)
+    if axis != 1:
+        return f"stream writer {where} (conv) reaches the stream with axis {axis}, not its channels, as hidden axis"
+    if leaf.op == "call_module":
+        mod = cap.modules[leaf.target]
+        w, b, path = f"{leaf.target}.weight", (f"{leaf.target}.bias" if mod.bias is not None else None), leaf.target
+        groups, transposed = mod.groups, getattr(mod, "transposed", False)
+    else:
+        args = list(leaf.args) + [None] * 9
+        if _fn_name(leaf) == "convolution":  # aten.convolution(x, w, b, stride, pad, dil, transposed, out_pad, groups)
+            transposed, groups = bool(args[6]), int(args[8] or 1)
+        else:  # conv2d(x, w, b, stride, padding, dilation, groups)
+            transposed, groups = False, int(args[6] if args[6] is not None else leaf.kwargs.get("groups", 1))
+        path = cap.owner(leaf)
+        w = _own_name(cap, path, cap.param_name(args[1]))
+        b = _own_name(cap, path, cap.param_name(args[2])) if args[2] is not None else None
+        if w is None or (args[2] is not None and b is None):
+            return f"stream writer {where} (conv) computes its weight or bias instead of reading a parameter"
+    # groups: output channel o sees only its group's inputs, so centering W over o does not center y
+    if groups != 1 or transposed:
+        return f"stream writer {where} is a {'transposed' if transposed else 'grouped'} conv: no weight centering " \
+               f"makes its output zero-mean over channels"
+    return Writer(leaf.name, "conv", w, b, "out_in", path, 0)
 
 
 def _norm_module(cap: Captured, site: NormSite) -> str | None:
@@ -268,28 +369,56 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm") -> An
     return Analysis(to, plans, streams)
 
 
-def _walk(cap: Captured, site: NormSite) -> tuple[set[str], list[tuple[Any, list[fx.Node]]]]:
-    """Stream values (adds and pass-through nodes between them) behind a norm, and the leaves of its sum tree."""
+def _walk(cap: Captured, site: NormSite) -> tuple[set[str], list[tuple[Any, list[fx.Node], int | None]]]:
+    """Stream values (adds, cats and pass-through nodes between them) behind a norm, and the leaves of its sum
+    tree with the hidden axis at each leaf (None: the leaf is broadcast along the hidden axis)."""
     values: set[str] = set()
-    leaves: list[tuple[Any, list[fx.Node]]] = []
-    stack: list[Any] = [cap.nodes[site.input]]
+    leaves: list[tuple[Any, list[fx.Node], int | None]] = []
+    start = cap.nodes[site.input]
+    stack: list[tuple[Any, int | None]] = [(start, _last(cap, start))]
     seen: set[str] = set()
     while stack:
-        v = stack.pop()
+        v, axis = stack.pop()
         if isinstance(v, fx.Node):
             if v.name in seen:
                 continue
             seen.add(v.name)
-        src, path = _source(cap, v)
+        src, path, axis = _source(cap, v, axis)
         is_add = isinstance(src, fx.Node) and cap.op(src) == "add" and len(src.args) >= 2 and \
             all(isinstance(a, fx.Node) for a in src.args[:2]) and src.kwargs.get("alpha", 1) == 1
-        if is_add:
+        parts = _cat_parts(cap, src, axis) if isinstance(src, fx.Node) else None
+        if is_add and axis is not None:
             values.update(n.name for n in path)
             values.add(src.name)
-            stack.extend(src.args[:2])
+            rank = len(cap.shape(src) or ())
+            for a in src.args[:2]:
+                # x + y broadcasts from the right: y's hidden axis is rank(y) - rank(x) places lower
+                ra = len(cap.shape(a) or ())
+                j = axis - (rank - ra)
+                ok = j >= 0 and (cap.shape(a) or ())[j:j + 1] == (cap.shape(src) or ())[axis:axis + 1]
+                stack.append((a, j if ok else None))
+        elif parts is not None:
+            # cat along another axis: the mean over the hidden axis is zero iff it is zero in every part
+            values.update(n.name for n in path)
+            values.add(src.name)
+            stack.extend((a, axis) for a in parts)
         else:
-            leaves.append((src, path))
+            leaves.append((src, path, axis))
     return values, leaves
+
+
+def _cat_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[fx.Node] | None:
+    """The parts of a ``cat`` that joins along an axis other than the hidden one, else None."""
+    if axis is None or _fn_name(node) not in _CATS or not node.args:
+        return None
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", node.kwargs.get("axis", 0))
+    rank = len(cap.shape(node) or ())
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, fx.Node) for p in parts) or not rank:
+        return None
+    if int(dim) % rank == axis or any(len(cap.shape(p) or ()) != rank for p in parts):
+        return None
+    return list(parts)
 
 
 def _streams(cap, sites, walks, readers, to) -> list[Stream]:
@@ -305,7 +434,7 @@ def _streams(cap, sites, walks, readers, to) -> list[Stream]:
     owner_of: dict[Any, int] = {}
     leaf_writers: list[list[Writer | str]] = []
     for i, (values, leaves) in enumerate(walks):
-        ws = [_writer(cap, leaf) for leaf, _ in leaves]
+        ws = [_writer(cap, leaf, axis) for leaf, _, axis in leaves]
         leaf_writers.append(ws)
         keys: list[Any] = list(values) + [id(cap.tensor(w.weight)) for w in ws if isinstance(w, Writer)]
         for key in keys:
@@ -323,7 +452,7 @@ def _streams(cap, sites, walks, readers, to) -> list[Stream]:
         chains: list[tuple[Any, list[fx.Node]]] = []
         for i in members:
             st.values |= walks[i][0]
-            for (leaf, path), w in zip(walks[i][1], leaf_writers[i]):
+            for (leaf, path, _), w in zip(walks[i][1], leaf_writers[i]):
                 if isinstance(w, str):
                     problems.append(w)
                 else:
@@ -346,8 +475,8 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
     problems = []
     for w in st.writers.values():
         t = cap.tensor(w.weight)
-        dim = {"rows": 1, "out_in": 0, "in_out": 1}[w.layout]
-        if t is None or t.dim() != 2 or t.shape[dim] != d:
+        dim = w.axis
+        if t is None or t.dim() <= dim or (t.dim() != 2 and w.kind in ("linear", "embedding")) or t.shape[dim] != d:
             problems.append(f"stream writer {w.module or w.node} does not write {d}-wide rows")
     if problems or to == "layernorm":
         # RMSNorm -> LayerNorm edits no writer: it is exact only if they are zero-mean already
@@ -371,7 +500,8 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
             if u.name not in allowed:
                 problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by {cap.describe(u)}")
     # each writer's parameters are read by the writers only (or by another name: a tie we can clone away)
-    writer_nodes = set(st.writers)
+    # a parameter writer is read by the pass-through ops that carry it into the stream (class_token.expand)
+    writer_nodes = set(st.writers).union(st.values, *({n.name for n in path} for _, path in chains))
     for w in st.writers.values():
         for pname in (w.weight, w.bias):
             t = cap.tensor(pname) if pname else None
@@ -395,7 +525,7 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
 def _writer_mean(cap: Captured, w: Writer) -> float | None:
     """Largest |mean over the hidden dim| of a writer's weight / bias, or None when it is zero-mean."""
     t = cap.tensor(w.weight).detach().double()
-    dim = {"rows": 1, "out_in": 0, "in_out": 1}[w.layout]
+    dim = w.axis
     worst = float(t.mean(dim).abs().max())
     scale = float(t.abs().max())
     if w.bias:
@@ -616,7 +746,7 @@ class SwapPass:
         done: set[int] = set()
         for w in st.writers.values():
             # embedding (V, D)  =>  each row minus its mean;  linear  =>  W - mean over output rows, b - mean(b)
-            for pname, dim in ((w.weight, _dim(w.layout)), (w.bias, 0)):
+            for pname, dim in ((w.weight, w.axis), (w.bias, 0)):
                 t = cap.tensor(pname) if pname else None
                 if t is not None and id(t) not in done:
                     done.add(id(t))

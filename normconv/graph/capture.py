@@ -40,7 +40,12 @@ class NormLeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, NATIVE_NORM_TYPES):
             return is_native_norm(m)  # a subclass with its own forward is traced through like user code
-        return super().is_leaf_module(m, qualname)
+        if super().is_leaf_module(m, qualname):
+            # torch.nn containers with norms inside (TransformerEncoderLayer...) are traced through, not hidden:
+            # fx's default makes every torch.nn module a leaf, and a leaf's norms are invisible to every pass.
+            # Their forwards branch on tensors, so tracing fails and capture falls back to torch.export.
+            return not any(isinstance(sub, NATIVE_NORM_TYPES) for sub in m.modules())
+        return False
 
 
 @dataclass
