@@ -89,10 +89,13 @@ def linear_stats(model: nn.Module, inputs: Inputs) -> dict[str, dict[str, float]
     return out
 
 
-def quant_error(model: nn.Module, inputs: Inputs, ref: torch.Tensor, bits: int) -> tuple[float, float]:
-    """(relative L2 error of the logits, top-1 agreement) with every linear input fake-quantized to ``bits``."""
+def quant_error(model: nn.Module, inputs: Inputs, ref: torch.Tensor, bits: int,
+                readers_only: bool = False) -> tuple[float, float]:
+    """(relative L2 error of the logits, top-1 agreement) with every linear input (or only the norm readers')
+    fake-quantized to ``bits``."""
     hs = [m.register_forward_pre_hook(lambda _, a: (fake_quant(a[0], bits),) + tuple(a[1:]))
-          for m in model.modules() if isinstance(m, nn.Linear)]
+          for n, m in model.named_modules() if isinstance(m, nn.Linear)
+          and (not readers_only or n.rsplit(".", 1)[-1] in READERS)]
     with torch.no_grad():
         out = model(*inputs.args, **inputs.kwargs).logits
     for h in hs:
@@ -124,8 +127,9 @@ def main() -> None:
              f"(read a norm output: rotated), 'others' = o_proj/down_proj (not rotated by a residual rotation).",
              "",
              "| model | variant | max/RMS readers (mean / max) | kurtosis readers (mean / max) | max/RMS others | "
-             "kurtosis others | unquantized err | int8 rel err | int8 top-1 | int4 rel err | int4 top-1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "kurtosis others | unquantized err | int8 rel err | int8 top-1 | int4 rel err | int4 top-1 | "
+             "int4 rel err, readers only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plot: dict[str, dict[str, float]] = {}
     for outliers in (False, True):
         ref = None
@@ -137,16 +141,17 @@ def main() -> None:
             s = linear_stats(model, inputs)
             e8, a8 = quant_error(model, inputs, ref, 8)
             e4, a4 = quant_error(model, inputs, ref, 4)
+            r4, _ = quant_error(model, inputs, ref, 4, readers_only=True)
             exact = ((logits - ref).abs().max()).item()
             tag = "with outliers" if outliers else "clean"
             lines.append(f"| {tag} | {label} | {s['readers']['ratio_mean']:.2f} / {s['readers']['ratio_max']:.2f} | "
                          f"{s['readers']['kurt_mean']:.1f} / {s['readers']['kurt_max']:.1f} | "
                          f"{s['others']['ratio_mean']:.2f} | {s['others']['kurt_mean']:.1f} | {exact:.1e} | "
-                         f"{e8:.2e} | {a8:.3f} | {e4:.2e} | {a4:.3f} |")
+                         f"{e8:.2e} | {a8:.3f} | {e4:.2e} | {a4:.3f} | {r4:.2e} |")
             if outliers:
                 plot[label] = {"max/RMS (readers)": s["readers"]["ratio_mean"],
                                "kurtosis (readers)": s["readers"]["kurt_mean"], "int8 rel err": e8,
-                               "int4 rel err": e4}
+                               "int4 rel err": e4, "int4 rel err (readers only)": r4}
             print(lines[-1], flush=True)
     lines += ["", "Gaussian reference: max/RMS of 256 iid normal values is about 3, kurtosis 3."]
     emit_table(lines, args.out)
