@@ -61,7 +61,8 @@ def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate
          atol: float | None = None, rtol: float | None = None, method: str = "auto",
          canonicalize: bool = True, fold_scales: bool = False) -> tuple[nn.Module, Report]:
     """LayerNorm -> RMSNorm (exact on pre-LN models) or back; ``approximate`` swaps the rest and reports the drift;
-    ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers). Returns (new model, report)."""
+    ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers).
+    Returns (new model, report)."""
     report, new = flow.swap(_loaded(model, example_inputs), to, approximate, atol=atol, rtol=rtol, method=method,
                             canonicalize=canonicalize, fold_scales_=fold_scales)
     return new, report

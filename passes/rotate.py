@@ -194,7 +194,8 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
     for name in sorted(values):
         for u in cap.users(cap.nodes[name]):
             if u.name not in allowed:
-                plan.problem = f"the residual stream ({name}) is also read by {cap.describe(u)}, which would see it rotated"
+                plan.problem = (f"the residual stream ({name}) is also read by {cap.describe(u)}, which would see "
+                                f"it rotated")
                 return plan
     # a writer's output flows only into the stream
     for leaf, path in chains:

@@ -239,3 +239,25 @@ def test_pre_ln_vit_is_refused_with_the_reason():
                                                 num_labels=5)).eval()
     with pytest.raises(NormconvError, match="position_embeddings"):
         rotate(model, Inputs((torch.randn(2, 3, 32, 32),)))
+
+
+class _NonLinearReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.RMSNorm(16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        z = self.norm(x)
+        return self.lin(z) + torch.tanh(z)
+
+
+def test_fold_scales_skips_a_norm_read_by_a_non_linear():
+    model = _NonLinearReader().eval()
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    new, report = swap(model, x, fold_scales=True)
+    site = next(s for s in report.sites if s.pass_name == "fold-scales")
+    assert not site.applied and "tanh" in site.reason and "not a linear" in site.reason
+    assert torch.equal(new.norm.weight, model.norm.weight) and torch.equal(new.lin.weight, model.lin.weight)
+    torch.testing.assert_close(run(new, Inputs((x,))), run(model, Inputs((x,))), **FP32_TOL)
