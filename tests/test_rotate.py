@@ -261,3 +261,17 @@ def test_fold_scales_skips_a_norm_read_by_a_non_linear():
     assert not site.applied and "tanh" in site.reason and "not a linear" in site.reason
     assert torch.equal(new.norm.weight, model.norm.weight) and torch.equal(new.lin.weight, model.lin.weight)
     torch.testing.assert_close(run(new, Inputs((x,))), run(model, Inputs((x,))), **FP32_TOL)
+
+
+def test_cli_swap_fold_scales(cli, tmp_path):
+    out = tmp_path / "gpt_flash.pt"
+    code, stdout, stderr = cli("swap", "zoo:gpt", "--fold-scales", "-o", out, "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["extra"]["exact"] and report["extra"]["scales_folded"] == 5
+    saved = torch.load(out, weights_only=False)
+    assert all(w is None for w in _norm_weights(saved))
+    model, inputs = _model("zoo:gpt")
+    torch.testing.assert_close(run(saved, inputs), run(model, inputs), **FP32_TOL)
+    code, _, stderr = cli("swap", "zoo:llama", "--to", "layernorm", "--fold-scales")
+    assert code == 2 and "--fold-scales" in stderr
