@@ -4,6 +4,7 @@
     folded, report = normconv.fold(model, example_inputs)
     swapped, report = normconv.swap(model, example_inputs, to="rmsnorm")
     new, report = normconv.canonicalize(model, example_inputs)
+    rotated, report = normconv.rotate(model, example_inputs)
     new, report = normconv.deepnorm(model, example_inputs)
     report = normconv.export(model, example_inputs, "model.onnx")
     report = normconv.inspect(model, example_inputs)
@@ -18,7 +19,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+local"
 
-_API = ("fold", "canonicalize", "swap", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
+_API = ("fold", "canonicalize", "swap", "rotate", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
         "VerificationError")
 
 

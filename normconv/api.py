@@ -3,6 +3,7 @@
     import normconv
     folded, report = normconv.fold(model, x)                 # x: one tensor, a tuple of args, or Inputs
     swapped, report = normconv.swap(model, x, to="rmsnorm")
+    rotated, report = normconv.rotate(model, x)              # scales folded, residual stream rotated
     report = normconv.export(model, x, "model.onnx")
     report = normconv.inspect(model, x)
 
@@ -58,11 +59,20 @@ def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = 
 
 def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate: bool = False, *,
          atol: float | None = None, rtol: float | None = None, method: str = "auto",
-         canonicalize: bool = True) -> tuple[nn.Module, Report]:
-    """LayerNorm -> RMSNorm (exact on pre-LN models) or back; ``approximate`` swaps the rest and reports the drift.
+         canonicalize: bool = True, fold_scales: bool = False) -> tuple[nn.Module, Report]:
+    """LayerNorm -> RMSNorm (exact on pre-LN models) or back; ``approximate`` swaps the rest and reports the drift;
+    ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers).
     Returns (new model, report)."""
     report, new = flow.swap(_loaded(model, example_inputs), to, approximate, atol=atol, rtol=rtol, method=method,
-                            canonicalize=canonicalize)
+                            canonicalize=canonicalize, fold_scales_=fold_scales)
+    return new, report
+
+
+def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", seed: int = 0, *,
+           atol: float | None = None, rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
+    """Exact swap (pre-LN) -> norm scales folded into the linears -> residual stream rotated by an orthogonal Q
+    (``rotation``: hadamard, random or none). Returns (new model, report)."""
+    report, new = flow.rotate(_loaded(model, example_inputs), rotation, seed, atol=atol, rtol=rtol, method=method)
     return new, report
 
 
@@ -101,4 +111,4 @@ def load(spec: str, **kwargs: Any) -> tuple[nn.Module, Inputs | None]:
     return loaded.model, loaded.inputs
 
 
-__all__ = ["fold", "canonicalize", "swap", "deepnorm", "export", "inspect", "load", "as_inputs", "Inputs"]
+__all__ = ["fold", "canonicalize", "swap", "rotate", "deepnorm", "export", "inspect", "load", "as_inputs", "Inputs"]

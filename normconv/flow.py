@@ -27,7 +27,7 @@ from normconv.graph.near_miss import find_near_misses
 from normconv.io import Loaded, check_output_path, save
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
-from normconv.passes import fold_batchnorm, swap_norm
+from normconv.passes import fold_batchnorm, fold_scales, rotate as rotate_pass, swap_norm
 from normconv.report import OutputError, PassResult, Report, Site, Validation
 from normconv.verify import Inputs, argmax_agreement, compare, other_shape, output_leaves, run
 
@@ -202,17 +202,25 @@ def _canonicalize_notes(report: Report, model: nn.Module | None) -> list[str]:
 
 def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
          rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
-         canonicalize: bool = True, bench: bool = False) -> tuple[Report, nn.Module]:
-    """``normconv swap``: canonicalize, swap, verify against the original, then write (exact: only if verified)."""
+         canonicalize: bool = True, bench: bool = False, fold_scales_: bool = False) -> tuple[Report, nn.Module]:
+    """``normconv swap``: canonicalize, swap, verify against the original, then write (exact: only if verified).
+    ``fold_scales_``: then fold every RMSNorm scale into the linears reading it (weight-free norms; a model with
+    no LayerNorm to swap is then only folded)."""
     inputs = loaded.require_inputs()
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
-    swap_pass = swap_norm.SwapPass(to, approximate)
+    if fold_scales_ and to != "rmsnorm":
+        raise NormconvError("--fold-scales folds RMSNorm scales: it goes with --to rmsnorm")
+    swap_pass = swap_norm.SwapPass(to, approximate, require=not fold_scales_)
+    fold_pass = fold_scales.FoldScales()
     # hand-written and functional norms -> native modules first: swap replaces modules
-    passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass]
+    passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass] + \
+        ([fold_pass] if fold_scales_ else [])
     report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method,
                             bench=bench)
-    report.notes.extend(swap_pass.notes)
+    report.notes.extend(swap_pass.notes + fold_pass.notes)
+    if fold_scales_:
+        report.extra["scales_folded"] = sum(p.ok for p in fold_pass.plans)
     if isinstance(model, fx.GraphModule) and not isinstance(loaded.model, fx.GraphModule):
         report.notes.append("functional / inline norms became modules in the traced graph: the result is a "
                             "torch.fx.GraphModule (your class is not kept; loading it back needs --trust-pickle)")
@@ -236,6 +244,41 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
             f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}; fine-tune if it matters")
     if output is not None:
         report.output = str(save(loaded, model, output, in_place, inputs))
+    return report, model
+
+
+def rotate(loaded: Loaded, rotation: str = "hadamard", seed: int = 0, *, atol: float | None = None,
+           rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
+           bench: bool = False) -> tuple[Report, nn.Module]:
+    """``normconv rotate``: canonicalize -> exact LayerNorm -> RMSNorm swap (pre-LN) -> scale fold -> rotation of
+    the residual stream (SliceGPT / QuaRot computational invariance), verified against the original, then written."""
+    if rotation not in rotate_pass.ROTATIONS:
+        raise NormconvError(f"unknown --rotation {rotation!r}: choose {', '.join(rotate_pass.ROTATIONS)}")
+    loaded.require_inputs()
+    if output is not None:
+        check_output_path(loaded, output, in_place)  # fail before the work, not after
+    swap_pass = swap_norm.SwapPass("rmsnorm", require=False)
+    fold_pass = fold_scales.FoldScales(strict=True)
+    rot = rotate_pass.Rotate(rotation, seed)
+    passes = [canonicalize_pass.Canonicalize(functional=True), swap_pass, fold_pass] + \
+        ([rot] if rotation != "none" else [])
+    try:
+        report, model = rewrite(loaded, passes, command="rotate", exact=True, atol=atol, rtol=rtol, output=output,
+                                in_place=in_place, method=method, bench=bench)
+    except NormconvError as exc:
+        if isinstance(exc, VerificationError) or str(exc).startswith(("rotate", "fold-scales")):
+            raise
+        why = str(exc).split(". Pass --approximate")[0]  # rotate has no approximate mode
+        raise NormconvError(f"rotate needs the exact LayerNorm -> RMSNorm swap first, and it refused: {why}") from exc
+    report.notes.extend(swap_pass.notes + fold_pass.notes + rot.notes)
+    plan = rot.plan_
+    report.extra.update({
+        "rotation": rotation, "seed": seed, "matrix": rot.how or "identity (no rotation)",
+        "width": plan.d if plan else None, "writers": len(plan.writers) if plan else 0,
+        "reader_linears": len(plan.readers) if plan else 0,
+        "swapped": sum(p.exact for p in swap_pass.analysis.plans) if swap_pass.analysis else 0,
+        "scales_folded": sum(p.ok for p in fold_pass.plans),
+    })
     return report, model
 
 
@@ -375,5 +418,6 @@ def inspect(loaded: Loaded, method: str = "auto") -> Report:
     )
 
 
-__all__ = ["rewrite", "apply_passes", "model_stats", "fold", "canonicalize", "swap", "deepnorm", "export", "inspect",
+__all__ = ["rewrite", "apply_passes", "model_stats", "fold", "canonicalize", "swap", "rotate", "deepnorm", "export",
+           "inspect",
            "plans", "PassFn"]

@@ -683,12 +683,13 @@ class SwapPass:
 
     name = NAME
 
-    def __init__(self, to: str = "rmsnorm", approximate: bool = False):
+    def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True):
         if to not in SOURCE_KIND:
             from normconv.errors import NormconvError
 
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
         self.to, self.approximate = to, approximate
+        self.require = require  # False: a model with no norm to swap passes through unchanged (rotate, fold-scales)
         self.exact = True  # False once an approximate site was applied
         self.notes: list[str] = []
         self.dropped: list[str] = []  # approximate: norms whose bias could not be folded
@@ -702,6 +703,8 @@ class SwapPass:
 
         a = self.analysis = analyze(cap, find_norms(cap), self.to)
         kind = SOURCE_KIND[self.to]
+        if not a.plans and not self.require:
+            return PassResult(model, False, ())
         if not a.plans:
             raise NormconvError(f"swap: {type(model).__name__} has no {kind} to swap to {self.to}")
         refused = sorted((p for p in a.plans if not p.exact), key=lambda p: not p.reason.startswith("post-LN"))

@@ -22,6 +22,8 @@ def register(app: typer.Typer) -> None:
             "--approximate", help="swap sites that cannot be made exact too, and report the output drift")] = False,
         no_canonicalize: Annotated[bool, typer.Option(
             "--no-canonicalize", help="do not convert hand-written norms to native modules first")] = False,
+        fold_scales: Annotated[bool, typer.Option(
+            "--fold-scales", help="then fold each RMSNorm's scale into the linears reading it")] = False,
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
@@ -42,5 +44,5 @@ def register(app: typer.Typer) -> None:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                              canonicalize=not no_canonicalize, bench=bench)
+                              canonicalize=not no_canonicalize, bench=bench, fold_scales_=fold_scales)
         emit(report, as_json)

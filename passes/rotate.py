@@ -1,0 +1,321 @@
+"""Rotate the residual stream by an orthogonal Q (SliceGPT / QuaRot computational invariance), exactly.
+
+  weight-free RMSNorm:  RMSNorm(x Q) = x Q / sqrt(mean((x Q)^2) + eps) = RMSNorm(x) Q      (||x Q|| = ||x||)
+Row-vector stream, torch's y = x W^T + b. Every writer of the stream then writes y Q instead of y:
+  embedding E (V, D)            E <- E Q
+  linear W (D, in), bias b (D)  W <- Q^T W,  b <- b Q            (x W^T Q = x (Q^T W)^T)
+  HF Conv1D W (in, D)           W <- W Q,    b <- b Q
+and every linear reading a norm output z Q takes Q back out:
+  linear W (out, D)             W <- W Q                          (z Q (W Q)^T = z Q Q^T W^T = z W^T)
+  HF Conv1D W (D, out)          W <- Q^T W
+so the stream carries x Q everywhere and the model's outputs are unchanged. The stream is the sum tree of residual
+adds read by the norms (``swap_norm``'s analysis); its leaves (the writers) may be scaled by a constant on the way
+(Gemma's sqrt(D) on the embeddings: it commutes with Q). Preconditions (refused with the reason otherwise): every
+norm on the stream is a weight-free RMSNorm (``fold_scales``; LayerNorm goes through the exact swap first), the
+stream is read only by its adds and norms, every norm output only by linears, and each rotated weight only by
+the nodes that rotate it. Q in float64: a randomized Hadamard matrix diag(s) H / sqrt(D) when D = 2^k m with a
+known Hadamard order m (Sylvester 2^k times Paley m = p + 1, p prime = 3 mod 4), else QR of a seeded Gaussian.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from normconv.clone import owned
+from normconv.graph.capture import Captured
+from normconv.graph.detect import NormSite, find_norms
+from normconv.report import PassResult, Site
+from .fold_scales import Reader, norm_readers, untie
+from .swap_norm import Writer, _hidden, _norm_module, _param_readers, _passes_through, _walk, _writer
+
+NAME = "rotate"
+ROTATIONS = ("hadamard", "random", "none")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Q
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % k for k in range(2, int(math.isqrt(n)) + 1))
+
+
+def paley(q: int) -> torch.Tensor:
+    """Hadamard matrix of order q + 1 (Paley I, q prime, q = 3 mod 4): I + [[0, 1^T], [-1, chi(j - i)]]."""
+    residues = {(i * i) % q for i in range(1, q)}
+    chi = torch.tensor([0.0] + [1.0 if k in residues else -1.0 for k in range(1, q)], dtype=torch.float64)
+    idx = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
+    s = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    s[0, 1:], s[1:, 0], s[1:, 1:] = 1.0, -1.0, chi[idx]
+    return s + torch.eye(q + 1, dtype=torch.float64)
+
+
+def hadamard_order(d: int) -> tuple[int, int] | None:
+    """(2^k, m) with d = 2^k * m and a Hadamard matrix of order m known here (1, 2, or a Paley order), or None."""
+    m = d
+    while m % 2 == 0 and m > 1:
+        m //= 2
+    while True:
+        if m == 1 or (m % 4 == 0 and _is_prime(m - 1) and (m - 1) % 4 == 3):
+            return d // m, m
+        if m >= d or m * 2 > d:
+            return None
+        m *= 2
+
+
+def hadamard(d: int) -> torch.Tensor | None:
+    """An unnormalized Hadamard matrix of order d (float64), or None when d has no known construction here."""
+    found = hadamard_order(d)
+    if found is None:
+        return None
+    two_k, m = found
+    h = paley(m - 1) if m > 2 else torch.ones(1, 1, dtype=torch.float64)
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    while h.shape[0] < d:  # Sylvester: H_2n = H_2 (x) H_n
+        h = torch.kron(h2, h)
+    return h
+
+
+def rotation(d: int, kind: str = "hadamard", seed: int = 0) -> tuple[torch.Tensor, str]:
+    """(orthogonal Q of shape (d, d) in float64, how it was made)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "hadamard":
+        h = hadamard(d)
+        if h is not None:
+            # randomized Hadamard: random signs on the rows, then H / sqrt(d)
+            signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
+            two_k, m = hadamard_order(d)  # type: ignore[misc]
+            return signs[:, None] * h / math.sqrt(d), f"randomized Hadamard ({two_k} x {m})"
+    if kind in ("hadamard", "random"):
+        # QR of a seeded Gaussian, signs fixed so Q is Haar-distributed
+        qm, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+        qm = qm * torch.sign(torch.diagonal(r))[None, :]
+        how = "random orthogonal (QR of a Gaussian)"
+        return qm, how + (f": no Hadamard matrix of order {d} known here" if kind == "hadamard" else "")
+    if kind == "none":
+        return torch.eye(d, dtype=torch.float64), "identity (no rotation)"
+    from normconv.errors import NormconvError
+
+    raise NormconvError(f"unknown rotation {kind!r}: choose {', '.join(ROTATIONS)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# analysis
+
+
+@dataclass
+class RotationPlan:
+    d: int | None = None
+    sites: list[NormSite] = field(default_factory=list)
+    writers: list[Writer] = field(default_factory=list)
+    readers: list[Reader] = field(default_factory=list)
+    unties: list[Reader] = field(default_factory=list)
+    problem: str | None = None
+
+
+def _scalar(cap: Captured, v: Any) -> bool:
+    return isinstance(v, (int, float)) or (isinstance(v, fx.Node) and cap.shape(v) == ())
+
+
+def _through_scalar(cap: Captured, leaf: Any) -> tuple[Any, list[fx.Node]]:
+    """A leaf scaled by a constant (Gemma: embeddings * sqrt(D)): the writer behind it, and the nodes on the way."""
+    path: list[fx.Node] = []
+    while isinstance(leaf, fx.Node):
+        if cap.op(leaf) == "mul" and len(leaf.args) == 2:
+            a, b = leaf.args
+            if isinstance(a, fx.Node) and _scalar(cap, b) and cap.shape(a) == cap.shape(leaf):
+                path.append(leaf)
+                leaf = a
+                continue
+            if isinstance(b, fx.Node) and _scalar(cap, a) and cap.shape(b) == cap.shape(leaf):
+                path.append(leaf)
+                leaf = b
+                continue
+        if _passes_through(cap, leaf):
+            path.append(leaf)
+            leaf = leaf.args[0]
+            continue
+        break
+    return leaf, path
+
+
+def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
+    plan = RotationPlan()
+    if not norms:
+        plan.problem = "the model has no norm: no residual stream to rotate"
+        return plan
+    other = next((s for s in norms if s.kind != "rmsnorm"), None)
+    if other is not None:
+        plan.problem = f"{other.target} is a {other.kind}: only weight-free RMSNorm commutes with a rotation"
+        return plan
+    values: set[str] = set()
+    norm_nodes: set[str] = set()
+    chains: list[tuple[fx.Node, list[fx.Node]]] = []
+    widths = set()
+    for s in norms:
+        mod = cap.modules.get(_norm_module(cap, s) or "")
+        if not isinstance(mod, nn.RMSNorm):
+            plan.problem = f"{s.target}: a {s.source} norm that is not a module (canonicalize could not make it one)"
+            return plan
+        if mod.weight is not None:
+            plan.problem = f"{s.target} still has a scale (fold it into its readers first)"
+            return plan
+        widths.add(_hidden(s))
+        plan.sites.append(s)
+        norm_nodes.update(s.nodes)
+        vals, leaves = _walk(cap, s)
+        values |= vals
+        for leaf, path in leaves:
+            w_node, extra = _through_scalar(cap, leaf)
+            w = _writer(cap, w_node)
+            if isinstance(w, str):
+                plan.problem = f"{s.target}: {w}"
+                return plan
+            if w.node not in {x.node for x in plan.writers}:
+                plan.writers.append(w)
+                chains.append((w_node, list(reversed(extra)) + list(reversed(path))))
+        readers, why = norm_readers(cap, cap.nodes[s.node])
+        if why:
+            plan.problem = f"{s.target}: {why}"
+            return plan
+        plan.readers += [r for r in readers if r.node not in {x.node for x in plan.readers}]
+    if len(widths) != 1 or None in widths:
+        plan.problem = "the norms normalize more than one dim, or streams of different widths meet"
+        return plan
+    plan.d = d = widths.pop()
+    # the stream is read only by its own adds and norms (anything else would see x Q)
+    allowed = values | norm_nodes
+    for name in sorted(values):
+        for u in cap.users(cap.nodes[name]):
+            if u.name not in allowed:
+                plan.problem = (f"the residual stream ({name}) is also read by {cap.describe(u)}, which would see "
+                                f"it rotated")
+                return plan
+    # a writer's output flows only into the stream
+    for leaf, path in chains:
+        chain = [leaf] + path
+        for a, b in zip(chain, chain[1:]):
+            if [u.name for u in cap.users(a)] != [b.name]:
+                plan.problem = f"the output of stream writer {cap.describe(leaf)} is also read elsewhere"
+                return plan
+        for u in cap.users(chain[-1]):
+            if u.name not in allowed:
+                plan.problem = f"the output of stream writer {cap.describe(leaf)} is also read by {cap.describe(u)}"
+                return plan
+    # shapes: writers write d-wide rows, readers read d-wide rows
+    for w in plan.writers:
+        t = cap.tensor(w.weight)
+        axis = {"rows": 1, "out_in": 0, "in_out": 1}[w.layout]
+        if t is None or t.dim() != 2 or t.shape[axis] != d:
+            plan.problem = f"stream writer {w.module or w.node} does not write {d}-wide rows"
+            return plan
+    for r in plan.readers:
+        t = cap.tensor(r.weight)
+        axis = 1 if r.layout == "out_in" else 0
+        if t is None or t.dim() != 2 or t.shape[axis] != d:
+            plan.problem = f"{r.module or r.node} does not read {d}-wide rows"
+            return plan
+    plan.problem = _check_tensors(cap, plan)
+    return plan
+
+
+def _ops(plan: RotationPlan) -> list[tuple[str, str, str]]:
+    """(state_dict name, node, op) for every tensor the rotation rewrites: right (W Q), left (Q^T W), bias (b Q)."""
+    ops = []
+    for w in plan.writers:
+        # embedding / Conv1D writer  =>  E Q, W Q;  nn.Linear writer  =>  Q^T W;  its bias  =>  b Q
+        ops.append((w.weight, w.node, "left" if w.layout == "out_in" else "right"))
+        if w.bias:
+            ops.append((w.bias, w.node, "bias"))
+    for r in plan.readers:
+        # nn.Linear reader  =>  W Q;  Conv1D reader  =>  Q^T W
+        ops.append((r.weight, r.node, "right" if r.layout == "out_in" else "left"))
+    return ops
+
+
+def _check_tensors(cap: Captured, plan: RotationPlan) -> str | None:
+    """Each rotated tensor is read only by nodes that rotate it the same way (a tie: untie a reader's own copy)."""
+    param_readers = _param_readers(cap)
+    by_tensor: dict[int, set[str]] = {}
+    nodes_of: dict[int, set[str]] = {}
+    for name, node, op in _ops(plan):
+        t = cap.tensor(name)
+        by_tensor.setdefault(id(t), set()).add(op)
+        nodes_of.setdefault(id(t), set()).add(node)
+    for name, node, op in _ops(plan):
+        t = cap.tensor(name)
+        foreign = [n for n in param_readers.get(id(t), []) if n not in nodes_of[id(t)]]
+        if foreign:
+            return f"{name} is also read by {cap.describe(cap.nodes[foreign[0]])}, which is not rotated with it"
+        if len(by_tensor[id(t)]) > 1:
+            r = next((r for r in plan.readers if r.weight == name), None)
+            if r is None or any(x.module == r.module for x in plan.writers):
+                return f"{name} would be rotated two different ways ({' and '.join(sorted(by_tensor[id(t)]))})"
+            if r not in plan.unties:
+                plan.unties.append(r)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the pass
+
+
+class Rotate:
+    """x -> x Q on the residual stream, writers and norm readers compensating; see the module docstring."""
+
+    name = NAME
+    exact = True
+
+    def __init__(self, kind: str = "hadamard", seed: int = 0):
+        if kind not in ROTATIONS:
+            from normconv.errors import NormconvError
+
+            raise NormconvError(f"unknown --rotation {kind!r}: choose {', '.join(ROTATIONS)}")
+        self.kind, self.seed = kind, seed
+        self.notes: list[str] = []
+        self.plan_: RotationPlan | None = None
+        self.how = ""
+
+    def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+        p = analyze(cap, norms)
+        return [Site(NAME, s.target, p.problem is None, p.problem or f"stream of width {p.d} rotated")
+                for s in norms]
+
+    def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
+        from normconv.errors import NormconvError
+
+        p = self.plan_ = analyze(cap, find_norms(cap))
+        if p.problem:
+            raise NormconvError(f"rotate: {p.problem}")
+        q, self.how = rotation(p.d, self.kind, self.seed)
+        with torch.no_grad():
+            for r in p.unties:
+                untie(model, cap, r, self.notes)
+            done: set[int] = set()
+            for name, _, op in _ops(p):
+                t = cap.tensor(name)
+                if id(t) in done:
+                    continue  # a tie rotated the same way by both holders (wte = lm_head: E Q = W Q)
+                done.add(id(t))
+                t64 = t.detach().double()
+                new = t64 @ q if op in ("right", "bias") else q.T @ t64
+                mine = owned(model, t)
+                mine.data.copy_(new.to(t.dtype))
+        sites = tuple(Site(NAME, s.target, True, f"stream of width {p.d} rotated ({self.how})") for s in p.sites)
+        self.notes.append(f"residual stream (width {p.d}) rotated by a {self.how} matrix (seed {self.seed}): "
+                          f"{len(p.writers)} writer(s), {len(p.readers)} reader linear(s)")
+        return PassResult(model, True, sites)
+
+
+def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+    return Rotate().plan(cap, norms)
+
+
+__all__ = ["Rotate", "RotationPlan", "analyze", "rotation", "hadamard", "hadamard_order", "paley", "plan", "NAME",
+           "ROTATIONS"]
