@@ -24,6 +24,7 @@ from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.near_miss import find_near_misses
+from normconv import outputs
 from normconv.io import Loaded, check_output_path, save
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
@@ -107,8 +108,9 @@ def _inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Modul
 def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bool,
             atol: float | None = None, rtol: float | None = None, output: str | None = None,
             in_place: bool = False, method: str = "auto", eval_mode: bool = False,
-            bench: bool = False) -> tuple[Report, nn.Module]:
-    """Apply ``passes`` to a loaded model, verify against the original, write ``output`` if it passed."""
+            bench: bool = False, keep_normconv: bool = False, write: bool = True) -> tuple[Report, nn.Module]:
+    """Apply ``passes`` to a loaded model, verify against the original, write ``output`` if it passed
+    (``write=False``: the caller writes, after checks of its own)."""
     inputs = loaded.require_inputs()
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
@@ -122,9 +124,38 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
         raise VerificationError(
             f"{command}: outputs differ beyond tolerance (max abs error {validation.max_abs_error:.3g}, "
             f"atol {validation.atol:g}, rtol {validation.rtol:g}); nothing written", report)
-    if output is not None:
-        report.output = str(save(loaded, model, output, in_place, inputs))
+    if write:
+        _write(loaded, model, output, in_place, inputs, report, keep_normconv)
     return report, model
+
+
+
+def _write(loaded: Loaded, model: nn.Module, output: str | None, in_place: bool, inputs: Inputs, report: Report,
+           keep_normconv: bool = False) -> None:
+    """Write ``model`` to ``output`` in a form that loads with torch alone (unless ``keep_normconv``), and say in
+    the report what was written and what loading it needs; without ``output`` say that nothing was written."""
+    if output is None:
+        report.notes.append("nothing was written (no -o given)")
+        return
+    parts = outputs.normconv_parts(model)
+    if keep_normconv and parts:
+        to_write = model
+        report.notes.append("kept normconv's modules (" + ", ".join(parts) + "): loading the output needs "
+                            "normconv installed")
+    else:
+        try:
+            to_write = outputs.torch_only(model, inputs)
+        except Exception as exc:
+            raise NormconvError(f"cannot write {output} in torch-only form: {type(exc).__name__}: {exc}") from None
+        if parts:
+            report.notes.append(
+                "written with torch's own modules (" + ", ".join(p.rpartition(".")[2] for p in parts) + " replaced): "
+                "it loads with torch alone" + (
+                    "; the replacements include torch.fx code (GraphModules), so reading it back into normconv needs "
+                    "--trust-pickle (--normconv-modules keeps normconv's modules instead)"
+                    if outputs.holds_graph_modules(to_write) and not Path(output).suffix in (".pt2", ".safetensors")
+                    else ""))
+    report.output = str(save(loaded, to_write, output, in_place, inputs))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -133,7 +164,7 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
 
 def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, rtol: float | None = None,
          output: str | None = None, in_place: bool = False, method: str = "auto",
-         bench: bool = False) -> tuple[Report, nn.Module]:
+         bench: bool = False, keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv fold``: BatchNorm folded into its neighbouring conv / linear, verified, then written."""
     training = [p for p, m in loaded.model.named_modules() if m.training]
     if training and not eval_mode:
@@ -142,7 +173,7 @@ def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, 
                             f"so folding would change it; call .eval() first or pass --eval")
     report, model = rewrite(loaded, [fold_batchnorm.FOLD], command=fold_batchnorm.NAME, exact=True, atol=atol,
                             rtol=rtol, output=output, in_place=in_place, method=method, eval_mode=eval_mode,
-                            bench=bench)
+                            bench=bench, keep_normconv=keep_normconv)
     if not any(s.applied for s in report.sites):
         report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
                             else "the model has no BatchNorm; it is unchanged")
@@ -150,12 +181,13 @@ def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, 
 
 
 def canonicalize(loaded: Loaded, *, atol: float | None = None, rtol: float | None = None, output: str | None = None,
-                 in_place: bool = False, method: str = "auto", bench: bool = False) -> tuple[Report, nn.Module]:
+                 in_place: bool = False, method: str = "auto", bench: bool = False,
+                 keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv canonicalize``: hand-written norms replaced by native modules, verified, then written."""
     try:
         report, model = rewrite(loaded, [canonicalize_pass.CANONICALIZE], command=canonicalize_pass.NAME,
                                 exact=True, atol=atol, rtol=rtol, output=output, in_place=in_place, method=method,
-                                bench=bench)
+                                bench=bench, keep_normconv=keep_normconv)
     except VerificationError as exc:
         if exc.report is not None:
             exc.report.notes.extend(_canonicalize_notes(exc.report, None))
@@ -180,7 +212,7 @@ def _canonicalize_notes(report: Report, model: nn.Module | None) -> list[str]:
 
 def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
          rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
-         canonicalize: bool = True, bench: bool = False) -> tuple[Report, nn.Module]:
+         canonicalize: bool = True, bench: bool = False, keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv swap``: canonicalize, swap, verify against the original, then write (exact: only if verified)."""
     inputs = loaded.require_inputs()
     if output is not None:
@@ -189,7 +221,7 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
     # hand-written and functional norms -> native modules first: swap replaces modules
     passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass]
     report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method,
-                            bench=bench)
+                            bench=bench, write=False)
     report.notes.extend(swap_pass.notes)
     if isinstance(model, fx.GraphModule) and not isinstance(loaded.model, fx.GraphModule):
         report.notes.append("functional / inline norms became modules in the traced graph: the result is a "
@@ -212,15 +244,14 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
         report.notes.append(
             f"approximate swap ({report.extra['refused']} site(s) not exact): output drift max abs "
             f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}; fine-tune if it matters")
-    if output is not None:
-        report.output = str(save(loaded, model, output, in_place, inputs))
+    _write(loaded, model, output, in_place, inputs, report, keep_normconv)
     return report, model
 
 
 def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = None, beta: float | None = None,
              beta_mode: str = "init", n_layers: int | None = None, m_layers: int | None = None,
              seed: int | None = 0, atol: float | None = None, rtol: float | None = None, output: str | None = None,
-             in_place: bool = False, method: str = "auto") -> tuple[Report, nn.Module]:
+             in_place: bool = False, method: str = "auto", keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv deepnorm``: LN(alpha*x + f(x)) at every post-LN sublayer and beta on FFN/v/out, checked against
     that formula computed literally on the same weights, then written. Raises NormconvError on refusal."""
     inputs = loaded.require_inputs()
@@ -248,8 +279,7 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
             f"deepnorm: the rewritten model differs from LN(alpha*x + f(x)) on the same weights (max abs "
             f"error {validation.max_abs_error:.3g}, atol {validation.atol:g}, rtol {validation.rtol:g}); "
             f"nothing written", report)
-    if output is not None:
-        report.output = str(save(loaded, new, output, in_place, inputs))
+    _write(loaded, new, output, in_place, inputs, report, keep_normconv)
     return report, new
 
 

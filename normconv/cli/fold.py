@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
@@ -28,6 +28,7 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
+        normconv_modules: KeepNormconvOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
@@ -35,5 +36,5 @@ def register(app: typer.Typer) -> None:
 
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
         report, _ = flow.fold(loaded, eval_mode=eval_mode, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                              bench=bench)
+                              bench=bench, keep_normconv=normconv_modules)
         emit(report, as_json)
