@@ -148,3 +148,16 @@ def test_float32norm_is_written_as_a_graph_module(tmp_path):
     got = load_without_normconv(tmp_path / "m.pt", (x,), None, tmp_path)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got, model(x), atol=0, rtol=0)
+
+
+def test_messages_agree_with_what_happened(cli, tmp_path):
+    # approximate swap: drift, never FAILED with exit 0
+    code, out, err = cli("swap", "zoo:bert", "--approximate", "-o", tmp_path / "a.pt")  # post-LN: not exact
+    assert code == 0, err
+    assert "FAIL" not in out.replace(str(tmp_path), "") and "expected drift" in out and "wrote" in out, out
+    # no -o: say nothing was written
+    code, out, _ = cli("fold", "tests.fixtures.deploy_models:deconv")
+    assert code == 0 and "nothing was written" in out
+    # canonicalize no-ops (already native) are not counted as skips of the swap
+    code, out, _ = cli("swap", "zoo:gpt")
+    assert code == 0 and "5 applied, 0 skipped" in out and "already native" not in out
