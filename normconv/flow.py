@@ -12,10 +12,12 @@ and nothing is written unless it verified. This is the only module that calls ``
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -24,6 +26,7 @@ from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.near_miss import find_near_misses
+from normconv import outputs
 from normconv.io import Loaded, check_output_path, save
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
@@ -107,8 +110,9 @@ def _inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Modul
 def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bool,
             atol: float | None = None, rtol: float | None = None, output: str | None = None,
             in_place: bool = False, method: str = "auto", eval_mode: bool = False,
-            bench: bool = False) -> tuple[Report, nn.Module]:
-    """Apply ``passes`` to a loaded model, verify against the original, write ``output`` if it passed."""
+            bench: bool = False, keep_normconv: bool = False, write: bool = True) -> tuple[Report, nn.Module]:
+    """Apply ``passes`` to a loaded model, verify against the original, write ``output`` if it passed
+    (``write=False``: the caller writes, after checks of its own)."""
     inputs = loaded.require_inputs()
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
@@ -126,8 +130,8 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
         raise VerificationError(
             f"{command}: outputs differ beyond tolerance ({failed.label}: max abs error "
             f"{failed.max_abs_error:.3g}, atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
-    if output is not None:
-        report.output = str(save(loaded, model, output, in_place, inputs))
+    if write:
+        _write(loaded, model, output, in_place, inputs, report, keep_normconv)
     return report, model
 
 
@@ -149,13 +153,41 @@ def _second_shape(original: nn.Module, rewritten: nn.Module, inputs: Inputs, ato
     return [compare(reference, candidate, atol, rtol, label=label)]
 
 
+def _write(loaded: Loaded, model: nn.Module, output: str | None, in_place: bool, inputs: Inputs, report: Report,
+           keep_normconv: bool = False) -> None:
+    """Write ``model`` to ``output`` in a form that loads with torch alone (unless ``keep_normconv``), and say in
+    the report what was written and what loading it needs; without ``output`` say that nothing was written."""
+    if output is None:
+        report.notes.append("nothing was written (no -o given)")
+        return
+    parts = outputs.normconv_parts(model)
+    if keep_normconv and parts:
+        to_write = model
+        report.notes.append("kept normconv's modules (" + ", ".join(parts) + "): loading the output needs "
+                            "normconv installed")
+    else:
+        try:
+            to_write = outputs.torch_only(model, inputs)
+        except Exception as exc:
+            raise NormconvError(f"cannot write {output} in torch-only form: {type(exc).__name__}: {exc}") from None
+        if parts:
+            report.notes.append(
+                "written with torch's own modules (" + ", ".join(p.rpartition(".")[2] for p in parts) + " replaced): "
+                "it loads with torch alone" + (
+                    "; the replacements include torch.fx code (GraphModules), so reading it back into normconv needs "
+                    "--trust-pickle (--normconv-modules keeps normconv's modules instead)"
+                    if outputs.holds_graph_modules(to_write) and not Path(output).suffix in (".pt2", ".safetensors")
+                    else ""))
+    report.output = str(save(loaded, to_write, output, in_place, inputs))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the commands
 
 
 def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, rtol: float | None = None,
          output: str | None = None, in_place: bool = False, method: str = "auto",
-         bench: bool = False) -> tuple[Report, nn.Module]:
+         bench: bool = False, keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv fold``: BatchNorm folded into its neighbouring conv / linear, verified, then written."""
     training = [p for p, m in loaded.model.named_modules() if m.training]
     if training and not eval_mode:
@@ -164,7 +196,7 @@ def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, 
                             f"so folding would change it; call .eval() first or pass --eval")
     report, model = rewrite(loaded, [fold_batchnorm.FOLD], command=fold_batchnorm.NAME, exact=True, atol=atol,
                             rtol=rtol, output=output, in_place=in_place, method=method, eval_mode=eval_mode,
-                            bench=bench)
+                            bench=bench, keep_normconv=keep_normconv)
     if not any(s.applied for s in report.sites):
         report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
                             else "the model has no BatchNorm; it is unchanged")
@@ -172,12 +204,13 @@ def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, 
 
 
 def canonicalize(loaded: Loaded, *, atol: float | None = None, rtol: float | None = None, output: str | None = None,
-                 in_place: bool = False, method: str = "auto", bench: bool = False) -> tuple[Report, nn.Module]:
+                 in_place: bool = False, method: str = "auto", bench: bool = False,
+                 keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv canonicalize``: hand-written norms replaced by native modules, verified, then written."""
     try:
         report, model = rewrite(loaded, [canonicalize_pass.CANONICALIZE], command=canonicalize_pass.NAME,
                                 exact=True, atol=atol, rtol=rtol, output=output, in_place=in_place, method=method,
-                                bench=bench)
+                                bench=bench, keep_normconv=keep_normconv)
     except VerificationError as exc:
         if exc.report is not None:
             exc.report.notes.extend(_canonicalize_notes(exc.report, None))
@@ -202,7 +235,8 @@ def _canonicalize_notes(report: Report, model: nn.Module | None) -> list[str]:
 
 def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
          rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
-         canonicalize: bool = True, bench: bool = False, fold_scales_: bool = False) -> tuple[Report, nn.Module]:
+         canonicalize: bool = True, bench: bool = False, fold_scales_: bool = False,
+         keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv swap``: canonicalize, swap, verify against the original, then write (exact: only if verified).
     ``fold_scales_``: then fold every RMSNorm scale into the linears reading it (weight-free norms; a model with
     no LayerNorm to swap is then only folded)."""
@@ -217,10 +251,13 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
     passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass] + \
         ([fold_pass] if fold_scales_ else [])
     report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method,
-                            bench=bench)
+                            bench=bench, write=False)
     report.notes.extend(swap_pass.notes + fold_pass.notes)
     if fold_scales_:
         report.extra["scales_folded"] = sum(p.ok for p in fold_pass.plans)
+    # canonicalize is swap's first step: a norm that is already native is no news (and no skip of the swap)
+    report.sites = [s for s in report.sites if not (s.pass_name == canonicalize_pass.NAME and not s.applied
+                                                    and s.reason.startswith("already native"))]
     if isinstance(model, fx.GraphModule) and not isinstance(loaded.model, fx.GraphModule):
         report.notes.append("functional / inline norms became modules in the traced graph: the result is a "
                             "torch.fx.GraphModule (your class is not kept; loading it back needs --trust-pickle)")
@@ -238,12 +275,12 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
         raise VerificationError(
             f"swap: outputs differ beyond tolerance (max abs error {v.max_abs_error:.3g}, atol {v.atol:g}, "
             f"rtol {v.rtol:g}); nothing written", report)
-    if not swap_pass.exact:
+    if not swap_pass.exact:  # an intended change, measured: drift, not a failed check
+        report.validation[0] = dataclasses.replace(v, drift=True, label="drift against the original")
         report.notes.append(
             f"approximate swap ({report.extra['refused']} site(s) not exact): output drift max abs "
             f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}; fine-tune if it matters")
-    if output is not None:
-        report.output = str(save(loaded, model, output, in_place, inputs))
+    _write(loaded, model, output, in_place, inputs, report, keep_normconv)
     return report, model
 
 
@@ -285,7 +322,7 @@ def rotate(loaded: Loaded, rotation: str = "hadamard", seed: int = 0, *, atol: f
 def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = None, beta: float | None = None,
              beta_mode: str = "init", n_layers: int | None = None, m_layers: int | None = None,
              seed: int | None = 0, atol: float | None = None, rtol: float | None = None, output: str | None = None,
-             in_place: bool = False, method: str = "auto") -> tuple[Report, nn.Module]:
+             in_place: bool = False, method: str = "auto", keep_normconv: bool = False) -> tuple[Report, nn.Module]:
     """``normconv deepnorm``: LN(alpha*x + f(x)) at every post-LN sublayer and beta on FFN/v/out, checked against
     that formula computed literally on the same weights, then written. Raises NormconvError on refusal."""
     inputs = loaded.require_inputs()
@@ -313,8 +350,7 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
             f"deepnorm: the rewritten model differs from LN(alpha*x + f(x)) on the same weights (max abs "
             f"error {validation.max_abs_error:.3g}, atol {validation.atol:g}, rtol {validation.rtol:g}); "
             f"nothing written", report)
-    if output is not None:
-        report.output = str(save(loaded, new, output, in_place, inputs))
+    _write(loaded, new, output, in_place, inputs, report, keep_normconv)
     return report, new
 
 
@@ -330,8 +366,9 @@ def export(loaded: Loaded, output: str, target: str = "onnx", opset: int | None 
     out = onnx_export.check_args(output, target, opset)
     check_output_path(loaded, out)
     inputs = loaded.require_inputs()
-    reference = run(loaded.model, inputs)
     report = Report(command=onnx_export.NAME, model=loaded.spec)
+    inputs = _with_attention_mask(loaded.model, inputs, report)
+    reference = run(loaded.model, inputs)
 
     # norm sites and the plan (the same analysis inspect shows)
     norms: list[NormSite] = []
@@ -364,6 +401,23 @@ def export(loaded: Loaded, output: str, target: str = "onnx", opset: int | None 
     return onnx_export.write_onnx(release(prepared), release(original), inputs, reference, out, report, norms,
                                   target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
                                   rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)
+
+
+def _with_attention_mask(model: nn.Module, inputs: Inputs, report: Report) -> Inputs:
+    """Token ids without a mask, for a forward that takes ``attention_mask``: add an all-ones mask so the ONNX has
+    the input a deployment feeds for padded batches (GPT-2's export otherwise has input_ids only)."""
+    import inspect as pyinspect
+
+    ids = inputs.kwargs.get("input_ids")
+    try:
+        params = pyinspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return inputs
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or "attention_mask" not in params \
+            or "attention_mask" in inputs.kwargs or len(inputs.args) > list(params).index("attention_mask"):
+        return inputs
+    report.notes.append("attention_mask added to the example inputs (all ones) so that the ONNX takes it")
+    return Inputs(tuple(inputs.args), {**inputs.kwargs, "attention_mask": torch.ones_like(ids)})
 
 
 def _plan_of(cap: Captured, norms: Sequence[NormSite], which: str, on: bool) -> dict[str, tuple[bool, str]] | None:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.outputs import WRITERS
 from normconv.verify import Inputs, run
 
 HF_SEQ_LEN = 16
@@ -725,16 +726,7 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
         os.close(fd)
-        if fmt == "pt2":
-            inputs = inputs or loaded.require_inputs()
-            ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
-            torch.export.save(ep, tmp)
-        elif fmt == "safetensors":
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
-        else:
-            _save_pickle(model, tmp, inputs or loaded.inputs)
+        WRITERS[fmt](model, tmp, inputs or (loaded.require_inputs() if fmt == "pt2" else loaded.inputs))
         os.replace(tmp, path)
         tmp = None
     except NormconvError:
@@ -747,16 +739,6 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
         if tmp is not None:
             _unlink(tmp)
     return path
-
-
-def _save_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
-    """torch.save(model), carrying the example inputs so the next normconv command needs no --input-shape."""
-    if inputs is not None:
-        model.__dict__[_INPUTS_ATTR] = {"args": tuple(inputs.args), "kwargs": dict(inputs.kwargs)}
-    try:
-        torch.save(model, path)
-    finally:
-        model.__dict__.pop(_INPUTS_ATTR, None)
 
 
 def _unlink(path: str) -> None:

@@ -662,9 +662,12 @@ def reference_model(rewritten: nn.Module) -> nn.Module:
     ref = clone_sharing_tensors(rewritten)  # hooks and eps change, no tensor is written
     mark = ref.__dict__.pop(MARKER)
     modules = dict(ref.named_modules())
-    for m in modules.values():
+    # normconv's hooks, or on the recorded sites their torch-only GraphModule form in a written model
+    sited = {rec[key] for rec in mark["sites"] for key in ("norm", "branch")}
+    for path, m in modules.items():
         for hooks in (m._forward_hooks, m._forward_pre_hooks):
-            for k in [k for k, h in hooks.items() if isinstance(h, (BranchScale, InputScale))]:
+            for k in [k for k, h in hooks.items() if isinstance(h, (BranchScale, InputScale))
+                      or (path in sited and isinstance(h, torch.fx.GraphModule))]:
                 del hooks[k]
     for rec in mark["sites"]:
         norm, branch = modules[rec["norm"]], modules[rec["branch"]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 
@@ -23,11 +23,13 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
+        normconv_modules: KeepNormconvOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Replace hand-written norms (modules and inline code) by native ones; exits 1 (writing nothing) on drift."""
         from normconv import flow
 
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = flow.canonicalize(loaded, atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench)
+        report, _ = flow.canonicalize(loaded, atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench,
+                                      keep_normconv=normconv_modules)
         emit(report, as_json)

@@ -37,6 +37,9 @@ OutputOpt = Annotated[Optional[str], typer.Option(
     "--output", "-o", help="where to write the result (default: nothing is written)")]
 BenchOpt = Annotated[bool, typer.Option(
     "--bench", help="also time the model before and after (median of 5 eager forwards each)")]
+KeepNormconvOpt = Annotated[bool, typer.Option(
+    "--normconv-modules", help="keep normconv's faster eager modules in the written model (loading it then needs "
+                               "normconv; default: torch's own modules, loads with torch alone)")]
 InPlaceOpt = Annotated[bool, typer.Option("--in-place", help="allow -o to overwrite the input file")]
 AtolOpt = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="absolute tolerance (default by dtype: fp32 1e-4)")]
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relative tolerance (default by dtype: fp32 1e-4)")]
@@ -88,4 +91,4 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "user_errors", "emit", "load_from_flags", "fail"]
+__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "load_from_flags", "fail"]

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
+from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
                          WeightsOpt, emit, load_from_flags, user_errors)
 from normconv.errors import NormconvError
 
@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOpt = None,
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
+        normconv_modules: KeepNormconvOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Make a post-LN transformer DeepNorm: LN(alpha*x + f(x)) at every post-LN sublayer, beta on FFN/v/out.
@@ -54,5 +55,5 @@ def register(app: typer.Typer) -> None:
             raise NormconvError("--beta has no effect with --no-beta")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.deepnorm(loaded, arch=arch, alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=layers,
-                                  m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol, output=output)
+                                  m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol, output=output, keep_normconv=normconv_modules)
         emit(report, as_json)

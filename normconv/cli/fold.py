@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
+        normconv_modules: KeepNormconvOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
@@ -36,5 +37,5 @@ def register(app: typer.Typer) -> None:
 
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.fold(loaded, eval_mode=eval_mode, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                              bench=bench)
+                              bench=bench, keep_normconv=normconv_modules)
         emit(report, as_json)

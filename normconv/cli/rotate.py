@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt,
+from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt,
                                  RtolOpt, TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 
@@ -23,6 +23,7 @@ def register(app: typer.Typer) -> None:
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
+        trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
@@ -38,7 +39,7 @@ def register(app: typer.Typer) -> None:
 
         if rotation not in ROTATIONS:
             raise NormconvError(f"unknown --rotation {rotation!r}: choose {', '.join(ROTATIONS)}")
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype)
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.rotate(loaded, rotation, seed, atol=atol, rtol=rtol, output=output, in_place=in_place,
                                 bench=bench)
         emit(report, as_json)

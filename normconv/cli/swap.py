@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
 
 
@@ -33,6 +33,7 @@ def register(app: typer.Typer) -> None:
         rtol: RtolOpt = None,
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
+        normconv_modules: KeepNormconvOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Swap LayerNorm -> RMSNorm exactly (Pre-LN: center the residual writers, fold the bias), or back."""
@@ -44,5 +45,6 @@ def register(app: typer.Typer) -> None:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                              canonicalize=not no_canonicalize, bench=bench, fold_scales_=fold_scales)
+                              canonicalize=not no_canonicalize, bench=bench, fold_scales_=fold_scales,
+                              keep_normconv=normconv_modules)
         emit(report, as_json)

@@ -209,6 +209,8 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto") -> Captured:
     attempts: dict[str, str] = {}
     methods = ("symbolic_trace", "torch.export") if method == "auto" else (method,)
     for m in methods:
+        if m == "symbolic_trace" and method == "auto" and inputs.kwargs:
+            continue  # keyword inputs (every Hugging Face model) go to torch.export: a choice, not a failure
         try:
             with forward_guard(model):  # tracing and shape propagation run forwards too: they change nothing
                 return _capture_with(m, model, inputs, attempts)

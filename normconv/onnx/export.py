@@ -282,6 +282,9 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     if norms and not extra["fused_matches_sites"]:
         report.notes.append(f"fused norm ops ({non_bn_fused} + {fused.get('batchnorm', 0)} BatchNormalization) "
                             f"differ from norm sites ({non_bn_sites} + {sites_by_kind.get('batchnorm', 0)} batchnorm)")
+    from normconv.onnx.names import name_graph
+
+    extra["renamed"] = name_graph(onnx_model, reference)  # logits / batch / sequence, not linear / s72
     extra["dynamic_axes"] = _dynamic_axes(onnx_model)
     if dynamic and not extra["dynamic_axes"]:
         report.notes.append("--dynamic: the model specializes every input dimension; the graph is static")

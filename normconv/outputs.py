@@ -1,0 +1,207 @@
+"""What normconv writes: the per-format writers io.save dispatches to, and the torch-only form of a rewritten model.
+
+By default a written model loads with torch alone (``torch.load(path, weights_only=False)``, or
+``torch.export.load`` for a .pt2): before writing, ``torch_only`` replaces the modules normconv inserted by torch's
+own or by torch.fx GraphModules (which pickle as their generated code and load with torch alone):
+
+  normconv.nn.rmsnorm.RMSNorm           ->  nn.RMSNorm (same parameter, same state_dict key)
+  normconv.nn.modules.Float32Norm       ->  GraphModule: norm(x.to(compute)).to(out)      (same keys: norm.*)
+  normconv.nn.modules.ChannelShift      ->  GraphModule: (x.transpose(1, -1) + bias).transpose(1, -1)   (key: bias)
+  DeepNorm BranchScale / InputScale     ->  GraphModule hooks computing the same product
+
+``keep_normconv=True`` (``--normconv-modules``) keeps normconv's faster eager modules; loading then needs normconv.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from normconv.clone import clone_sharing_tensors, release
+from normconv.nn.modules import BranchScale, ChannelShift, Float32Norm, InputScale
+from normconv.nn.rmsnorm import RMSNorm as FastRMSNorm
+from normconv.verify import Inputs, run
+
+INPUTS_ATTR = "_normconv_example_inputs"  # example inputs carried in a pickle normconv wrote (io._INPUTS_ATTR reads them)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch-only form
+
+
+class _Shift(nn.Module):
+    def __init__(self, bias: nn.Parameter):
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x):  # x + bias per channel (dim 1), any rank: broadcast on the last dim
+        return (x.transpose(1, -1) + self.bias).transpose(1, -1)
+
+
+class _Cast(nn.Module):
+    def __init__(self, norm: nn.Module, compute: torch.dtype, out: torch.dtype | None):
+        super().__init__()
+        self.norm, self.compute, self.out = norm, compute, out
+
+    def forward(self, x):
+        y = self.norm(x.to(self.compute))
+        return y.to(x.dtype) if self.out is None else y.to(self.out)
+
+
+class _BranchHook(nn.Module):
+    def __init__(self, factor: float, tuple_output: bool):
+        super().__init__()
+        self.factor, self.tuple_output = factor, tuple_output
+
+    def forward(self, module, args, output):
+        if self.tuple_output:  # resolved at trace time: the branch's output type was recorded on a real forward
+            return (output[0] * self.factor,) + output[1:]
+        return output * self.factor
+
+
+class _InputHook(nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, module, args):
+        return (args[0] * self.factor,) + args[1:]
+
+
+def _graph_module(root: nn.Module, name: str) -> fx.GraphModule:
+    gm = fx.symbolic_trace(root)
+    gm.__class__.__name__ = name  # the repr a user sees; pickling stores the code, not this class
+    return gm
+
+
+def _rmsnorm(m: FastRMSNorm) -> nn.RMSNorm:
+    new = nn.RMSNorm.__new__(nn.RMSNorm)
+    new.__dict__.update(m.__dict__)  # same parameters, buffers, hooks and flags: only the class changes
+    new.__dict__["_parameters"] = dict(m._parameters)
+    return new
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    if path == "":
+        return new
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, new)
+    return model
+
+
+def normconv_parts(model: nn.Module) -> list[str]:
+    """The normconv classes (modules and hooks) in ``model`` that a loader would have to import."""
+    found = set()
+    for m in model.modules():
+        if type(m).__module__.startswith("normconv.nn"):
+            found.add(f"{type(m).__module__}.{type(m).__qualname__}")
+        for h in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values()):
+            if type(h).__module__.startswith("normconv."):
+                found.add(f"{type(h).__module__}.{type(h).__qualname__}")
+    return sorted(found)
+
+
+def holds_graph_modules(model: nn.Module) -> bool:
+    """A GraphModule among the modules or hooks: its pickle carries code (normconv's safe loader refuses it)."""
+    return any(isinstance(x, fx.GraphModule) for m in model.modules()
+               for x in [m, *m._forward_hooks.values(), *m._forward_pre_hooks.values()])
+
+
+def torch_only(model: nn.Module, inputs: Inputs | None) -> nn.Module:
+    """A copy of ``model`` (sharing its tensors) with every module and hook normconv inserted replaced by torch's
+    own or by a GraphModule, so that it loads without normconv. ``model`` itself is not changed."""
+    if not normconv_parts(model):
+        return model
+    tuple_out: dict[int, bool] = {}
+    branch_hooks = [(m, h) for m in model.modules() for h in m._forward_hooks.values() if isinstance(h, BranchScale)]
+    if branch_hooks:  # a BranchScale checks the output type at run time: record it on one real forward
+        if inputs is None:
+            raise ValueError("example inputs are needed to write DeepNorm hooks in torch-only form")
+        handles = [m.register_forward_hook(lambda mod, a, out: tuple_out.__setitem__(id(mod), isinstance(out, tuple)))
+                   for m, _ in branch_hooks]
+        try:
+            run(model, inputs)
+        finally:
+            for h in handles:
+                h.remove()
+    work = clone_sharing_tensors(model)
+    # innermost first: a Float32Norm holds the RMSNorm it casts around
+    for path, m in sorted(work.named_modules(), key=lambda pm: -pm[0].count(".") - (pm[0] != "")):
+        new = None
+        if isinstance(m, FastRMSNorm):
+            new = _rmsnorm(m)
+        elif isinstance(m, Float32Norm):
+            new = _graph_module(_Cast(m.norm, m.compute_dtype, m.out_dtype), "Float32Norm")
+        elif isinstance(m, ChannelShift):
+            new = _graph_module(_Shift(m.bias), "ChannelShift")
+        if new is not None:
+            new.training = m.training
+            for key in ("_forward_hooks", "_forward_pre_hooks"):
+                if type(new) is not nn.RMSNorm:
+                    getattr(new, key).update(getattr(m, key))
+            work = _replace(work, path, new)
+    orig = dict(model.named_modules())
+    for path, m in work.named_modules():
+        for k, h in list(m._forward_hooks.items()):
+            if isinstance(h, BranchScale):
+                src = orig.get(path, m)
+                gm = _graph_module(_BranchHook(h.factor, tuple_out.get(id(src), False)), "DeepNormBranchScale")
+                m._forward_hooks[k] = gm
+        for k, h in list(m._forward_pre_hooks.items()):
+            if isinstance(h, InputScale):
+                gm = _graph_module(_InputHook(h.factor), "DeepNormInputScale")
+                m._forward_pre_hooks[k] = gm
+    return release(work)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# writers: (model, path, inputs) -> None; io.save gives each a temp path and renames it into place
+
+
+def _follow_umask(path: str) -> None:
+    """mkstemp creates 0600; a written model gets what open() would give (0666 minus the umask), like torch.save."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
+    """torch.save(model), carrying the example inputs so the next normconv command needs no --input-shape."""
+    if inputs is not None:
+        model.__dict__[INPUTS_ATTR] = {"args": tuple(inputs.args), "kwargs": dict(inputs.kwargs)}
+    try:
+        torch.save(model, path)
+    finally:
+        model.__dict__.pop(INPUTS_ATTR, None)
+    _follow_umask(path)
+
+
+def write_pt2(model: nn.Module, path: str, inputs: Inputs | None) -> None:
+    """torch.export program (loads with torch.export.load alone)."""
+    import warnings
+
+    if inputs is None:
+        raise ValueError("example inputs are needed to write a .pt2")
+    ep = torch.export.export(model, tuple(inputs.args), dict(inputs.kwargs), strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about the temp file's name (not a .pt2 suffix)
+        torch.export.save(ep, path)
+    _follow_umask(path)
+
+
+def write_safetensors(model: nn.Module, path: str, inputs: Inputs | None) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    _follow_umask(path)
+
+
+WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
+    "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors,
+}
+
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "write_pickle", "write_pt2", "write_safetensors", "INPUTS_ATTR"]

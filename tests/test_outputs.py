@@ -1,0 +1,163 @@
+"""Every output loads where normconv is not installed (issue 14): each command's -o file is loaded in a fresh
+interpreter where `import normconv` fails, run, and compared with what normconv computed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a fresh interpreter without normconv: the module is blocked before anything is unpickled
+_LOAD = r"""
+import sys, json
+sys.modules["normconv"] = None
+import torch
+try:
+    import normconv
+    raise SystemExit("normconv importable")
+except ImportError:
+    pass
+path, x_path, out_path = sys.argv[1:4]
+if path.endswith(".pt2"):
+    m = torch.export.load(path).module()
+else:
+    m = torch.load(path, weights_only=False)
+    m.eval()
+inputs = torch.load(x_path)
+with torch.no_grad():
+    y = m(*inputs["args"], **inputs["kwargs"])
+if not isinstance(y, torch.Tensor):
+    y = y[0]
+torch.save(y, out_path)
+print(type(m).__name__)
+"""
+
+
+def load_without_normconv(path: Path, args, kwargs=None, tmp: Path | None = None) -> torch.Tensor:
+    tmp = tmp or path.parent
+    torch.save({"args": tuple(args), "kwargs": dict(kwargs or {})}, tmp / "x.pt")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # tests.fixtures importable, as the user's own code would be
+    r = subprocess.run([sys.executable, "-c", _LOAD, str(path), str(tmp / "x.pt"), str(tmp / "y.pt")],
+                       capture_output=True, text=True, env=env, cwd=str(tmp), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return torch.load(tmp / "y.pt")
+
+
+def _run(cli, *args):
+    code, out, err = cli(*args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _reference(rep_model_spec):
+    from normconv.io import load
+
+    loaded = load(rep_model_spec)
+    return loaded
+
+
+CASES = [  # command, factory, extra flags, the normconv class the rewrite inserts in memory
+    ("swap", "tests.fixtures.deploy_models:ln_mlp", ["--approximate"], "RMSNorm"),
+    ("canonicalize", "tests.fixtures.deploy_models:rms_mlp", [], "RMSNorm"),
+    ("fold", "tests.fixtures.deploy_models:deconv", [], "ChannelShift"),
+]
+
+
+@pytest.mark.parametrize("command,spec,flags,inserted", CASES, ids=[c[0] for c in CASES])
+def test_each_command_output_loads_with_torch_alone(cli, tmp_path, command, spec, flags, inserted):
+    from normconv import flow
+    from normconv.io import load
+    from normconv.verify import run
+
+    loaded = load(spec)
+    # in memory the rewrite uses normconv's module: the output must not
+    _, model = getattr(flow, command)(loaded, **({"approximate": True} if command == "swap" else {}))
+    assert any(type(m).__name__ == inserted and type(m).__module__.startswith("normconv.nn") for m in model.modules())
+    expected = run(model, loaded.inputs)
+    for suffix in (".pt", ".pt2"):
+        out = tmp_path / f"{command}{suffix}"
+        rep = _run(cli, command, spec, "-o", out, *flags)
+        assert rep["output"] == str(out)
+        assert not any("needs normconv" in n for n in rep["notes"])
+        got = load_without_normconv(out, loaded.inputs.args, loaded.inputs.kwargs, tmp_path)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert out.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_normconv_modules_is_an_opt_in_that_says_loading_needs_normconv(cli, tmp_path):
+    out = tmp_path / "swap.pt"
+    rep = _run(cli, "swap", "tests.fixtures.deploy_models:ln_mlp", "--approximate", "-o", out, "--normconv-modules")
+    assert any("normconv.nn.rmsnorm.RMSNorm" in n and "needs normconv" in n for n in rep["notes"])
+    globs = torch.serialization.get_unsafe_globals_in_checkpoint(str(out))
+    assert "normconv.nn.rmsnorm.RMSNorm" in globs
+    default = tmp_path / "default.pt"
+    _run(cli, "swap", "tests.fixtures.deploy_models:ln_mlp", "--approximate", "-o", default)
+    assert not [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(default)) if "normconv" in g]
+
+
+def test_deepnorm_output_loads_with_torch_alone_and_trains(cli, tmp_path, hf_folders):
+    from normconv import flow
+    from normconv.io import load
+    from normconv.passes import deepnorm as dn
+    from normconv.verify import run
+
+    loaded = load(str(hf_folders["bert"]))
+    _, model = flow.deepnorm(loaded)
+    expected = run(model, loaded.inputs)
+    out = tmp_path / "bert_dn.pt"
+    rep = _run(cli, "deepnorm", hf_folders["bert"], "-o", out)
+    assert rep["output"] == str(out)
+    assert not [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(out)) if "normconv" in g]
+    got = load_without_normconv(out, loaded.inputs.args, loaded.inputs.kwargs, tmp_path)
+    torch.testing.assert_close(got, expected.last_hidden_state, atol=1e-5, rtol=1e-5)
+    # the torch-only hooks keep gradients flowing (DeepNorm is for training) and a second run is refused
+    back = torch.load(out, weights_only=False).train()
+    back(**loaded.inputs.kwargs).last_hidden_state.sum().backward()
+    assert back.encoder.layer[0].attention.self.value.weight.grad is not None
+    assert dn.already_applied(back)
+
+
+def test_float32norm_is_written_as_a_graph_module(tmp_path):
+    from normconv.nn.modules import Float32Norm
+    from normconv.nn.rmsnorm import make_rmsnorm
+    from normconv.outputs import normconv_parts, torch_only
+    from normconv.verify import Inputs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8).half(), Float32Norm(make_rmsnorm((8,), 1e-6, torch.rand(8)), torch.float32))
+    x = torch.randn(3, 8).half()
+    portable = torch_only(model, Inputs((x,), {}))
+    assert normconv_parts(model) and not normconv_parts(portable)
+    assert type(model[1].norm).__module__.startswith("normconv")  # the user's copy is untouched
+    assert list(portable.state_dict()) == list(model.state_dict())
+    torch.save(portable, tmp_path / "m.pt")
+    got = load_without_normconv(tmp_path / "m.pt", (x,), None, tmp_path)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, model(x), atol=0, rtol=0)
+
+
+def test_messages_agree_with_what_happened(cli, tmp_path):
+    # approximate swap: drift, never FAILED with exit 0
+    code, out, err = cli("swap", "zoo:bert", "--approximate", "-o", tmp_path / "a.pt")  # post-LN: not exact
+    assert code == 0, err
+    assert "FAIL" not in out.replace(str(tmp_path), "") and "expected drift" in out and "wrote" in out, out
+    # no -o: say nothing was written
+    code, out, _ = cli("fold", "tests.fixtures.deploy_models:deconv")
+    assert code == 0 and "nothing was written" in out
+    # canonicalize no-ops (already native) are not counted as skips of the swap
+    code, out, _ = cli("swap", "zoo:gpt")
+    assert code == 0 and "5 applied, 0 skipped" in out and "already native" not in out
