@@ -171,9 +171,12 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
         norm_nodes.update(s.nodes)
         vals, leaves = _walk(cap, s)
         values |= vals
-        for leaf, path in leaves:
+        for leaf, path, axis in leaves:
             w_node, extra = _through_scalar(cap, leaf)
-            w = _writer(cap, w_node)
+            if w_node is not leaf and cap.shape(w_node) != cap.shape(leaf):
+                plan.problem = f"{s.target}: stream writer {cap.describe(w_node)} reaches the stream through a reshape"
+                return plan
+            w = _writer(cap, w_node, axis)
             if isinstance(w, str):
                 plan.problem = f"{s.target}: {w}"
                 return plan
@@ -211,8 +214,8 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
     # shapes: writers write d-wide rows, readers read d-wide rows
     for w in plan.writers:
         t = cap.tensor(w.weight)
-        axis = {"rows": 1, "out_in": 0, "in_out": 1}[w.layout]
-        if t is None or t.dim() != 2 or t.shape[axis] != d:
+        axis = w.axis
+        if t is None or t.dim() <= axis or t.shape[axis] != d:
             plan.problem = f"stream writer {w.module or w.node} does not write {d}-wide rows"
             return plan
     for r in plan.readers:
@@ -226,17 +229,27 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
 
 
 def _ops(plan: RotationPlan) -> list[tuple[str, str, str]]:
-    """(state_dict name, node, op) for every tensor the rotation rewrites: right (W Q), left (Q^T W), bias (b Q)."""
+    """(state_dict name, node, axis) for every tensor the rotation rewrites: T <- T Q along that axis.
+
+    Along the axis that indexes the hidden dim, one rule covers every layout: embedding E (V, D) and HF Conv1D
+    writer W (in, D) -> E Q, W Q (axis 1); nn.Linear / conv writer W (D, ...) -> Q^T W (axis 0); a parameter added
+    to the stream (position embedding, class token) along its hidden axis; biases b Q (axis 0); a reader
+    nn.Linear W (out, D) -> W Q (axis 1), a Conv1D reader W (D, out) -> Q^T W (axis 0)."""
     ops = []
     for w in plan.writers:
-        # embedding / Conv1D writer  =>  E Q, W Q;  nn.Linear writer  =>  Q^T W;  its bias  =>  b Q
-        ops.append((w.weight, w.node, "left" if w.layout == "out_in" else "right"))
+        # writer  =>  rotated along the weight's hidden axis;  its bias  =>  b Q
+        ops.append((w.weight, w.node, f"axis {w.axis}"))
         if w.bias:
-            ops.append((w.bias, w.node, "bias"))
+            ops.append((w.bias, w.node, "axis 0"))
     for r in plan.readers:
-        # nn.Linear reader  =>  W Q;  Conv1D reader  =>  Q^T W
-        ops.append((r.weight, r.node, "right" if r.layout == "out_in" else "left"))
+        # norm reader  =>  rotated along its input axis (Q taken back out)
+        ops.append((r.weight, r.node, "axis 1" if r.layout == "out_in" else "axis 0"))
     return ops
+
+
+def rotate_along(t: torch.Tensor, q: torch.Tensor, axis: int) -> torch.Tensor:
+    """T Q along ``axis``: (T.movedim(axis, -1) @ Q).movedim(-1, axis)."""
+    return (t.movedim(axis, -1) @ q).movedim(-1, axis)
 
 
 def _check_tensors(cap: Captured, plan: RotationPlan) -> str | None:
@@ -248,6 +261,9 @@ def _check_tensors(cap: Captured, plan: RotationPlan) -> str | None:
         t = cap.tensor(name)
         by_tensor.setdefault(id(t), set()).add(op)
         nodes_of.setdefault(id(t), set()).add(node)
+    for w in plan.writers:
+        if w.kind == "param":  # a parameter added as is: the stream node that adds it is its reader, and rotated
+            nodes_of[id(cap.tensor(w.weight))].update(u.name for u in cap.nodes[w.node].users)
     for name, node, op in _ops(plan):
         t = cap.tensor(name)
         foreign = [n for n in param_readers.get(id(t), []) if n not in nodes_of[id(t)]]
@@ -303,8 +319,7 @@ class Rotate:
                 if id(t) in done:
                     continue  # a tie rotated the same way by both holders (wte = lm_head: E Q = W Q)
                 done.add(id(t))
-                t64 = t.detach().double()
-                new = t64 @ q if op in ("right", "bias") else q.T @ t64
+                new = rotate_along(t.detach().double(), q, int(op.split()[1]))
                 mine = owned(model, t)
                 mine.data.copy_(new.to(t.dtype))
         sites = tuple(Site(NAME, s.target, True, f"stream of width {p.d} rotated ({self.how})") for s in p.sites)
@@ -318,4 +333,4 @@ def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
 
 
 __all__ = ["Rotate", "RotationPlan", "analyze", "rotation", "hadamard", "hadamard_order", "paley", "plan", "NAME",
-           "ROTATIONS"]
+           "ROTATIONS", "rotate_along"]

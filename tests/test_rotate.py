@@ -228,19 +228,6 @@ def test_export_of_the_rotated_model_has_one_op_per_weight_free_norm(tmp_path):
     assert sum("Norm" in o for o in ops) == 5 and all(v.passed for v in report.validation)
 
 
-def test_pre_ln_vit_is_refused_with_the_reason():
-    """Not yet: ViT adds its position embeddings as a bare Parameter and writes the stream with a conv (and a cls
-    token through cat); neither the exact swap nor the rotation knows those writers, so both refuse by name."""
-    from transformers import ViTConfig, ViTForImageClassification
-
-    torch.manual_seed(0)
-    model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                intermediate_size=64, image_size=32, patch_size=8,
-                                                num_labels=5)).eval()
-    with pytest.raises(NormconvError, match="position_embeddings"):
-        rotate(model, Inputs((torch.randn(2, 3, 32, 32),)))
-
-
 class _NonLinearReader(nn.Module):
     def __init__(self):
         super().__init__()
@@ -275,3 +262,45 @@ def test_cli_swap_fold_scales(cli, tmp_path):
     torch.testing.assert_close(run(saved, inputs), run(model, inputs), **FP32_TOL)
     code, _, stderr = cli("swap", "zoo:llama", "--to", "layernorm", "--fold-scales")
     assert code == 2 and "--fold-scales" in stderr
+
+
+# -- vision transformers: conv patch writer, class token joined by cat, position embedding as a Parameter ------
+
+
+def _vit_rotates_exactly(model, x, dtype=torch.float32, atol=1e-4):
+    model = model.to(dtype).eval()
+    x = x.to(dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    new, report = rotate(model, x, atol=atol, rtol=atol)
+    assert report.passed and any("rotated" in n for n in report.notes)
+    with torch.no_grad():
+        ref, got = model(x), new(x)
+    ref = getattr(ref, "logits", ref)
+    got = getattr(got, "logits", got)
+    assert (got - ref).abs().max().item() < atol
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the user's model untouched
+    return new
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_handwritten_pre_ln_vit_rotates_exactly(inplace):
+    from tests.test_swap_writers import ViT, _randomize
+
+    torch.manual_seed(0)
+    model = _randomize(ViT(inplace=inplace))
+    _vit_rotates_exactly(model, torch.randn(2, 4, 32, 32))
+    _vit_rotates_exactly(model, torch.randn(2, 4, 32, 32), torch.float64, atol=1e-9)
+
+
+def test_hf_vit_rotates_exactly():
+    transformers = pytest.importorskip("transformers")
+    from tests.test_swap_writers import _randomize
+
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                 image_size=32, patch_size=8, num_labels=10)
+    model = _randomize(transformers.ViTForImageClassification(cfg)).eval()
+    with torch.no_grad():
+        model.vit.embeddings.position_embeddings.normal_()
+        model.vit.embeddings.cls_token.normal_()
+    _vit_rotates_exactly(model, torch.randn(2, 3, 32, 32))
