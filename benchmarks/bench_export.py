@@ -93,10 +93,9 @@ def main() -> None:
             t0 = time.perf_counter()
             files = {"normconv": Path(tmp) / "normconv.onnx", "plain": Path(tmp) / "plain.onnx",
                      "skip": Path(tmp) / "normconv_skip.onnx"}
-            report = export_onnx(model, inputs, files["normconv"], a.target, a.opset, baseline=False, repeats=0,
-                                 spec=name)
+            report = export_onnx(model, inputs, files["normconv"], a.target, a.opset, baseline=False, repeats=0)
             skip_report = export_onnx(model, inputs, files["skip"], a.target, a.opset, baseline=False, repeats=0,
-                                      spec=name, skip_fusion=True)
+                                      skip_fusion=True)
             plain = torch_export(model, inputs, 20, normconv_ops=False, dynamic=False)  # torch's default opset
             ir.save(plain.model, str(files["plain"]))
             if onnxslim is not None:

@@ -87,7 +87,7 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
     return new, report
 
 
-def export(model: nn.Module, example_inputs: Any, path: str, target: str = "onnx", opset: int | None = None, *,
+def export(model: nn.Module, example_inputs: Any, path: str, target: str = "ort", opset: int | None = None, *,
            dynamic: bool = False, fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = True, repeats: int = 10,
            skip_fusion: bool = False) -> Report:

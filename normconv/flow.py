@@ -354,7 +354,7 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
     return report, new
 
 
-def export(loaded: Loaded, output: str, target: str = "onnx", opset: int | None = None, *, dynamic: bool = False,
+def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None = None, *, dynamic: bool = False,
            fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = True, repeats: int = 10,
            skip_fusion: bool = False, method: str = "auto") -> Report:
