@@ -12,6 +12,7 @@ and nothing is written unless it verified. This is the only module that calls ``
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -446,11 +447,15 @@ def plans(cap: Captured, norms: list[NormSite]) -> dict[str, list[Site]]:
     return by_target
 
 
-def inspect(loaded: Loaded, method: str = "auto") -> Report:
-    """``normconv inspect``: every norm site with its kind, eps, placement, and what each pass would do or why not."""
+def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = None,
+            calibration: Inputs | None = None) -> Report:
+    """``normconv inspect``: every norm site with its kind, eps, placement, and what each pass would do or why not;
+    with a half ``dtype``, each site's headroom in it, measured in float32 on ``calibration`` (else the example
+    inputs)."""
     inputs = loaded.require_inputs()
     cap = capture(loaded.model, inputs, method)
     norms = find_norms(cap)
+    rooms = _headroom(loaded, cap, norms, method, dtype, calibration) if dtype is not None else None
     plan = plans(cap, norms)
     sites = []
     for n in norms:
@@ -462,14 +467,44 @@ def inspect(loaded: Loaded, method: str = "auto") -> Report:
             if key not in seen:  # a module called twice plans once per call; show each distinct plan once
                 seen.add(key)
                 entry["plan"].append(p.to_json())
+        if rooms is not None:
+            entry["headroom"] = rooms[len(sites)].to_json()
         sites.append(entry)
+    extra_headroom = {} if rooms is None else {
+        "headroom": {"dtype": str(dtype).removeprefix("torch."),
+                     "inputs": (calibration or inputs).describe() + (" (calibration)" if calibration else ""),
+                     "sites": [h.to_json() for h in rooms],
+                     "without_headroom": [h.target for h in rooms if not h.ok]}}
     return Report(
         command="inspect", model=loaded.spec, sites=sites,
         extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
                "counts": dict(collections.Counter(n.kind for n in norms)),
                "parameters": sum(p.numel() for p in loaded.model.parameters()),
-               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)]},
+               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)], **extra_headroom},
     )
+
+
+def _headroom(loaded: Loaded, cap: Captured, norms: list[NormSite], method: str, dtype: torch.dtype,
+              calibration: Inputs | None) -> list:
+    """Each site's headroom in ``dtype``, measured in float32: a half model is measured on a float32 copy."""
+    from normconv.graph.headroom import measure
+
+    inputs = (calibration or cap.inputs).to(torch.float32)
+    half = any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16)
+               for p in list(loaded.model.parameters()) + list(loaded.model.buffers()))
+    if half:
+        wide = copy.deepcopy(loaded.model).float()
+        wide_cap = capture(wide, cap.inputs.to(torch.float32), method)
+        wide_norms = find_norms(wide_cap)
+        if [n.target for n in wide_norms] == [n.target for n in norms]:
+            cap, norms = wide_cap, wide_norms
+    try:
+        return measure(cap, norms, dtype, inputs)
+    except NormconvError:
+        raise
+    except Exception as exc:
+        raise NormconvError(f"the calibration inputs do not run through the model: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
 __all__ = ["rewrite", "apply_passes", "model_stats", "fold", "canonicalize", "swap", "rotate", "deepnorm", "export",

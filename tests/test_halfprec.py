@@ -44,3 +44,80 @@ def test_fp16_eager_overflows_but_canonicalized_fp16_stays_within_tolerance_of_f
     assert torch.allclose(fixed, ref, atol=atol, rtol=rtol), _max_err(fixed, ref)
     # the user's model is still float32 and unchanged
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# -- the headroom report ------------------------------------------------------------------------------------
+
+
+def _inspect(cli, *args):
+    import json
+
+    code, out, err = cli("inspect", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_inspect_float16_flags_the_overflowing_sites_with_measured_numbers(cli):
+    report = _inspect(cli, "zoo:fp16_overflow", "--dtype", "float16")
+    room = report["extra"]["headroom"]
+    assert room["dtype"] == "float16"
+    assert room["without_headroom"] == ["blocks.0.norm", "blocks.1.norm", "norm"]
+    for site in report["sites"]:
+        h = site["headroom"]
+        assert h["max_abs"] > 256 and h["max_square"] > 65504 and h["margin_log2"] < 0
+        assert "overflow" in h["reasons"][0]
+        assert h["error"] > 1.0  # the site's own module in fp16 is far off its fp32 output
+    # measured in float32: the model was not cast (the inputs described are float32)
+    assert "float32" in room["inputs"]
+
+
+def test_inspect_bfloat16_has_range_but_reports_each_sites_error(cli):
+    room = _inspect(cli, "zoo:fp16_overflow", "--dtype", "bfloat16")["extra"]["headroom"]
+    assert room["without_headroom"] == []
+    assert all(h["margin_log2"] > 100 and 0 < h["error"] < 0.2 for h in room["sites"])
+
+
+def test_bert_eps_rounds_to_zero_in_float16_not_in_bfloat16(cli):
+    fp16 = _inspect(cli, "zoo:bert", "--dtype", "float16")["extra"]["headroom"]
+    assert all(h["eps"] == 1e-12 and h["eps_in_dtype"] == 0.0 and not h["ok"] for h in fp16["sites"])
+    assert "rounds to 0" in fp16["sites"][0]["reasons"][0]
+    bf16 = _inspect(cli, "zoo:bert", "--dtype", "bfloat16")["extra"]["headroom"]
+    assert all(h["eps_in_dtype"] > 0 and h["ok"] for h in bf16["sites"])
+
+
+def test_batchnorm_sites_report_the_folded_scale(cli):
+    import torch
+
+    model = get("resnet").build()
+    room = _inspect(cli, "zoo:resnet", "--dtype", "float16")["extra"]["headroom"]
+    bn1 = next(h for h in room["sites"] if h["target"] == "bn1")
+    want = (model.bn1.weight / (model.bn1.running_var + model.bn1.eps).sqrt()).abs().max().item()
+    assert bn1["folded_scale"] == pytest.approx(want, rel=1e-6)
+    assert room["without_headroom"] == []
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_calibration_file_is_what_headroom_is_measured_on(cli, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    x = get("resnet").example_inputs()[0]
+    path = tmp_path / "calib.safetensors"
+    save_file({"x": (x * 30000).contiguous()}, str(path))
+    room = _inspect(cli, "zoo:resnet", "--dtype", "float16", "--calibration", str(path))["extra"]["headroom"]
+    assert "calibration" in room["inputs"]
+    stem = room["sites"][0]
+    assert stem["max_abs"] > 65504 and not stem["ok"] and "beyond" in stem["reasons"][0]
+    pt = tmp_path / "calib.pt"
+    torch.save([x], pt)
+    again = _inspect(cli, "zoo:resnet", "--dtype", "float16", "--calibration", str(pt))["extra"]["headroom"]
+    assert again["without_headroom"] == []
+
+
+def test_bad_calibration_is_one_line_exit_2(cli, tmp_path):
+    bad = tmp_path / "calib.pt"
+    bad.write_text("not a tensor file")
+    code, _, err = cli("inspect", "zoo:resnet", "--dtype", "float16", "--calibration", str(bad))
+    assert code == 2 and err.count("\n") == 1
+    code, _, err = cli("inspect", "zoo:resnet", "--calibration", str(bad))
+    assert code == 2 and "--dtype" in err
