@@ -121,3 +121,61 @@ def test_bad_calibration_is_one_line_exit_2(cli, tmp_path):
     assert code == 2 and err.count("\n") == 1
     code, _, err = cli("inspect", "zoo:resnet", "--calibration", str(bad))
     assert code == 2 and "--dtype" in err
+
+
+# -- fp16 export: statistics in float32, validated against the float32 model ----------------------------------
+
+REDUCTIONS = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
+
+
+def _fp16_reductions(model) -> list[str]:
+    """Reductions in the main graph whose input is float16 (what CUDA / TensorRT / Core ML run in fp16)."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
+    return [n.name for n in inferred.graph.node
+            if n.op_type in REDUCTIONS and types.get(n.input[0]) == onnx.TensorProto.FLOAT16]
+
+
+def test_fp16_export_keeps_norm_statistics_in_float32_and_validates_against_fp32(cli, tmp_path):
+    import json
+
+    import onnx
+    import torch
+
+    out = tmp_path / "m.onnx"
+    code, stdout, err = cli("export", "zoo:fp16_overflow", "--dtype", "float16", "-o", str(out), "--no-baseline",
+                            "--repeats", "0", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    half = report["extra"]["half_precision"]
+    assert half["error_vs_float32"]["given"] > 0.5 and half["error_vs_float32"]["normconv"] < 1e-2
+    model = onnx.load(str(out))
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert _fp16_reductions(model) == []
+    ops = [n for n in model.graph.node]
+    ln = [n for n in ops if n.op_type == "LayerNormalization"]
+    rms = [n for n in ops if n.op_type == "RMSNorm" and n.domain == "normconv"]
+    assert len(ln) == 1 and len(rms) == 2
+    for n in ln:  # stash_type: 1 (float32 statistics) is the op's default; nobody set it lower
+        assert all(a.i == 1 for a in n.attribute if a.name == "stash_type")
+    body = next(f for f in model.functions if f.name == "RMSNorm")
+    first = body.node[0]
+    assert first.op_type == "Cast" and first.attribute[0].i == onnx.TensorProto.FLOAT
+    reduce_in = [n.input[0] for n in body.node if n.op_type in REDUCTIONS]
+    casts = {o for n in body.node if n.op_type == "Cast" for o in n.output}
+    products = {n.output[0]: n.input for n in body.node if n.op_type in ("Mul", "Pow")}
+    assert reduce_in and all(set(products.get(i, [i])) <= casts for i in reduce_in)
+
+
+def test_plain_torch_onnx_export_of_the_fp16_model_reduces_squares_in_fp16():
+    import torch
+
+    model, inputs = _fp32_and_inputs()
+    half = copy.deepcopy(model).half()
+    with torch.no_grad():
+        program = torch.onnx.export(half, tuple(x.half() for x in inputs), dynamo=True, external_data=False,
+                                    verbose=False)
+    assert len(_fp16_reductions(program.model_proto)) >= 3
