@@ -21,6 +21,7 @@ from .cnn import (conv1d, conv1d_inputs, conv3d, conv3d_inputs, deconv, deconv_i
                   mobilenet_inputs, resnet, resnet_inputs)
 from .handwritten import (hf_style_norms, hf_style_norms_inputs, inline_norm, inline_norm_inputs, tutorial_bn,
                           tutorial_bn_inputs, tutorial_ln, tutorial_ln_inputs, tutorial_rms, tutorial_rms_inputs)
+from .halfprec import fp16_overflow, fp16_overflow_inputs
 from .transformer import bert, bert_inputs, gpt, gpt_inputs, llama, llama_inputs, seq2seq, seq2seq_inputs
 from .unet import unet, unet_inputs
 
@@ -72,6 +73,9 @@ ZOO: dict[str, ZooModel] = {
                  inline_norm, inline_norm_inputs, {"batchnorm": 1, "layernorm": 2, "rmsnorm": 1}, handwritten=2),
         ZooModel("hf_style_norms", "Decoder with HF LlamaRMSNorm, GemmaRMSNorm and T5LayerNorm; input ids (2,16)",
                  hf_style_norms, hf_style_norms_inputs, {"rmsnorm": 5}, handwritten=5),
+        ZooModel("fp16_overflow", "Pre-norm stack, hand-written RMSNorm/LayerNorm without float32 cast, outlier "
+                 "channels of +-300 (x^2 overflows fp16); input (2,8,16)",
+                 fp16_overflow, fp16_overflow_inputs, {"rmsnorm": 2, "layernorm": 1}, handwritten=3),
     )
 }
 
@@ -91,5 +95,5 @@ __all__ = [
     "bert", "bert_inputs", "gpt", "gpt_inputs", "llama", "llama_inputs", "unet", "unet_inputs",
     "seq2seq", "seq2seq_inputs", "tutorial_bn", "tutorial_bn_inputs", "tutorial_ln", "tutorial_ln_inputs",
     "tutorial_rms", "tutorial_rms_inputs", "inline_norm", "inline_norm_inputs",
-    "hf_style_norms", "hf_style_norms_inputs",
+    "hf_style_norms", "hf_style_norms_inputs", "fp16_overflow", "fp16_overflow_inputs",
 ]

@@ -12,6 +12,7 @@ and nothing is written unless it verified. This is the only module that calls ``
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
 from normconv.passes import fold_batchnorm, fold_scales, rotate as rotate_pass, swap_norm
 from normconv.report import OutputError, PassResult, Report, Site, Validation
-from normconv.verify import Inputs, argmax_agreement, compare, other_shape, output_leaves, run
+from normconv.verify import Inputs, argmax_agreement, compare, default_tolerance, other_shape, output_leaves, run
 
 PassFn = Callable[[nn.Module, Captured], PassResult]
 
@@ -369,11 +370,19 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, inputs, report)
     reference = run(loaded.model, inputs)
+    source, src_inputs, half = loaded.model, inputs, _half_dtype(loaded.model)
+    if half is not None:
+        # half precision: the passes run on a float32 copy and are verified against it; the half model is cast
+        # from the result (native norms keep float32 statistics) and validated against the float32 model
+        source, src_inputs = copy.deepcopy(loaded.model).float(), inputs.to(torch.float32)
+        reference32 = run(source, src_inputs)
+        half_torch = reference
+        reference = _cast_floats(reference32, half)
 
     # norm sites and the plan (the same analysis inspect shows)
     norms: list[NormSite] = []
     try:
-        cap = capture(loaded.model, inputs, method)
+        cap = capture(source, src_inputs, method)
         norms = find_norms(cap)
         report.sites.extend(onnx_export.plan(norms, target, opset, _plan_of(cap, norms, "canonicalize", canonicalize),
                                              _plan_of(cap, norms, "fold", fold), skip_fusion))
@@ -386,21 +395,57 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
               if on and cap is not None]
     report.extra["passes"] = [p.name for p in passes]
     with onnx_export._quiet():
-        prepared, pass_sites = apply_passes(loaded.model, inputs, passes, method, eval_mode=True)
+        prepared, pass_sites = apply_passes(source, src_inputs, passes, method, eval_mode=True)
     report.sites.extend(pass_sites)
     if passes:
-        check = compare(reference, run(prepared, inputs), atol, rtol,
-                        label="torch, after " + " + ".join(p.name for p in passes))
+        check = compare(reference32 if half is not None else reference, run(prepared, src_inputs),
+                        None if half is not None else atol, None if half is not None else rtol,
+                        label="torch, after " + " + ".join(p.name for p in passes) +
+                              (" (float32)" if half is not None else ""))
         report.validation.append(check)
         if not check.passed:
             raise VerificationError(f"export: {check.label} differs from the original beyond tolerance "
                                     f"(max abs error {check.max_abs_error:.3g}); nothing written", report)
+    if half is not None:
+        prepared = copy.deepcopy(release(prepared)).to(half)
+        prepared.eval()
+        rewritten_half = run(prepared, inputs)
+        label = str(half).removeprefix("torch.")
+        atol = default_tolerance(half)[0] if atol is None else atol  # tolerances follow the target dtype
+        rtol = default_tolerance(half)[1] if rtol is None else rtol
+        plain = compare(reference32, _cast_floats(half_torch, torch.float32), atol, rtol,
+                        label=f"torch {label} model as given vs float32 model")
+        ours = compare(reference32, _cast_floats(rewritten_half, torch.float32), atol, rtol,
+                       label=f"torch {label} after normconv vs float32 model")
+        ours_vs_half = compare(half_torch, rewritten_half, atol, rtol,
+                               label=f"torch {label} after normconv vs {label} model as given")
+        report.validation.extend([ours, plain])
+        report.extra["half_precision"] = {
+            "dtype": label, "reference": "float32 model (the given weights, upcast); ONNX validated against it",
+            "error_vs_float32": {"given": plain.max_abs_error, "normconv": ours.max_abs_error},
+            "error_vs_given_half_model": ours_vs_half.max_abs_error}
+        if not ours.passed:
+            raise VerificationError(f"export: {ours.label} beyond tolerance (max abs error "
+                                    f"{ours.max_abs_error:.3g}); nothing written", report)
     original = clone_sharing_tensors(loaded.model)  # the plain baseline export runs on an eval-mode copy too
     for m in original.modules():
         m.training = False
     return onnx_export.write_onnx(release(prepared), release(original), inputs, reference, out, report, norms,
                                   target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
                                   rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)
+
+
+def _half_dtype(model: nn.Module) -> torch.dtype | None:
+    """float16 / bfloat16 when the model computes in it (its floating parameters are that dtype), else None."""
+    dts = {p.dtype for p in list(model.parameters()) + list(model.buffers()) if p.is_floating_point()}
+    return next(iter(dts)) if len(dts) == 1 and dts <= {torch.float16, torch.bfloat16} else None
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor in a nested output cast to ``dtype``."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
 
 
 def _with_attention_mask(model: nn.Module, inputs: Inputs, report: Report) -> Inputs:
@@ -446,11 +491,15 @@ def plans(cap: Captured, norms: list[NormSite]) -> dict[str, list[Site]]:
     return by_target
 
 
-def inspect(loaded: Loaded, method: str = "auto") -> Report:
-    """``normconv inspect``: every norm site with its kind, eps, placement, and what each pass would do or why not."""
+def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = None,
+            calibration: Inputs | None = None) -> Report:
+    """``normconv inspect``: every norm site with its kind, eps, placement, and what each pass would do or why not;
+    with a half ``dtype``, each site's headroom in it, measured in float32 on ``calibration`` (else the example
+    inputs)."""
     inputs = loaded.require_inputs()
     cap = capture(loaded.model, inputs, method)
     norms = find_norms(cap)
+    rooms = _headroom(loaded, cap, norms, method, dtype, calibration) if dtype is not None else None
     plan = plans(cap, norms)
     sites = []
     for n in norms:
@@ -462,14 +511,44 @@ def inspect(loaded: Loaded, method: str = "auto") -> Report:
             if key not in seen:  # a module called twice plans once per call; show each distinct plan once
                 seen.add(key)
                 entry["plan"].append(p.to_json())
+        if rooms is not None:
+            entry["headroom"] = rooms[len(sites)].to_json()
         sites.append(entry)
+    extra_headroom = {} if rooms is None else {
+        "headroom": {"dtype": str(dtype).removeprefix("torch."),
+                     "inputs": (calibration or inputs).describe() + (" (calibration)" if calibration else ""),
+                     "sites": [h.to_json() for h in rooms],
+                     "without_headroom": [h.target for h in rooms if not h.ok]}}
     return Report(
         command="inspect", model=loaded.spec, sites=sites,
         extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
                "counts": dict(collections.Counter(n.kind for n in norms)),
                "parameters": sum(p.numel() for p in loaded.model.parameters()),
-               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)]},
+               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)], **extra_headroom},
     )
+
+
+def _headroom(loaded: Loaded, cap: Captured, norms: list[NormSite], method: str, dtype: torch.dtype,
+              calibration: Inputs | None) -> list:
+    """Each site's headroom in ``dtype``, measured in float32: a half model is measured on a float32 copy."""
+    from normconv.graph.headroom import measure
+
+    inputs = (calibration or cap.inputs).to(torch.float32)
+    half = any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16)
+               for p in list(loaded.model.parameters()) + list(loaded.model.buffers()))
+    if half:
+        wide = copy.deepcopy(loaded.model).float()
+        wide_cap = capture(wide, cap.inputs.to(torch.float32), method)
+        wide_norms = find_norms(wide_cap)
+        if [n.target for n in wide_norms] == [n.target for n in norms]:
+            cap, norms = wide_cap, wide_norms
+    try:
+        return measure(cap, norms, dtype, inputs)
+    except NormconvError:
+        raise
+    except Exception as exc:
+        raise NormconvError(f"the calibration inputs do not run through the model: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
 __all__ = ["rewrite", "apply_passes", "model_stats", "fold", "canonicalize", "swap", "rotate", "deepnorm", "export",

@@ -556,6 +556,42 @@ def _memory_bytes() -> int | None:
         return None
 
 
+def load_calibration(path_text: str, model: nn.Module | None = None) -> Inputs:
+    """Calibration inputs from a .pt (weights_only) or .safetensors file of tensors: one tensor or a list / tuple
+    of tensors (positional arguments), or a dict (keyword arguments by forward parameter name; keys "0", "1",
+    ... are positional). One-line NormconvError on anything else."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise NormconvError(f"no such calibration file: {path_text}")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+
+            obj: Any = load_file(str(path))
+        except Exception as exc:
+            raise NormconvError(f"{path_text} is not a readable safetensors file ({_why(exc)})") from None
+    else:
+        try:
+            obj = _torch_load_safely(path, path_text)
+        except _NeedsTrust:
+            raise NormconvError(f"{path_text} pickles objects; save a tensor, a list or a dict of tensors") from None
+    if isinstance(obj, torch.Tensor):
+        return Inputs((obj,))
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
+        return Inputs(tuple(obj))
+    if isinstance(obj, dict) and obj and all(isinstance(t, torch.Tensor) for t in obj.values()):
+        if all(str(k).isdigit() for k in obj):
+            return Inputs(tuple(obj[k] for k in sorted(obj, key=lambda k: int(k))))
+        params = forward_params(model) if model is not None else []
+        unknown = [k for k in obj if params and k not in params]
+        if unknown:
+            raise NormconvError(f"calibration file {path_text}: {unknown[0]!r} is not an argument of the model's "
+                                f"forward")
+        return Inputs((), dict(obj))
+    raise NormconvError(f"calibration file {path_text} holds {type(obj).__name__}; expected a tensor, a list of "
+                        f"tensors or a dict of tensors")
+
+
 def parse_dtype(text: str, floating: bool = False) -> torch.dtype:
     """A dtype by name; ``floating``: only the float dtypes a model can be cast to (--dtype)."""
     names = {k: v for k, v in _DTYPES.items() if v.is_floating_point or not floating}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import normconv.models as zoo
 from normconv.models import ZOO, get
+from normconv.models.halfprec import NoUpcastLayerNorm, NoUpcastRMSNorm
 from normconv.models.handwritten import BatchNorm, GemmaRMSNorm, LayerNorm, LlamaRMSNorm, RMSNorm, T5LayerNorm
 
 NAMES = list(ZOO)
@@ -31,6 +32,8 @@ HANDWRITTEN_KINDS = {
     RMSNorm: "rmsnorm",  # LlamaRMSNorm is a subclass
     T5LayerNorm: "rmsnorm",
     GemmaRMSNorm: "rmsnorm",
+    NoUpcastRMSNorm: "rmsnorm",
+    NoUpcastLayerNorm: "layernorm",
 }
 FUNCTIONAL_KINDS = {
     F.batch_norm: "batchnorm",
@@ -53,7 +56,8 @@ def _run(model: nn.Module, inputs: tuple) -> torch.Tensor:
 
 def test_zoo_names_and_order():
     assert NAMES == ["resnet", "mobilenet", "conv1d", "conv3d", "deconv", "mlp", "bert", "gpt", "llama", "unet",
-                     "seq2seq", "tutorial_bn", "tutorial_ln", "tutorial_rms", "inline_norm", "hf_style_norms"]
+                     "seq2seq", "tutorial_bn", "tutorial_ln", "tutorial_rms", "inline_norm", "hf_style_norms",
+                     "fp16_overflow"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -25,15 +25,27 @@ def register(app: typer.Typer) -> None:
         trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         capture: Annotated[str, typer.Option(help="graph capture: auto, symbolic_trace or torch.export")] = "auto",
+        calibration: Annotated[Optional[str], typer.Option(
+            "--calibration", help="with --dtype float16/bfloat16: a .pt or .safetensors of input tensors (a tensor, "
+                                  "a list, or a dict by argument name) to measure headroom on")] = None,
         as_json: JsonOpt = False,
     ) -> None:
-        """List every norm site: kind, eps, placement, and what each pass would do with it or why not."""
+        """List every norm site: kind, eps, placement, and what each pass would do with it or why not.
+        With --dtype float16 or bfloat16: each site's headroom in that dtype, measured in float32."""
         from normconv import flow
+        from normconv.graph.headroom import HALF_DTYPES
+        from normconv.io import load_calibration
 
         if capture not in CAPTURES:
             raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        emit(flow.inspect(loaded, capture), as_json, print_inspect)
+        target = HALF_DTYPES.get((dtype or "").lower())
+        if calibration is not None and target is None:
+            raise NormconvError("--calibration measures half-precision headroom: give --dtype float16 or bfloat16")
+        # a half --dtype is the target of the headroom report: the model is measured in float32, not cast
+        loaded = load_from_flags(model, weights, input_shape, trust_pickle, None if target else dtype,
+                                 trust_remote_code)
+        calib = load_calibration(calibration, loaded.model) if calibration else None
+        emit(flow.inspect(loaded, capture, target, calib), as_json, print_inspect)
 
 
 def print_inspect(report: Report) -> None:
@@ -54,10 +66,27 @@ def print_inspect(report: Report) -> None:
         for p in s["plan"]:
             plan_rows.append([s["target"], p["pass"], "apply" if p["applied"] else "skip", p["reason"]])
     c.print(table("plan", ["target", "pass", "would", "why"], plan_rows))
+    room = ex.get("headroom")
+    if room:
+        dt = room["dtype"]
+        rows = [[h["target"], h["kind"], _num(h["max_abs"]), _num(h["max_square"]), _num(h["max_stat"]),
+                 _num(h["margin_log2"], ".1f"), f"{h['eps']:g} -> {h['eps_in_dtype']:g}" if h["eps"] is not None
+                 else "-", _num(h["folded_scale"]), _num(h["error"]), "ok" if h["ok"] else "NO: " + "; ".join(
+                     h["reasons"])] for h in room["sites"]]
+        c.print(table(f"{dt} headroom, measured in float32 on {room['inputs']}",
+                      ["target", "kind", "max |x|", "max square", "max stat", "margin 2^", "eps", "folded scale",
+                       f"site err {dt}", "headroom"], rows))
+        if room["without_headroom"]:
+            c.print(f"{len(room['without_headroom'])} site(s) without {dt} headroom: "
+                    f"{', '.join(room['without_headroom'])}")
     misses = ex.get("near_misses", [])
     if misses:
         c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],
                       [[m["target"], m["computes"], m["reason"]] for m in misses]))
+
+
+def _num(v, fmt: str = ".3g") -> str:
+    return "-" if v is None else format(v, fmt)
 
 
 def _shape(s: dict) -> str:

@@ -1,0 +1,198 @@
+"""Half-precision headroom of each norm site, measured in float32 on example (or calibration) inputs.
+
+Per site, from the norm's own input x recorded in float32:
+  max_abs      max |x|
+  max_square   the largest element the norm squares: x^2 (rmsnorm) or (x - mean)^2 (layer/group/instance norm)
+  max_stat     the largest statistic it computes: mean(x^2) (rmsnorm) or the variance
+  margin_log2  log2(finfo(dtype).max / max(max_square, max_abs)): powers of two left before overflow
+               (computing the statistics in float32 removes max_square from the bound, not max_abs)
+  eps_in_dtype eps rounded to the dtype (BERT's 1e-12 is 0 in float16: a constant row then divides by 0)
+  folded_scale batchnorm: max |gamma / sqrt(var + eps)|, the factor a fold multiplies the conv weight by
+  error      module sites: max |norm_dtype(x) - norm_fp32(x)| of the site's module run in the dtype
+A site has headroom when margin_log2 >= 1 (a factor of 2 to spare), eps does not round to 0 and the folded
+scale fits; otherwise ``reasons`` say why.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from normconv.graph.capture import Captured
+from normconv.graph.detect import NormSite
+from normconv.verify import forward_guard, run
+
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+MIN_MARGIN_LOG2 = 1.0  # a site needs a factor of 2 below the dtype's max
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'float16' / 'fp16' / 'half' / 'bfloat16' / 'bf16' -> the torch dtype; ValueError otherwise."""
+    key = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(name, name)
+    if key not in HALF_DTYPES:
+        raise ValueError(f"unknown half-precision dtype {name!r}; choose float16 or bfloat16")
+    return HALF_DTYPES[key]
+
+
+@dataclass
+class Headroom:
+    """What one norm site computes on the inputs, against a half dtype's range."""
+
+    target: str
+    kind: str
+    dtype: str
+    measured: bool = False
+    max_abs: float | None = None
+    max_square: float | None = None
+    max_stat: float | None = None
+    margin_log2: float | None = None
+    eps: float | None = None
+    eps_in_dtype: float | None = None
+    folded_scale: float | None = None
+    error: float | None = None  # the site's module run in the dtype vs float32, on the same input
+    ok: bool = True
+    reasons: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _dims(site: NormSite, x: torch.Tensor) -> tuple[int, ...]:
+    """The dims the norm reduces over (batch and channels kept for batch/instance/group norms)."""
+    if site.kind in ("layernorm", "rmsnorm"):
+        return tuple(site.dims) if site.dims else (-1,)
+    return tuple(range(2, x.dim())) if x.dim() > 2 else (0,)
+
+
+def _stats(site: NormSite, x: torch.Tensor) -> tuple[float, float]:
+    """(largest squared element, largest statistic) the norm forms on x, in float64."""
+    x = x.detach().double()
+    if site.kind == "batchnorm":  # eval BN squares nothing at run time: its statistic is the running var
+        return 0.0, 0.0
+    if site.kind == "groupnorm" and site.num_groups and x.dim() >= 2:
+        x = x.reshape(x.shape[0], site.num_groups, -1)
+        dims: tuple[int, ...] = (-1,)
+    else:
+        dims = _dims(site, x)
+    if site.kind == "rmsnorm":
+        sq = x * x
+    else:
+        xc = x - x.mean(dims, keepdim=True)
+        sq = xc * xc
+    return float(sq.max()), float(sq.mean(dims).max())
+
+
+def _record(cap: Captured, norms: Sequence[NormSite], inputs) -> dict[str, list[tuple[torch.Tensor, Any]]]:
+    """target -> [(input, output)] of each site on ``inputs``: hooks on module sites, an fx.Interpreter for
+    inline sites of a symbolic_trace graph (inline sites of a torch.export graph are not measured)."""
+    found: dict[str, list] = {}
+    modules = {s.target for s in norms if s.target in cap.modules and (s.source != "handwritten"
+                                                                       or s.target == s.owner)}
+    inline = [s for s in norms if s.target not in modules]
+    handles = []
+
+    def hook(path):
+        def fn(module, args, output):
+            if args and isinstance(args[0], torch.Tensor) and len(found.setdefault(path, [])) < 8:
+                found[path].append((args[0].detach().clone(), output))
+        return fn
+
+    for path in modules:
+        handles.append(cap.modules[path].register_forward_hook(hook(path)))
+    try:
+        run(cap.model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if inline and cap.method == "symbolic_trace":
+        want = {s.input: s.target for s in inline}
+        values: dict[str, list] = {}
+
+        class Recorder(fx.Interpreter):
+            def run_node(self, n):
+                v = super().run_node(n)
+                if n.name in want and isinstance(v, torch.Tensor):
+                    values.setdefault(want[n.name], []).append((v.detach().clone(), None))
+                return v
+
+        with forward_guard(cap.gm):
+            Recorder(cap.gm).run(*copy.deepcopy(inputs.args))
+        found.update(values)
+    return found
+
+
+def _site_error(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> float | None:
+    """max |module_dtype(x) - module_fp32(x)| (inf when the dtype run is not finite)."""
+    try:
+        half = copy.deepcopy(module).to(dtype)
+        with torch.no_grad():
+            ref = module(x)
+            got = half(x.to(dtype))
+    except Exception:  # a module that does not run in the dtype on its own (mixed inputs): not measured
+        return None
+    if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor) or got.shape != ref.shape:
+        return None
+    if not torch.isfinite(got).all():
+        return math.inf
+    return float((got.double() - ref.double()).abs().max())
+
+
+def measure(cap: Captured, norms: Sequence[NormSite], dtype: torch.dtype, inputs=None) -> list[Headroom]:
+    """Headroom of every site in ``dtype`` on ``inputs`` (default: the capture's example inputs), in float32.
+
+    ``cap.model`` must compute in float32 (or wider); the model is run guarded and left unchanged."""
+    inputs = cap.inputs if inputs is None else inputs
+    finfo = torch.finfo(dtype)
+    dt = str(dtype).removeprefix("torch.")
+    recorded = _record(cap, norms, inputs)
+    out = []
+    for s in norms:
+        h = Headroom(s.target, s.kind, dt, eps=s.eps)
+        if s.eps is not None:
+            h.eps_in_dtype = float(torch.tensor(s.eps, dtype=torch.float32).to(dtype).float())
+            if s.eps > 0 and h.eps_in_dtype == 0.0:
+                h.ok = False
+                h.reasons.append(f"eps {s.eps:g} rounds to 0 in {dt} (a constant row divides by 0)")
+        if s.kind == "batchnorm" and s.running_var:
+            var, w = cap.tensor(s.running_var), cap.tensor(s.weight) if s.weight else None
+            if var is not None:
+                scale = (w.detach().double().reshape(-1) if w is not None else 1.0) / \
+                    (var.detach().double().reshape(-1) + (s.eps or 0.0)).sqrt()
+                h.folded_scale = float(scale.abs().max())
+                if h.folded_scale > finfo.max / 2:
+                    h.ok = False
+                    h.reasons.append(f"folded scale gamma/sqrt(var+eps) {h.folded_scale:.3g} beyond {dt}'s range")
+        calls = recorded.get(s.target, [])
+        if calls:
+            h.measured = True
+            h.max_abs = max(float(x.detach().abs().max()) for x, _ in calls)
+            sq_stat = [_stats(s, x) for x, _ in calls]
+            h.max_square = max(a for a, _ in sq_stat)
+            h.max_stat = max(b for _, b in sq_stat)
+            peak = max(h.max_square, h.max_abs)
+            h.margin_log2 = math.log2(finfo.max / peak) if peak > 0 else math.inf
+            if h.max_abs > finfo.max:
+                h.ok = False
+                h.reasons.append(f"input max |x| {h.max_abs:.3g} beyond {dt}'s max {finfo.max:.6g}")
+            elif h.margin_log2 < MIN_MARGIN_LOG2:
+                what = "x^2" if s.kind == "rmsnorm" else "(x - mean)^2"
+                h.ok = False
+                h.reasons.append(f"{what} reaches {h.max_square:.3g} (max |x| {h.max_abs:.3g}), "
+                                 f"{dt} max is {finfo.max:.6g}: statistics overflow unless computed in float32")
+            module = cap.modules.get(s.target)
+            if module is not None and s.target in cap.modules and s.target != "":
+                h.error = max((e for e in (_site_error(module, x, dtype) for x, _ in calls[:2]) if e is not None),
+                              default=None)
+        else:
+            h.reasons.append("not measured: the site did not run on the inputs, or is inline in a torch.export graph")
+        out.append(h)
+    return out
+
+
+__all__ = ["Headroom", "measure", "parse_dtype", "HALF_DTYPES", "MIN_MARGIN_LOG2"]
