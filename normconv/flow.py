@@ -419,7 +419,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
                        label=f"torch {label} after normconv vs float32 model")
         ours_vs_half = compare(half_torch, rewritten_half, atol, rtol,
                                label=f"torch {label} after normconv vs {label} model as given")
-        report.validation.extend([ours, plain])
+        report.validation.append(ours)  # the given half model's own error is information (extra), not a check
         report.extra["half_precision"] = {
             "dtype": label, "reference": "float32 model (the given weights, upcast); ONNX validated against it",
             "error_vs_float32": {"given": plain.max_abs_error, "normconv": ours.max_abs_error},
