@@ -668,6 +668,8 @@ def output_format(loaded: Loaded, out: Path) -> str:
         raise NormconvError(f"{out} is an ONNX path: use normconv export to write ONNX")
     if out.suffix in (".pt", ".pth", ".bin", ".pkl"):
         return "pickle"
+    if loaded.fmt == "hf":  # a Hugging Face folder in, no telling suffix: a folder out (save_pretrained)
+        return "hf"
     return "pt2" if loaded.fmt == "pt2" else "pickle"  # no telling suffix: the input's own format
 
 
@@ -757,11 +759,16 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
     file under ``out`` and no temp file beside it."""
     path = check_output_path(loaded, out, in_place)
     fmt = output_format(loaded, path)
+    if fmt == "hf":
+        _check_hf_folder_output(loaded, model, path)
     remove_stale_temps(path)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
-        os.close(fd)
+        if fmt == "hf":
+            tmp = tempfile.mkdtemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+        else:
+            fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+            os.close(fd)
         WRITERS[fmt](model, tmp, inputs or (loaded.require_inputs() if fmt == "pt2" else loaded.inputs))
         os.replace(tmp, path)
         tmp = None
@@ -773,8 +780,26 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
         raise NormconvError(f"cannot write {out}: {_why(exc)}") from None
     finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
         if tmp is not None:
-            _unlink(tmp)
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
     return path
+
+
+def _check_hf_folder_output(loaded: Loaded, model: nn.Module, path: Path) -> None:
+    """A folder is written only where its config.json still describes the rewritten model, and only as a new
+    folder (a folder is renamed into place whole)."""
+    from normconv.outputs import config_mismatch
+
+    if path.exists():
+        raise NormconvError(f"cannot write the Hugging Face folder {path}: it exists; choose a new folder, or a file "
+                            f"with a suffix (.pt2, .pt, .safetensors)")
+    why = config_mismatch(loaded.model, model) if hasattr(model, "save_pretrained") else "it is no longer a " \
+        "Hugging Face model class"
+    if why:
+        raise NormconvError(f"cannot write {path} as a Hugging Face folder: the rewrite changed the architecture its "
+                            f"config.json describes ({why}); write -o {path.name}.pt2 (torch.export.load, torch "
+                            f"alone) or -o {path.name}.pt (torch.load, needs transformers) instead")
 
 
 def _unlink(path: str) -> None:

@@ -200,8 +200,44 @@ def write_safetensors(model: nn.Module, path: str, inputs: Inputs | None) -> Non
     _follow_umask(path)
 
 
+# norm hyper-parameters a Hugging Face config sets; a rewrite that changes one is not expressible by the config
+_CONFIG_ATTRS = ("eps", "variance_epsilon", "normalized_shape", "elementwise_affine", "num_features", "momentum")
+
+
+def config_mismatch(original: nn.Module, rewritten: nn.Module) -> str | None:
+    """Why ``rewritten`` cannot be saved as a Hugging Face folder whose config rebuilds it (from_pretrained builds
+    the architecture from config.json, then loads weights by name): a module class, a state_dict key, a norm's
+    hyper-parameter or a hook that differs. None when only weight values changed."""
+    before, after = dict(original.named_modules()), dict(rewritten.named_modules())
+    for path, m in after.items():
+        old = before.get(path)
+        if old is None or type(old) is not type(m):
+            was = type(old).__name__ if old is not None else "nothing"
+            return f"{path or 'the model'} is now {type(m).__name__} (was {was})"
+        for attr in _CONFIG_ATTRS:
+            if hasattr(m, attr) and getattr(m, attr) != getattr(old, attr, None):
+                return f"{path}.{attr} is {getattr(m, attr)!r} (the config says {getattr(old, attr, None)!r})"
+        if len(m._forward_hooks) + len(m._forward_pre_hooks) > len(old._forward_hooks) + len(old._forward_pre_hooks):
+            return f"{path or 'the model'} carries forward hooks the config cannot express"
+    gone = set(before) - set(after)
+    if gone:
+        return f"{sorted(gone)[0]} was removed"
+    if set(original.state_dict()) != set(rewritten.state_dict()):
+        changed = sorted(set(original.state_dict()) ^ set(rewritten.state_dict()))
+        return f"the state_dict keys changed (e.g. {changed[0]})"
+    return None
+
+
+def write_hf_folder(model: nn.Module, path: str, inputs: Inputs | None) -> None:
+    """save_pretrained into ``path`` (a new folder): config.json + safetensors, loadable with from_pretrained."""
+    model.save_pretrained(path, safe_serialization=True)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o777 & ~mask)
+
+
 WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
-    "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors,
+    "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "write_pickle", "write_pt2", "write_safetensors", "INPUTS_ATTR"]
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]

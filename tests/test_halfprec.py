@@ -143,7 +143,6 @@ def test_fp16_export_keeps_norm_statistics_in_float32_and_validates_against_fp32
     import json
 
     import onnx
-    import torch
 
     out = tmp_path / "m.onnx"
     code, stdout, err = cli("export", "zoo:fp16_overflow", "--dtype", "float16", "-o", str(out), "--no-baseline",

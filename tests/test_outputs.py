@@ -161,3 +161,34 @@ def test_messages_agree_with_what_happened(cli, tmp_path):
     # canonicalize no-ops (already native) are not counted as skips of the swap
     code, out, _ = cli("swap", "zoo:gpt")
     assert code == 0 and "5 applied, 0 skipped" in out and "already native" not in out
+
+
+# -- a Hugging Face folder in, a folder out (where its config still describes the model) ----------------------
+
+
+def test_hf_folder_output_loads_with_from_pretrained(cli, hf_folders, tmp_path):
+    """fold on BERT (no BatchNorm: weights as they are) writes a folder from_pretrained reads, same outputs."""
+    import transformers
+
+    out = tmp_path / "bert_out"
+    code, stdout, stderr = cli("fold", hf_folders["bert"], "-o", out)
+    assert code == 0, stderr
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".normconv-tmp")]
+    original = transformers.AutoModel.from_pretrained(hf_folders["bert"]).eval()
+    written = transformers.AutoModel.from_pretrained(out).eval()
+    ids = torch.randint(0, original.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(written(ids).last_hidden_state, original(ids).last_hidden_state)
+
+
+def test_hf_folder_output_refused_where_the_config_cannot_express_the_rewrite(cli, hf_folders, tmp_path):
+    """swap turns LayerNorm into RMSNorm: GPT-2's config cannot say so, so no folder; the message says what to write."""
+    out = tmp_path / "gpt2_rms"
+    code, stdout, stderr = cli("swap", hf_folders["gpt2"], "-o", out)
+    assert code == 2
+    lines = [line for line in stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and "Hugging Face folder" in lines[0] and ".pt2" in lines[0] and "RMSNorm" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+    code, stdout, stderr = cli("swap", hf_folders["gpt2"], "-o", tmp_path / "gpt2_rms.pt2")
+    assert code == 0, stderr
