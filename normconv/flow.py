@@ -322,7 +322,8 @@ def rotate(loaded: Loaded, rotation: str = "hadamard", seed: int = 0, *, atol: f
 def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = None, beta: float | None = None,
              beta_mode: str = "init", n_layers: int | None = None, m_layers: int | None = None,
              seed: int | None = 0, atol: float | None = None, rtol: float | None = None, output: str | None = None,
-             in_place: bool = False, method: str = "auto", keep_normconv: bool = False) -> tuple[Report, nn.Module]:
+             in_place: bool = False, method: str = "auto", keep_normconv: bool = False,
+             value_proj: Sequence[str] = (), out_proj: Sequence[str] = ()) -> tuple[Report, nn.Module]:
     """``normconv deepnorm``: LN(alpha*x + f(x)) at every post-LN sublayer and beta on FFN/v/out, checked against
     that formula computed literally on the same weights, then written. Raises NormconvError on refusal."""
     inputs = loaded.require_inputs()
@@ -334,7 +335,8 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
     why = deepnorm_pass.already_applied(loaded.model)
     if why:
         raise NormconvError(why)
-    p = deepnorm_pass.DeepNormPass(arch, alpha, beta, beta_mode, n_layers, m_layers, seed)
+    p = deepnorm_pass.DeepNormPass(arch, alpha, beta, beta_mode, n_layers, m_layers, seed, value_proj=value_proj,
+                                   out_proj=out_proj)
     new, sites = apply_passes(loaded.model, inputs, [p], method)
     validation = deepnorm_pass.check_against_reference(new, inputs, atol, rtol)
     an = p.analysis
