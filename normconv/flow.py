@@ -24,7 +24,7 @@ import torch.nn as nn
 from normconv.clone import clone_sharing_tensors, release
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import Captured, capture
-from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
 from normconv.graph.near_miss import find_near_misses
 from normconv import outputs
 from normconv.io import Loaded, check_output_path, save
@@ -470,7 +470,8 @@ def inspect(loaded: Loaded, method: str = "auto") -> Report:
         extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
                "counts": dict(collections.Counter(n.kind for n in norms)),
                "parameters": sum(p.numel() for p in loaded.model.parameters()),
-               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)]},
+               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)],
+               "weight_standardizations": [w.to_json() for w in find_weight_standardizations(cap)]},
     )
 
 

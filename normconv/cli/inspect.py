@@ -54,6 +54,11 @@ def print_inspect(report: Report) -> None:
         for p in s["plan"]:
             plan_rows.append([s["target"], p["pass"], "apply" if p["applied"] else "skip", p["reason"]])
     c.print(table("plan", ["target", "pass", "would", "why"], plan_rows))
+    ws = ex.get("weight_standardizations", [])
+    if ws:
+        c.print(table(f"weight standardization: {len(ws)} (a parameter normalized, not an activation norm)",
+                      ["target", "param", "written as", "read by"],
+                      [[w["target"], w["param"], w["written_as"], w["consumer"] or "-"] for w in ws]))
     misses = ex.get("near_misses", [])
     if misses:
         c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],
