@@ -15,7 +15,9 @@ Roles are read from the graph, not from names: the attention core (softmax(q k^T
 scaled_dot_product_attention) names q, k, v by position, each traced back through reshapes (and a
 split/chunk of a fused q/k/v projection) to its linear; out_proj is the linear that produces the branch;
 a branch without an attention core is an FFN and all its linears are FFN linears. nn.MultiheadAttention is
-read by type (in_proj_weight slices q | k | v, out_proj).
+read by type (in_proj_weight slices q | k | v, out_proj). Sizes read from x.shape (view(b, l, h, d), split(e))
+are followed like constants. Where the graph gives no v / out (an einsum core), the caller names them by module
+pattern (value_proj / out_proj, fnmatch); a pattern that names no attention linear is refused.
 """
 
 from __future__ import annotations
