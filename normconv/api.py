@@ -79,11 +79,14 @@ def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", se
 def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alpha: float | None = None,
              beta: float | None = None, beta_mode: str = "init", n_layers: int | None = None,
              m_layers: int | None = None, *, seed: int | None = 0, method: str = "auto", atol: float | None = None,
-             rtol: float | None = None) -> tuple[nn.Module, Report]:
-    """DeepNorm: LN(alpha*x + f(x)) at every post-LN sublayer, beta on FFN / v / out. Returns (new model, report)."""
+             rtol: float | None = None, value_proj: Sequence[str] = (),
+             out_proj: Sequence[str] = ()) -> tuple[nn.Module, Report]:
+    """DeepNorm: LN(alpha*x + f(x)) at every post-LN sublayer, beta on FFN / v / out. Returns (new model, report).
+    ``value_proj`` / ``out_proj``: module-name patterns (fnmatch) naming attention projections the graph does
+    not identify."""
     report, new = flow.deepnorm(_loaded(model, example_inputs), arch=arch, alpha=alpha, beta=beta,
                                 beta_mode=beta_mode, n_layers=n_layers, m_layers=m_layers, seed=seed, atol=atol,
-                                rtol=rtol, method=method)
+                                rtol=rtol, method=method, value_proj=value_proj, out_proj=out_proj)
     return new, report
 
 

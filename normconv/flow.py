@@ -25,7 +25,7 @@ import torch.nn as nn
 from normconv.clone import clone_sharing_tensors, release
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import Captured, capture
-from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
 from normconv.graph.near_miss import find_near_misses
 from normconv import outputs
 from normconv.io import Loaded, check_output_path, save
@@ -323,7 +323,8 @@ def rotate(loaded: Loaded, rotation: str = "hadamard", seed: int = 0, *, atol: f
 def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = None, beta: float | None = None,
              beta_mode: str = "init", n_layers: int | None = None, m_layers: int | None = None,
              seed: int | None = 0, atol: float | None = None, rtol: float | None = None, output: str | None = None,
-             in_place: bool = False, method: str = "auto", keep_normconv: bool = False) -> tuple[Report, nn.Module]:
+             in_place: bool = False, method: str = "auto", keep_normconv: bool = False,
+             value_proj: Sequence[str] = (), out_proj: Sequence[str] = ()) -> tuple[Report, nn.Module]:
     """``normconv deepnorm``: LN(alpha*x + f(x)) at every post-LN sublayer and beta on FFN/v/out, checked against
     that formula computed literally on the same weights, then written. Raises NormconvError on refusal."""
     inputs = loaded.require_inputs()
@@ -335,7 +336,8 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
     why = deepnorm_pass.already_applied(loaded.model)
     if why:
         raise NormconvError(why)
-    p = deepnorm_pass.DeepNormPass(arch, alpha, beta, beta_mode, n_layers, m_layers, seed)
+    p = deepnorm_pass.DeepNormPass(arch, alpha, beta, beta_mode, n_layers, m_layers, seed, value_proj=value_proj,
+                                   out_proj=out_proj)
     new, sites = apply_passes(loaded.model, inputs, [p], method)
     validation = deepnorm_pass.check_against_reference(new, inputs, atol, rtol)
     an = p.analysis
@@ -524,7 +526,8 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
         extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
                "counts": dict(collections.Counter(n.kind for n in norms)),
                "parameters": sum(p.numel() for p in loaded.model.parameters()),
-               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)], **extra_headroom},
+               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)],
+               "weight_standardizations": [w.to_json() for w in find_weight_standardizations(cap)], **extra_headroom},
     )
 
 

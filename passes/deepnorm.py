@@ -15,11 +15,14 @@ Roles are read from the graph, not from names: the attention core (softmax(q k^T
 scaled_dot_product_attention) names q, k, v by position, each traced back through reshapes (and a
 split/chunk of a fused q/k/v projection) to its linear; out_proj is the linear that produces the branch;
 a branch without an attention core is an FFN and all its linears are FFN linears. nn.MultiheadAttention is
-read by type (in_proj_weight slices q | k | v, out_proj).
+read by type (in_proj_weight slices q | k | v, out_proj). Sizes read from x.shape (view(b, l, h, d), split(e))
+are followed like constants. Where the graph gives no v / out (an einsum core), the caller names them by module
+pattern (value_proj / out_proj, fnmatch); a pattern that names no attention linear is refused.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -136,8 +139,11 @@ class Analysis:
 
 
 def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n_layers: int | None = None,
-            m_layers: int | None = None, beta_mode: str = "init") -> Analysis:
-    """Find the post-LN sublayers, their stacks and layer counts, the roles of their projections."""
+            m_layers: int | None = None, beta_mode: str = "init",
+            named: dict[str, Sequence[str]] | None = None) -> Analysis:
+    """Find the post-LN sublayers, their stacks and layer counts, the roles of their projections.
+    ``named`` maps a role (v | out) to module-name patterns (fnmatch) the user gave for it: a linear of an
+    attention branch whose module matches takes that role, over what the graph says."""
     post = [s for s in norms if s.kind in ("layernorm", "rmsnorm") and s.placement == "post-norm"]
     others = []
     for s in norms:
@@ -151,8 +157,15 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
             others.append((s, f"not a post-LN residual sublayer ({s.kind}, {s.placement}): left as is"))
     outputs = {s.node: s for s in post}
     all_outputs = frozenset(s.node for s in norms)
-    subs = [_sublayer(cap, s, outputs, all_outputs, beta_mode) for s in post]
+    named = {r: tuple(p) for r, p in (named or {}).items() if p}
+    subs = [_sublayer(cap, s, outputs, all_outputs, beta_mode, named) for s in post]
     an = Analysis(subs, others)
+    for role, patterns in named.items():
+        for pat in patterns:
+            # a name the user gave must name something, or it was a typo
+            if not any(_matches(p.module, (pat,)) for sub in subs for p in sub.roles(role)):
+                raise NormconvError(f"--{'value' if role == 'v' else role}-proj {pat!r} matches no linear "
+                                    f"module inside a post-LN attention sublayer")
     if not subs:
         pre = sum(1 for s in norms if s.placement in ("pre-norm", "final-norm"))
         an.refusal = (f"pre-LN model ({pre} pre-norm/final-norm sites, no post-LN residual LN(x + f(x))): "
@@ -164,7 +177,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
 
 
 def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], all_outputs: frozenset[str],
-              beta_mode: str) -> Sublayer:
+              beta_mode: str, named: dict[str, tuple[str, ...]] | None = None) -> Sublayer:
     sub = Sublayer(site)
     _, add = producer_of(cap, cap.nodes[site.input], all_outputs)
     sub.add = add.name
@@ -222,10 +235,35 @@ def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], 
                     p = _proj(cap, n, "ffn")
                     if p is not None and p.weight not in {q.weight for q in sub.projs}:
                         sub.projs.append(p)
+    if named and mha is None and sub.kind != "ffn":
+        _named_roles(cap, sub, nodes, named)
     if beta_mode != "none" and sub.kind != "ffn" and not (sub.roles("v") and sub.roles("out")):
-        sub.problem = (f"sublayer not identified: attention without a recognisable value / output projection "
-                       f"(found {', '.join(p.role + '=' + p.label() for p in sub.projs) or 'none'})")
+        missing = " / ".join(r for r, f in (("value", "v"), ("output", "out")) if not sub.roles(f))
+        sub.problem = (f"sublayer not identified: attention without a recognisable {missing} projection "
+                       f"(found {', '.join(p.role + '=' + p.label() for p in sub.projs) or 'none'}; "
+                       f"name them with --value-proj / --out-proj)")
     return sub
+
+
+def _matches(module: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(module, p) for p in patterns)
+
+
+def _named_roles(cap: Captured, sub: Sublayer, nodes: list[fx.Node], named: dict[str, tuple[str, ...]]) -> None:
+    """Roles the user named by module pattern (--value-proj / --out-proj), for the linears of this branch."""
+    hits = []
+    for n in nodes:
+        if not _is_linear(cap, n):
+            continue
+        for role, patterns in named.items():
+            p = _proj(cap, n, role)
+            if p is not None and _matches(p.module, patterns):
+                hits.append(p)
+    if not hits:
+        return
+    # a user-named linear takes the named role, replacing what the graph gave it
+    taken = {p.weight for p in hits}
+    sub.projs = [p for p in sub.projs if p.weight not in taken] + hits
 
 
 def _branch_nodes(cap: Captured, branch: fx.Node, res: fx.Node, norm_outputs: frozenset[str],
@@ -331,12 +369,27 @@ def _to_linear(cap: Captured, v: Any) -> tuple[fx.Node, tuple[int, int] | None] 
             v = sp.args[0]
             continue
         name = _name(v)
-        # unary shaping ops (the other args are constants): follow the tensor operand
-        if name in _SHAPING and sum(isinstance(a, fx.Node) for a in v.args) == 1:
+        # unary shaping ops (the other args are constants or sizes read from x.shape): follow the tensor operand
+        tensors = [a for a in v.args if _is_tensor(cap, a)]
+        if name in _SHAPING and len(tensors) == 1 and tensors[0] is v.args[0]:
             v = v.args[0]
             continue
         return None
     return None
+
+
+def _is_tensor(cap: Captured, a: Any) -> bool:
+    """A node that carries a tensor (not a size read from ``x.shape`` / ``x.size()``, nor arithmetic on one)."""
+    if not isinstance(a, fx.Node):
+        return False
+    m = cap.meta(a)
+    if m is None:  # no recorded value: a tensor unless it is a shape read or arithmetic on ints
+        return not (cap.is_noise(a) or (a.op == "call_function" and _name(a) in _INT_OPS)
+                    or (cap.op(a) == "getitem" and isinstance(a.args[0], fx.Node) and cap.is_noise(a.args[0])))
+    return isinstance(m, torch.Tensor) or hasattr(m, "shape") and hasattr(m, "dtype")
+
+
+_INT_OPS = {"floordiv", "mul", "add", "sub", "truediv", "getitem", "sym_size"}
 
 
 def _split_rows(cap: Captured, sp: fx.Node, idx: Any) -> tuple[int, int] | None:
@@ -348,6 +401,13 @@ def _split_rows(cap: Captured, sp: fx.Node, idx: Any) -> tuple[int, int] | None:
         return None  # a split on another axis is not a q | k | v split of the output features
     size = shape[-1]
     arg = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size_or_sections", sp.kwargs.get("chunks"))
+    if isinstance(arg, fx.Node) or (isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg)):
+        # sizes computed from x.shape (split(e, -1)): the pieces' recorded widths give the bounds
+        pieces = {g.args[1]: cap.shape(g) for g in cap.users(sp) if cap.op(g) == "getitem"}
+        if any(w is None for w in pieces.values()) or sorted(pieces) != list(range(len(pieces))):
+            return None
+        starts = [sum(pieces[i][-1] for i in range(j)) for j in range(len(pieces))]
+        return (starts[idx], starts[idx] + pieces[idx][-1]) if idx < len(starts) else None
     if _name(sp) == "chunk":
         step = math.ceil(size / arg)
         bounds = [(i, min(i + step, size)) for i in range(0, size, step)]
@@ -606,7 +666,7 @@ class DeepNormPass:
 
     def __init__(self, arch: str | None = None, alpha: float | None = None, beta: float | None = None,
                  beta_mode: str = "init", n_layers: int | None = None, m_layers: int | None = None,
-                 seed: int | None = 0):
+                 seed: int | None = 0, value_proj: Sequence[str] = (), out_proj: Sequence[str] = ()):
         if beta_mode not in BETA_MODES:
             raise NormconvError(f"unknown beta mode {beta_mode!r}; choose from: {', '.join(BETA_MODES)}")
         for label, v in (("alpha", alpha), ("beta", beta)):
@@ -617,11 +677,12 @@ class DeepNormPass:
                 raise NormconvError(f"{label} must be >= 1 (got {v})")
         self.arch, self.alpha, self.beta, self.beta_mode = arch, alpha, beta, beta_mode
         self.n_layers, self.m_layers, self.seed = n_layers, m_layers, seed
+        self.named = {"v": tuple(value_proj), "out": tuple(out_proj)}  # user-named roles (module patterns)
         self.analysis: Analysis | None = None
         self.records: list[dict[str, Any]] = []
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-        self.analysis = analyze(cap, norms, self.arch, self.n_layers, self.m_layers, self.beta_mode)
+        self.analysis = analyze(cap, norms, self.arch, self.n_layers, self.m_layers, self.beta_mode, self.named)
         return sites_of(self.analysis, self.beta_mode)
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:

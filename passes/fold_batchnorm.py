@@ -4,6 +4,9 @@
   backward (layer -> bn):  W' = W * s along the output-channel axis,  b' = b * s + t  (= (b - mean) s + beta)
   forward  (bn -> layer):  y = W (s x + t) + b = (W s) x + (b + W t)   Linear; conv only when nothing pads the
                            BN output with zeros (zero padding would have to be t)
+  layer -> reshapes / permutes -> bn: exact when the layer's channel axis lands on the BN's dim 1, followed op by
+                           op: a permutation moves it, a row-major reshape keeps axis a of size C iff the sizes
+                           before it multiply to the same number (LeViT: (N, L, C) -flatten(0, 1)-> (N*L, C))
   ConvTranspose weight is (in, out/groups, k...): output channel o of group g is W[g*ipg:(g+1)*ipg, o - g*opg].
 All arithmetic in float64, cast back to the weight dtype. BN modules become nn.Identity (the user's class and
 state_dict keys stay); a functional / inline BN is removed from the traced graph (a GraphModule comes back).
@@ -13,6 +16,7 @@ A BN with no foldable neighbour is left as it is: its eval kernel is one fused p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -235,7 +239,7 @@ def _backward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
     cap = ctx.cap
     node = cap.nodes[site.input]
     chain = []
-    while _is_pass_through(cap, node) and isinstance(node.args[0], fx.Node):
+    while (_is_pass_through(cap, node) or _layout(cap, node) is not None) and isinstance(node.args[0], fx.Node):
         chain.append(node)
         node = node.args[0]
     kind = cap.op(node)
@@ -247,10 +251,18 @@ def _backward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
             raise _Skip(f"{what} sits between {cap.describe(before)} and the BN")
         raise _Skip(f"input comes from {what}, not a conv or linear")
     path, mod = _check_layer(ctx, node, _layer_path(cap, node), cap.describe(node))
-    # conv output used elsewhere  =>  folding would change the other user
+    # conv output used elsewhere  =>  folding would change the other user (x.reshape_as(y) reads y's shape only)
     for n in [node, *chain]:
-        if len(cap.users(n)) > 1:
+        if len([u for u in cap.users(n) if not _shape_only_use(cap, u, n)]) > 1:
             raise _Skip(f"{path} output is also used elsewhere")
+    layouts = [n for n in chain if _layout(cap, n) is not None]
+    if layouts:
+        # layer -> reshapes / permutes -> bn  =>  exact iff the layer's channel axis lands on the BN's dim 1
+        _channel_axis_kept(cap, node, mod, layouts[::-1], path)
+        out = mod.out_features if isinstance(mod, nn.Linear) else mod.out_channels
+        if out != channels:
+            raise _Skip(f"BN has {channels} channels, {path} writes {out}")
+        return path
     rank = len(cap.shape(cap.nodes[site.input]) or ())
     # BN normalizes dim 1; Linear writes features on the last dim  =>  only (N, C) matches
     if isinstance(mod, nn.Linear) and rank != 2:
@@ -261,6 +273,89 @@ def _backward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
     if out != channels:
         raise _Skip(f"BN has {channels} channels, {path} writes {out}")
     return path
+
+
+# layout ops: permutations (axis moves with the permutation) and row-major reshapes (judged on shapes)
+_PERMUTES = {"transpose", "permute", "t", "swapaxes", "swapdims", "movedim"}
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "reshape_as", "view_as", "_unsafe_view", "squeeze",
+             "unsqueeze", "contiguous", "clone", "alias"}  # the last three: same shape, same axis
+
+
+def _fname(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", "").split(".")[0]
+    return ""
+
+
+def _layout(cap: Captured, node: fx.Node) -> str | None:
+    """'permute' / 'reshape' for an op that only moves or regroups the elements of its first argument."""
+    name = _fname(node)
+    if name not in _PERMUTES and name not in _RESHAPES:
+        return None
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    return "permute" if name in _PERMUTES else "reshape"
+
+
+def _shape_only_use(cap: Captured, user: fx.Node, n: fx.Node) -> bool:
+    """``y.reshape_as(n)`` / ``y.view_as(n)``: ``n`` supplies a shape, not values."""
+    return _fname(user) in ("reshape_as", "view_as", "expand_as") and user.args[0] is not n
+
+
+def _perm(cap: Captured, node: fx.Node, rank: int) -> list[int] | None:
+    """out[i] = in[perm[i]] for a permutation op, or None when its dims are not constants."""
+    name, args = _fname(node), list(node.args[1:])
+    if name == "t":
+        return [1, 0] if rank == 2 else list(range(rank))
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d = [node.kwargs.get(k, a) for k, a in zip(("dim0", "dim1"), args)] if len(args) >= 2 else \
+            [node.kwargs.get("dim0"), node.kwargs.get("dim1")]
+        if not all(isinstance(x, int) for x in d):
+            return None
+        perm = list(range(rank))
+        a, b = d[0] % rank, d[1] % rank
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args or node.kwargs.get("dims")
+        if not dims or not all(isinstance(x, int) for x in dims):
+            return None
+        return [x % rank for x in dims]
+    return None  # movedim: not needed so far
+
+
+def _channel_axis_kept(cap: Captured, layer: fx.Node, mod: nn.Module, layouts, path: str) -> None:
+    """Follow the layer's channel axis through ``layouts`` (graph order); it must end on dim 1."""
+    shape = cap.shape(layer)
+    if shape is None:
+        raise _Skip(f"no recorded shape for the output of {path}")
+    axis = len(shape) - 1 if isinstance(mod, nn.Linear) else 1  # Linear writes the last dim, conv dim 1
+    if not isinstance(mod, nn.Linear) and len(shape) != mod.weight.dim():
+        raise _Skip(f"{path} output is {len(shape)}-d (unbatched?): dim 1 is not its channel dim")
+    c = shape[axis]
+    for n in layouts:
+        src, out = cap.shape(n.args[0]), cap.shape(n)
+        if src is None or out is None:
+            raise _Skip(f"no recorded shape at {cap.describe(n)}")
+        if _layout(cap, n) == "permute":
+            perm = _perm(cap, n, len(src))
+            if perm is None:
+                raise _Skip(f"{_fname(n)} at {n.name} has non-constant dims")
+            # out[i] = in[perm[i]]  =>  the channel axis moves to perm.index(axis)
+            axis = perm.index(axis)
+            continue
+        # row-major reshape keeps axis a of size C iff the sizes before it multiply to the same number
+        before = math.prod(src[:axis])
+        hits = [i for i in range(len(out)) if out[i] == c and math.prod(out[:i]) == before]
+        if not hits:
+            raise _Skip(f"{_fname(n)} at {n.name} {tuple(src)} -> {tuple(out)} mixes the channel axis of {path} "
+                        f"with others")
+        axis = hits[0]
+    if axis != 1:
+        raise _Skip(f"BN normalizes dim 1, but the channels of {path} arrive on dim {axis} after "
+                    f"{', '.join(_fname(n) for n in layouts)}")
 
 
 def _forward_layer(ctx: _Context, site: NormSite, channels: int) -> str:

@@ -516,3 +516,82 @@ def test_hf_bart_encoder_decoder_constants_sites_and_reference():
     assert set(skipped) == {"encoder.layernorm_embedding", "decoder.layernorm_embedding"}
     assert all("not a post-LN residual sublayer" in r for r in skipped.values())
     assert report.validation[0].passed and report.validation[0].max_abs_error < 1e-5
+
+
+# -- attention written with F.scaled_dot_product_attention in a user's own post-LN model (issue 12) ----------
+
+
+def _beta_touches(net, new, beta, scaled, kept):
+    """``scaled`` (name -> row slice or None) is beta * the original, weight and bias; ``kept`` is unchanged."""
+    for name, rows in scaled.items():
+        for suffix in ("weight", "bias"):
+            w0, w1 = net.get_parameter(f"{name}.{suffix}"), new.get_parameter(f"{name}.{suffix}")
+            sl = slice(None) if rows is None else slice(*rows)
+            assert torch.allclose(w1[sl], beta * w0[sl], rtol=1e-6, atol=0), (name, suffix)
+            assert not torch.allclose(w1[sl], w0[sl])
+    for name, rows in kept.items():
+        for suffix in ("weight", "bias"):
+            w0, w1 = net.get_parameter(f"{name}.{suffix}"), new.get_parameter(f"{name}.{suffix}")
+            sl = slice(None) if rows is None else slice(*rows)
+            assert torch.equal(w1[sl], w0[sl]), (name, suffix)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sdpa_bert_roles_read_from_the_graph(fused):
+    from tests.fixtures.user_models import sdpa_bert
+
+    net, (ids,) = sdpa_bert(fused=fused)
+    before = copy.deepcopy(net.state_dict())
+    new, report = api_deepnorm(net, Inputs((ids,)), beta_mode="rescale")
+    assert report.passed and len(applied(report)) == 6  # 3 layers x (attention, FFN)
+    beta = report.extra["stacks"]["encoder"]["beta"]
+    assert beta == pytest.approx(24 ** -0.25) and report.extra["stacks"]["encoder"]["alpha"] == pytest.approx(6 ** 0.25)
+    # forward equals the literal LN(alpha*x + f(x)), also at another sequence length and batch size
+    assert dn.check_against_reference(new, Inputs((ids,))).max_abs_error < 1e-5
+    assert dn.check_against_reference(new, Inputs((torch.randint(0, 50, (3, 11)),))).passed
+    # beta on v, out and the FFN only
+    for i in range(3):
+        a = f"layer.{i}.attention"
+        proj = {"v": [f"{a}.qkv[64:96]" if fused else f"{a}.value"], "out": [f"{a}.dense"]}
+        sub = report.extra["sublayers"][2 * i]["projections"]
+        assert sub["v"] == proj["v"] and sub["out"] == proj["out"]
+        qk = {f"{a}.qkv": (0, 64)} if fused else {f"{a}.query": None, f"{a}.key": None}
+        v = {f"{a}.qkv": (64, 96)} if fused else {f"{a}.value": None}
+        _beta_touches(net, new, beta, {**v, f"{a}.dense": None, f"layer.{i}.intermediate": None,
+                                       f"layer.{i}.output": None},
+                      {**qk, f"{a}.LayerNorm": None, f"layer.{i}.LayerNorm": None})
+    assert all(torch.equal(t, net.state_dict()[k]) for k, t in before.items())  # the user's model untouched
+
+
+def test_unidentified_value_projection_names_found_roles_and_takes_flags():
+    from tests.fixtures.user_models import einsum_bert
+
+    net, (ids,) = einsum_bert()
+    with pytest.raises(NormconvError, match=r"without a recognisable value projection \(found "
+                                            r"out=layer\.0\.attention\.dense; name them with --value-proj"):
+        api_deepnorm(net, Inputs((ids,)))
+    new, report = api_deepnorm(net, Inputs((ids,)), beta_mode="rescale",
+                               value_proj=["layer.*.attention.value"], out_proj=["*.attention.dense"])
+    beta = report.extra["stacks"]["encoder"]["beta"]
+    assert report.passed and len(applied(report)) == 6
+    assert dn.check_against_reference(new, Inputs((torch.randint(0, 50, (3, 11)),))).passed
+    for i in range(3):
+        a = f"layer.{i}.attention"
+        _beta_touches(net, new, beta, {f"{a}.value": None, f"{a}.dense": None, f"layer.{i}.output": None},
+                      {f"{a}.query": None, f"{a}.key": None})
+    with pytest.raises(NormconvError, match=r"--value-proj '\*\.nothere' matches no linear"):
+        api_deepnorm(net, Inputs((ids,)), value_proj=["*.nothere"])
+
+
+def test_cli_value_and_out_proj_flags(cli, tmp_path):
+    spec = "tests.fixtures.user_models:einsum_bert"
+    code, _, stderr = cli("deepnorm", spec)
+    assert code == 2 and "found out=layer.0.attention.dense" in stderr and "--value-proj" in stderr
+    out = tmp_path / "dn.pt"
+    code, stdout, stderr = cli("deepnorm", spec, "--value-proj", "*.attention.value", "--out-proj",
+                               "*.attention.dense", "-o", out, "--json")
+    assert code == 0, stderr
+    rep = json.loads(stdout)
+    assert rep["passed"] and rep["extra"]["sublayers"][0]["projections"]["v"] == ["layer.0.attention.value"]
+    assert dn.check_against_reference(load(str(out), trust_pickle=True).model,
+                                      Inputs((torch.randint(0, 50, (2, 9)),))).passed

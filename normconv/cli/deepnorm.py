@@ -31,6 +31,11 @@ def register(app: typer.Typer) -> None:
         decoder_layers: Annotated[Optional[int], typer.Option(
             "--decoder-layers", help="M: decoder layers of an encoder-decoder; default counted")] = None,
         seed: Annotated[int, typer.Option("--seed", help="random seed of --init")] = 0,
+        value_proj: Annotated[Optional[list[str]], typer.Option(
+            "--value-proj", help="module name pattern (fnmatch, repeatable) of attention value projections the "
+                                 "graph does not identify, e.g. 'encoder.layer.*.attention.value'")] = None,
+        out_proj: Annotated[Optional[list[str]], typer.Option(
+            "--out-proj", help="module name pattern (fnmatch, repeatable) of attention output projections")] = None,
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
@@ -55,5 +60,6 @@ def register(app: typer.Typer) -> None:
             raise NormconvError("--beta has no effect with --no-beta")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.deepnorm(loaded, arch=arch, alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=layers,
-                                  m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol, output=output, keep_normconv=normconv_modules)
+                                  m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol, output=output, keep_normconv=normconv_modules,
+                                  value_proj=value_proj or (), out_proj=out_proj or ())
         emit(report, as_json)

@@ -79,6 +79,11 @@ def print_inspect(report: Report) -> None:
         if room["without_headroom"]:
             c.print(f"{len(room['without_headroom'])} site(s) without {dt} headroom: "
                     f"{', '.join(room['without_headroom'])}")
+    ws = ex.get("weight_standardizations", [])
+    if ws:
+        c.print(table(f"weight standardization: {len(ws)} (a parameter normalized, not an activation norm)",
+                      ["target", "param", "written as", "read by"],
+                      [[w["target"], w["param"], w["written_as"], w["consumer"] or "-"] for w in ws]))
     misses = ex.get("near_misses", [])
     if misses:
         c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -97,8 +99,69 @@ class NormSite:
         }
 
 
+@dataclass(frozen=True)
+class WeightStandardization:
+    """A norm-shaped computation whose input is a parameter (BiT / timm StdConv: F.batch_norm or a hand-written
+    (w - mean) / sqrt(var + eps) on a conv's weight): it standardizes a constant, it is not an activation norm."""
+
+    site: NormSite  # the computation as detection matched it (kind: how it is written)
+    param: str  # state_dict name of the standardized tensor
+    consumer: str  # what reads the result (a conv / linear module path, or a node name; '' when none)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target": self.site.target, "node": self.site.node, "param": self.param,
+                "consumer": self.consumer, "written_as": f"{self.site.source} {self.site.kind}",
+                "eps": self.site.eps,
+                "reason": f"weight standardization of {self.param}: the input is a parameter, not an activation; "
+                          f"constant at inference (not an activation {self.site.kind})"}
+
+
 def find_norms(cap: Captured) -> list[NormSite]:
-    """Every norm site of the captured graph, in graph order, with placement."""
+    """Every norm site of the captured graph, in graph order, with placement (weight standardizations excluded:
+    see ``find_weight_standardizations``)."""
+    sites = [s for s in _raw_sites(cap) if _constant_input(cap, s) is None]
+    order = cap.order
+    outputs = frozenset(s.node for s in sites)
+    sites = [_with_placement(cap, s, sites, order, outputs) for s in sites]
+    counts: dict[str, int] = {}
+    for s in sites:
+        counts[s.target] = counts.get(s.target, 0) + 1
+    return [replace(s, calls=counts[s.target]) for s in sites]
+
+
+def find_weight_standardizations(cap: Captured) -> list[WeightStandardization]:
+    """Norm-shaped computations applied to a parameter (weight standardization), with what reads them."""
+    found = []
+    for s in _raw_sites(cap):
+        param = _constant_input(cap, s)
+        if param is not None:
+            found.append(WeightStandardization(s, param, _weight_consumer(cap, cap.nodes[s.node])))
+    return found
+
+
+def _constant_input(cap: Captured, site: NormSite) -> str | None:
+    """The parameter / buffer a site normalizes (through views and casts), or None for an activation."""
+    return _param_through_views(cap, cap.nodes[site.input], set())
+
+
+def _weight_consumer(cap: Captured, node: fx.Node) -> str:
+    """The conv / linear that takes ``node`` (through reshapes and casts) as its weight."""
+    for _ in range(16):
+        users = cap.users(node)
+        if len(users) != 1:
+            return ""
+        u = users[0]
+        if cap.op(u) in ("conv", "conv_transpose", "linear"):
+            return cap.describe(u) if (u.args[1:2] and u.args[1] is node) or u.kwargs.get("weight") is node else ""
+        name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "").split(".")[0]
+        if cap.op(u) != "cast" and name not in ("view", "reshape", "reshape_as", "view_as", "_unsafe_view",
+                                                "contiguous", "squeeze", "unsqueeze"):
+            return ""
+        node = u
+    return ""
+
+
+def _raw_sites(cap: Captured) -> list[NormSite]:
     sites: list[NormSite] = []
     for node in cap.gm.graph.nodes:
         op = cap.op(node)
@@ -110,14 +173,7 @@ def find_norms(cap: Captured) -> list[NormSite]:
             site = None
         if site is not None:
             sites.append(site)
-    sites = _dedupe(sites)
-    order = cap.order
-    outputs = frozenset(s.node for s in sites)
-    sites = [_with_placement(cap, s, sites, order, outputs) for s in sites]
-    counts: dict[str, int] = {}
-    for s in sites:
-        counts[s.target] = counts.get(s.target, 0) + 1
-    return [replace(s, calls=counts[s.target]) for s in sites]
+    return _dedupe(sites)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,8 +356,16 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     x_stat: Any = None
     running_var = cap.param_name(stat)
     dims: tuple[int, ...] | None = None
+    var_mean = _var_mean_of(stat, 0)
     if running_var is not None:  # (x - running_mean) / sqrt(running_var + eps)
         centered, kind = True, "batchnorm"
+    elif var_mean is not None:
+        # var, mean = torch.var_mean(x, d, unbiased=False | correction=0)  =>  LayerNorm statistics
+        if not _biased_var_mean(var_mean):
+            raise _NoMatch  # unbiased variance is not what any native norm computes
+        dims = dims_of(var_mean.args[1] if len(var_mean.args) > 1 else var_mean.kwargs.get("dim"))
+        acc |= {stat.name, var_mean.name}
+        centered, kind, x_stat = True, "layernorm", _strip(cap, var_mean.args[0], acc)
     elif cap.op(stat) == "var":
         # var(x, dim, unbiased=False) / aten.var.dim(x, dim, False) / var(x, dim, correction=0)
         unbiased = arg(stat, 2, "unbiased", None)
@@ -354,15 +418,20 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
         if not (isinstance(num, fx.Node) and cap.op(num) == "sub"):
             raise _NoMatch
         m = _strip(cap, num.args[1], acc)
-        if not (isinstance(m, fx.Node) and cap.op(m) == "mean"):
-            raise _NoMatch
         x = _strip(cap, num.args[0], acc)
-        if x is not x_stat or _strip(cap, m.args[0], acc) is not x:
-            raise _NoMatch
-        mdims, _ = _mean_dims(cap, m)
-        rank = len(cap.shape(x) or ()) or None
-        if _negative(mdims, rank) != _negative(dims, rank):
-            raise _NoMatch
+        if var_mean is not None:
+            # x - mean, the mean from the same var_mean  =>  same x, same dims
+            if _var_mean_of(m, 1) is not var_mean or x is not x_stat:
+                raise _NoMatch
+        else:
+            if not (isinstance(m, fx.Node) and cap.op(m) == "mean"):
+                raise _NoMatch
+            if x is not x_stat or _strip(cap, m.args[0], acc) is not x:
+                raise _NoMatch
+            mdims, _ = _mean_dims(cap, m)
+            rank = len(cap.shape(x) or ()) or None
+            if _negative(mdims, rank) != _negative(dims, rank):
+                raise _NoMatch
         acc |= {num.name, m.name}
     else:
         x = num
@@ -416,6 +485,23 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     upcast = any(cap.op(cap.nodes[n]) == "cast" for n in acc) and (in_dt != y_dt or in_dt is None)
     return _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_mean, running_var,
                      upcast or _casts_to_float32(cap, acc))
+
+
+def _var_mean_of(node: Any, index: int) -> fx.Node | None:
+    """The torch.var_mean call whose output ``index`` (0 var, 1 mean) ``node`` is, either graph dialect."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and node.args[1] == index and isinstance(node.args[0], fx.Node)):
+        return None
+    vm = node.args[0]
+    name = vm.target if vm.op == "call_method" else getattr(vm.target, "__name__", "")
+    return vm if name.split(".")[0] == "var_mean" else None
+
+
+def _biased_var_mean(vm: fx.Node) -> bool:
+    """var_mean(x, d, unbiased=False) / var_mean(x, d, correction=0) / aten.var_mean.correction(.., correction=0)."""
+    if vm.kwargs.get("correction", None) in (0, 0.0) or vm.kwargs.get("unbiased", None) is False:
+        return True
+    return len(vm.args) > 2 and vm.args[2] is False
 
 
 def _feeds_affine(cap: Captured, node: fx.Node) -> bool:

@@ -1,0 +1,96 @@
+"""Detection spellings (issue 12): a LayerNorm written with torch.var_mean is found and canonicalized; BiT-style
+weight standardization (a norm applied to a conv's weight) is reported as such, not as an activation norm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from normconv.api import canonicalize, fold, inspect
+from normconv.verify import Inputs
+
+METHODS = ["symbolic_trace", "torch.export"]
+
+
+class VarMeanLN(nn.Module):
+    def __init__(self, d, **kw):
+        super().__init__()
+        self.w, self.b, self.kw = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d)), kw
+
+    def forward(self, x):
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True, **self.kw)
+        return (x - mean) / torch.sqrt(var + 1e-6) * self.w + self.b
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kw", [{"unbiased": False}, {"correction": 0}])
+def test_var_mean_layernorm_is_detected_and_canonicalized(kw, method):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), VarMeanLN(8, **kw)).eval()
+    x = torch.randn(2, 3, 8)
+    sites = inspect(model, Inputs((x,)), method=method).sites
+    assert [(s["kind"], s["source"], s["eps"], s["affine"]["weight"], s["affine"]["bias"]) for s in sites] == \
+        [("layernorm", "handwritten", 1e-6, "1.w", "1.b")]
+    new, report = canonicalize(model, Inputs((x,)))
+    assert report.passed and isinstance(new[1], nn.LayerNorm) and new[1].eps == 1e-6
+    x2 = torch.randn(5, 7, 8)
+    with torch.no_grad():
+        assert torch.allclose(new(x2), model(x2), atol=1e-5)
+        assert torch.allclose(new(x2), F.layer_norm(model[0](x2), (8,), model[1].w, model[1].b, 1e-6), atol=1e-5)
+
+
+def test_unbiased_var_mean_is_not_a_layernorm():
+    model = nn.Sequential(nn.Linear(8, 8), VarMeanLN(8))  # default correction=1: divides by n-1
+    assert inspect(model, Inputs((torch.randn(2, 3, 8),))).sites == []
+
+
+class StdConv(nn.Conv2d):
+    """timm / BiT StdConv2d: F.batch_norm over the weight's fan-in, batch statistics of the weight itself."""
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.,
+                         eps=1e-6).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class HandStdConv(nn.Conv2d):
+    """Weight standardization written out: (w - mean) / sqrt(var + eps) over each filter."""
+
+    def forward(self, x):
+        w = self.weight
+        m = w.mean(dim=(1, 2, 3), keepdim=True)
+        v = ((w - m) ** 2).mean(dim=(1, 2, 3), keepdim=True)
+        return F.conv2d(x, (w - m) / torch.sqrt(v + 1e-5), self.bias, self.stride, self.padding)
+
+
+def bit_net():
+    torch.manual_seed(0)
+    net = nn.Sequential(StdConv(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                        HandStdConv(8, 8, 3, padding=1), nn.BatchNorm2d(8)).eval()
+    with torch.no_grad():
+        net[4].running_mean.normal_()
+        net[4].running_var.uniform_(0.5, 2)
+    return net
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_weight_standardization_is_reported_as_such(method):
+    net = bit_net()
+    rep = inspect(net, Inputs((torch.randn(2, 3, 8, 8),)), method=method)
+    # the activation norms are the GroupNorm and the BatchNorm2d module, nothing on the weights
+    assert [(s["kind"], s["target"]) for s in rep.sites] == [("groupnorm", "1"), ("batchnorm", "4")]
+    ws = rep.extra["weight_standardizations"]
+    assert [(w["param"], w["consumer"], w["written_as"]) for w in ws] == \
+        [("0.weight", "0", "functional batchnorm"), ("3.weight", "3", "handwritten layernorm")]
+    assert all("weight standardization" in w["reason"] for w in ws)
+
+
+def test_fold_does_not_touch_weight_standardization():
+    net = bit_net()
+    x = torch.randn(2, 3, 8, 8)
+    new, report = fold(net, Inputs((x,)))
+    assert [s.target for s in report.sites] == ["4"]  # only the activation BN is a fold site
+    with torch.no_grad():
+        assert torch.allclose(new(x), net(x), atol=1e-5)
