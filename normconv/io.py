@@ -19,7 +19,6 @@ import math
 import os
 import pickle
 import sys
-import warnings
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.quiet import quiet
 from normconv.outputs import WRITERS
 from normconv.verify import Inputs, run
 
@@ -197,22 +197,9 @@ def _only_weights_unpickled(trust: bool):
         torch.load = real
 
 
-@contextlib.contextmanager
 def quiet_loaders():
     """torch's loaders log warnings and whole tracebacks for files they cannot read; normconv says one line."""
-    import logging
-
-    loggers = [logging.getLogger(n) for n in ("torch", "torch.export", "torch._export", "torch.serialization")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    return quiet(("torch", "torch.export", "torch._export", "torch.serialization"))
 
 
 def _why(exc: BaseException) -> str:
@@ -417,26 +404,31 @@ def _load_factory(spec: str, weights: str | None) -> Loaded:
     return Loaded(made.eval(), inputs, spec, "factory")
 
 
+def _read_tensors(path: Path, shown: str, if_objects: str) -> Any:
+    """A .safetensors file, or a torch.save of tensors loaded with weights_only (``if_objects``: the refusal when it
+    pickles more than tensors)."""
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        except Exception as exc:
+            raise NormconvError(f"{shown} is not a readable safetensors file ({_why(exc)})") from None
+    try:
+        return _torch_load_safely(path, shown)
+    except _NeedsTrust:
+        raise NormconvError(f"{shown} {if_objects}") from None
+
+
 def load_weights(model: nn.Module, weights: str) -> None:
     """Load a .pt state_dict or a .safetensors file into ``model`` strictly, with a one-line error on mismatch."""
     path = Path(weights)
     if not path.is_file():
         raise NormconvError(f"no such weights file: {weights}")
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        except Exception as exc:
-            raise NormconvError(f"{weights} is not a readable safetensors file ({_why(exc)})") from None
-    else:
-        try:
-            state = _torch_load_safely(path, weights)
-        except _NeedsTrust:
-            raise NormconvError(f"{weights} is not a plain state_dict (it pickles objects); save "
-                                f"model.state_dict() instead") from None
-        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-            state = state["state_dict"]
+    state = _read_tensors(path, weights, "is not a plain state_dict (it pickles objects); save model.state_dict() "
+                                         "instead")
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]  # a training checkpoint {"state_dict": ..., "epoch": ...}
     if not isinstance(state, dict):
         raise NormconvError(f"{weights} does not hold a state_dict")
     result = model.load_state_dict(state, strict=False)
@@ -563,18 +555,7 @@ def load_calibration(path_text: str, model: nn.Module | None = None) -> Inputs:
     path = Path(path_text)
     if not path.is_file():
         raise NormconvError(f"no such calibration file: {path_text}")
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-
-            obj: Any = load_file(str(path))
-        except Exception as exc:
-            raise NormconvError(f"{path_text} is not a readable safetensors file ({_why(exc)})") from None
-    else:
-        try:
-            obj = _torch_load_safely(path, path_text)
-        except _NeedsTrust:
-            raise NormconvError(f"{path_text} pickles objects; save a tensor, a list or a dict of tensors") from None
+    obj: Any = _read_tensors(path, path_text, "pickles objects; save a tensor, a list or a dict of tensors")
     if isinstance(obj, torch.Tensor):
         return Inputs((obj,))
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):

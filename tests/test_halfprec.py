@@ -146,7 +146,7 @@ def test_fp16_export_keeps_norm_statistics_in_float32_and_validates_against_fp32
 
     out = tmp_path / "m.onnx"
     code, stdout, err = cli("export", "zoo:fp16_overflow", "--dtype", "float16", "-o", str(out), "--no-baseline",
-                            "--repeats", "0", "--json")
+                            "--repeats", "0", "--json", "--target", "onnx")
     assert code == 0, err
     report = json.loads(stdout)
     half = report["extra"]["half_precision"]
@@ -178,3 +178,21 @@ def test_plain_torch_onnx_export_of_the_fp16_model_reduces_squares_in_fp16():
         program = torch.onnx.export(half, tuple(x.half() for x in inputs), dynamo=True, external_data=False,
                                     verbose=False)
     assert len(_fp16_reductions(program.model_proto)) >= 3
+
+
+def test_fp16_export_default_target_keeps_statistics_in_float32(cli, tmp_path):
+    """The default (--target ort): SimplifiedLayerNormalization / LayerNormalization with float32 statistics
+    (stash_type 1, the ops' default), no reduction on fp16 data, and the fp32 model's outputs within tolerance."""
+    import json
+
+    import onnx
+
+    out = tmp_path / "m.onnx"
+    code, stdout, err = cli("export", "zoo:fp16_overflow", "--dtype", "float16", "-o", str(out), "--no-baseline",
+                            "--repeats", "0", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["extra"]["half_precision"]["error_vs_float32"]["normconv"] < 1e-2
+    model = onnx.load(str(out))
+    norms = [n for n in model.graph.node if n.op_type in ("SimplifiedLayerNormalization", "LayerNormalization")]
+    assert len(norms) == 3 and _fp16_reductions(model) == []
+    assert all(a.i == 1 for n in norms for a in n.attribute if a.name == "stash_type")

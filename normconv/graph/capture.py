@@ -10,9 +10,6 @@ the module path that computed a node, the module object, the parameter a node re
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +19,7 @@ import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from normconv.errors import NormconvError
+from normconv.quiet import quiet
 from normconv.graph.match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
 from normconv.verify import Inputs, compare, forward_guard, run
 
@@ -186,17 +184,9 @@ def _clean_path(path: str) -> str:
     return path
 
 
-@contextlib.contextmanager
 def quiet_torch_logs():
-    """torch.export logs warnings and graph dumps when it fails; the user gets our one line instead."""
-    logger = logging.getLogger("torch")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # export prints partial graphs to sys.stderr
-            yield
-    finally:
-        logger.setLevel(level)
+    """torch.export logs warnings and prints partial graphs to stderr when it fails; the user gets our one line."""
+    return quiet(("torch",), stderr=True)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -19,13 +19,9 @@ translations (onnx.ops) -> lower placeholders for the target -> skip fusion (onn
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
-import logging
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,6 +30,7 @@ import torch.nn as nn
 
 from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
+from normconv.quiet import quiet
 from normconv.io import check_writable
 from normconv.report import Report, Site
 
@@ -112,21 +109,9 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
 # export
 
 
-@contextlib.contextmanager
 def _quiet():
     """torch.onnx prints progress to stdout and warnings to stderr / logging: keep our output ours."""
-    loggers = [logging.getLogger(n) for n in ("torch", "torch.onnx", "onnxscript", "onnx_ir")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    return quiet(("torch", "torch.onnx", "onnxscript", "onnx_ir"), stdout=True, stderr=True)
 
 
 def _one_line(exc: BaseException) -> str:
