@@ -31,7 +31,7 @@ from normconv import outputs
 from normconv.io import Loaded, check_output_path, save
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
-from normconv.passes import fold_batchnorm, fold_scales, rotate as rotate_pass, swap_norm
+from normconv.passes import fold_batchnorm, fold_scales, lift_layers, rotate as rotate_pass, swap_norm
 from normconv.report import OutputError, PassResult, Report, Site, Validation
 from normconv.verify import Inputs, argmax_agreement, compare, default_tolerance, other_shape, output_leaves, run
 
@@ -195,13 +195,20 @@ def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, 
         where = "the model" if training[0] == "" else training[0]
         raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
                             f"so folding would change it; call .eval() first or pass --eval")
-    report, model = rewrite(loaded, [fold_batchnorm.FOLD], command=fold_batchnorm.NAME, exact=True, atol=atol,
+    report, model = rewrite(loaded, _lifted(loaded.model) + [fold_batchnorm.FOLD], command=fold_batchnorm.NAME,
+                            exact=True, atol=atol,
                             rtol=rtol, output=output, in_place=in_place, method=method, eval_mode=eval_mode,
                             bench=bench, keep_normconv=keep_normconv)
     if not any(s.applied for s in report.sites):
         report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
                             else "the model has no BatchNorm; it is unchanged")
     return report, model
+
+
+def _lifted(model: nn.Module) -> list[PassFn]:
+    """An exported program (a GraphModule) calls aten.conv / linear on constant weights: lift those into native
+    modules first, so the folds apply as on a module tree (passes/lift_layers.py). A user's module tree needs none."""
+    return [lift_layers.LIFT] if isinstance(model, fx.GraphModule) else []
 
 
 def canonicalize(loaded: Loaded, *, atol: float | None = None, rtol: float | None = None, output: str | None = None,
@@ -395,6 +402,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
     passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_batchnorm.FOLD, fold))
               if on and cap is not None]
+    if fold and passes:
+        passes = _lifted(loaded.model) + passes
     report.extra["passes"] = [p.name for p in passes]
     with onnx_export._quiet():
         prepared, pass_sites = apply_passes(source, src_inputs, passes, method, eval_mode=True)

@@ -497,7 +497,10 @@ def _remove_from_graph(cap: Captured, done: list[Decision]) -> fx.GraphModule:
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for target in before - used:  # the folded BNs' statistics and affine no longer belong to the model
         parent, _, name = target.rpartition(".")
-        owner = gm.get_submodule(parent) if parent else gm
+        try:
+            owner = gm.get_submodule(parent) if parent else gm
+        except AttributeError:  # its container went with delete_all_unused_submodules
+            continue
         if name in owner._parameters or name in owner._buffers:
             delattr(owner, name)
     gm.recompile()

@@ -357,6 +357,10 @@ def test_every_command_works_on_a_pt2(cli, tmp_path, command):
         x = z.example_inputs()[0]
         with torch.no_grad():
             torch.testing.assert_close(rewritten(x), model(x), atol=1e-4, rtol=1e-4)
+    if command == "fold":  # the program's functional convs were lifted to modules and every BN folded into them
+        report = json.loads(cli(command, path, "-o", tmp_path / "again.pt2", "--json")[1])
+        assert [s["applied"] for s in report["sites"] if s["pass"] == "fold"] == [True] * 8
+        assert not any("batch_norm" in str(n.target) for n in torch.export.load(out).graph.nodes)
 
 
 def test_pt2_exported_in_training_mode_is_read_as_such(cli, tmp_path):
