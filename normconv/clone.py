@@ -54,10 +54,17 @@ def owned(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     return new
 
 
+def adopt(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """Record ``tensor`` (one the pass just made, e.g. an untied copy) as ``root``'s own: ``owned`` returns it as it
+    is instead of cloning it again."""
+    root.__dict__.setdefault(_OWNED_ATTR, set()).add(id(tensor))
+    return tensor
+
+
 def release(root: nn.Module) -> nn.Module:
     """Forget the ownership record before the model leaves normconv (it is not part of the user's model)."""
     root.__dict__.pop(_OWNED_ATTR, None)
     return root
 
 
-__all__ = ["clone_sharing_tensors", "owned", "release"]
+__all__ = ["clone_sharing_tensors", "owned", "adopt", "release"]
