@@ -71,13 +71,15 @@ def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5
 
 def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], method: str = "auto",
                  eval_mode: bool = False,
-                 on_first_capture: Callable[[Captured], None] | None = None) -> tuple[nn.Module, list[Site]]:
+                 on_first_capture: Callable[[Captured], None] | None = None,
+                 last_capture: list[Captured] | None = None) -> tuple[nn.Module, list[Site]]:
     """Run passes in order on a tensor-sharing copy of ``model``, capturing the graph before the first and again
     after each pass that modified the model (a pass that changed nothing leaves the last capture valid).
 
     ``eval_mode`` puts the copy (never the user's model) in eval mode first. ``on_first_capture`` sees the first
     capture (the unmodified model's graph: export plans from it instead of capturing once more; it is made even
-    with no pass). Returns (rewritten model, sites)."""
+    with no pass). ``last_capture`` receives the capture still valid for the returned model, if there is one
+    (export hands its ExportedProgram to the ONNX exporter). Returns (rewritten model, sites)."""
     work = clone_sharing_tensors(model)
     if eval_mode:
         for m in work.modules():
@@ -103,6 +105,8 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
             cap = None  # the graph changed: the next pass captures it again
         work = result.model
         sites.extend(result.sites)
+    if last_capture is not None and cap is not None and cap.model is work:
+        last_capture.append(cap)
     return release(work), sites
 
 
@@ -398,10 +402,11 @@ def export(loaded: Loaded, output: str, target: str = "onnx", opset: int | None 
 
     # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
     passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_batchnorm.FOLD, fold)) if on]
+    last: list[Captured] = []
     try:
         with onnx_export._quiet():
             prepared, pass_sites = apply_passes(loaded.model, inputs, passes, method, eval_mode=True,
-                                                on_first_capture=plan_sites)
+                                                on_first_capture=plan_sites, last_capture=last)
     except NormconvError as exc:
         if norms or "cannot capture" not in str(exc):
             raise
@@ -426,7 +431,8 @@ def export(loaded: Loaded, output: str, target: str = "onnx", opset: int | None 
             m.training = False
     return onnx_export.write_onnx(release(prepared), original and release(original), inputs, reference, out, report, norms,
                                   target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
-                                  rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)
+                                  rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
+                                  exported=last[0].exported if last else None)
 
 
 def _with_attention_mask(model: nn.Module, inputs: Inputs, report: Report) -> Inputs:
