@@ -72,15 +72,16 @@ def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5
 def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], method: str = "auto",
                  eval_mode: bool = False,
                  on_first_capture: Callable[[Captured], None] | None = None,
-                 last_capture: list[Captured] | None = None) -> tuple[nn.Module, list[Site]]:
+                 last_capture: list[Captured] | None = None, writable: bool = False) -> tuple[nn.Module, list[Site]]:
     """Run passes in order on a tensor-sharing copy of ``model``, capturing the graph before the first and again
     after each pass that modified the model (a pass that changed nothing leaves the last capture valid).
 
     ``eval_mode`` puts the copy (never the user's model) in eval mode first. ``on_first_capture`` sees the first
     capture (the unmodified model's graph: export plans from it instead of capturing once more; it is made even
     with no pass). ``last_capture`` receives the capture still valid for the returned model, if there is one
-    (export hands its ExportedProgram to the ONNX exporter). Returns (rewritten model, sites)."""
-    work = clone_sharing_tensors(model)
+    (export hands its ExportedProgram to the ONNX exporter). ``writable``: passes write ``model``'s own tensors
+    (``clone_sharing_tensors``; a disposable model only). Returns (rewritten model, sites)."""
+    work = clone_sharing_tensors(model, writable)
     if eval_mode:
         for m in work.modules():
             m.training = False  # the flag itself: an exported program's module refuses .eval()
@@ -134,14 +135,16 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
     inputs = loaded.require_inputs()
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
+    # everything the original has to say is taken before the passes (a disposable model is then written in place)
     reference = run(loaded.model, inputs)
-    model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode)
+    alt = other_shape(loaded.model, inputs)
+    before = model_stats(loaded.model, inputs if bench else None)
+    model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode, writable=loaded.disposable)
     rewritten = run(model, inputs)
-    validations = [compare(reference, rewritten, atol, rtol)] + _second_shape(loaded.model, model, inputs, atol, rtol)
+    validations = [compare(reference, rewritten, atol, rtol)] + _second_shape(alt, model, atol, rtol)
     if outputs_seen is not None:
         outputs_seen.update(reference=reference, rewritten=rewritten)
-    report = Report(command=command, model=loaded.spec, sites=sites, validation=validations,
-                    before=model_stats(loaded.model, inputs if bench else None),
+    report = Report(command=command, model=loaded.spec, sites=sites, validation=validations, before=before,
                     after=model_stats(model, inputs if bench else None))
     failed = next((v for v in validations if not v.passed), None)
     if exact and failed is not None:
@@ -155,11 +158,11 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
     return report, model
 
 
-def _second_shape(original: nn.Module, rewritten: nn.Module, inputs: Inputs, atol: float | None,
+def _second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: float | None,
                   rtol: float | None) -> list[Validation]:
     """The rewrite checked at a second input shape too, wherever the model's dimensions are free (a capture sees
-    one shape: a branch on the batch size, or a rewrite specialized to it, shows only at another)."""
-    alt = other_shape(original, inputs)
+    one shape: a branch on the batch size, or a rewrite specialized to it, shows only at another). ``alt``: the
+    original's ``other_shape`` (inputs, outputs), taken before the rewrite."""
     if alt is None:
         return []
     alt_inputs, reference = alt
