@@ -92,7 +92,7 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
 
 def export(model: nn.Module, example_inputs: Any, path: str, target: str = "ort", opset: int | None = None, *,
            dynamic: bool = False, fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
-           atol: float | None = None, rtol: float | None = None, baseline: bool = True, repeats: int = 10,
+           atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
            skip_fusion: bool = False) -> Report:
     """ONNX at ``path`` with one fused op per norm, validated in onnxruntime. Returns the report."""
     return flow.export(_loaded(model, example_inputs), str(path), target, opset, dynamic=dynamic, fold=fold,

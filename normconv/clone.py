@@ -18,14 +18,18 @@ import torch.nn as nn
 _OWNED_ATTR = "_normconv_owned_ids"  # ids of tensors this copy made for itself (kept on the root, out of state)
 
 
-def clone_sharing_tensors(model: nn.Module) -> nn.Module:
+def clone_sharing_tensors(model: nn.Module, writable: bool = False) -> nn.Module:
     """A copy of ``model``'s module tree (modes, hooks, attributes) whose parameters and buffers are the
-    original tensor objects; plain tensor attributes and everything else are deep-copied."""
+    original tensor objects; plain tensor attributes and everything else are deep-copied.
+
+    ``writable``: the original's tensors count as the copy's own (``owned`` returns them as they are), so passes
+    write into them: only for a model nobody else holds (the command line's), whose outputs were already taken."""
     memo: dict[int, object] = {}
     for t in list(model.parameters()) + list(model.buffers()):
         memo[id(t)] = t
+    tensor_ids = set(memo) if writable else set()
     clone = copy.deepcopy(model, memo)
-    clone.__dict__[_OWNED_ATTR] = set()
+    clone.__dict__[_OWNED_ATTR] = tensor_ids
     return clone
 
 
@@ -54,10 +58,17 @@ def owned(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     return new
 
 
+def adopt(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """Record ``tensor`` (one the pass just made, e.g. an untied copy) as ``root``'s own: ``owned`` returns it as it
+    is instead of cloning it again."""
+    root.__dict__.setdefault(_OWNED_ATTR, set()).add(id(tensor))
+    return tensor
+
+
 def release(root: nn.Module) -> nn.Module:
     """Forget the ownership record before the model leaves normconv (it is not part of the user's model)."""
     root.__dict__.pop(_OWNED_ATTR, None)
     return root
 
 
-__all__ = ["clone_sharing_tensors", "owned", "release"]
+__all__ = ["clone_sharing_tensors", "owned", "adopt", "release"]

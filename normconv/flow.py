@@ -71,18 +71,30 @@ def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5
 
 
 def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], method: str = "auto",
-                 eval_mode: bool = False) -> tuple[nn.Module, list[Site]]:
-    """Run passes in order on a tensor-sharing copy of ``model``, re-capturing the graph before each.
+                 eval_mode: bool = False,
+                 on_first_capture: Callable[[Captured], None] | None = None,
+                 last_capture: list[Captured] | None = None, writable: bool = False) -> tuple[nn.Module, list[Site]]:
+    """Run passes in order on a tensor-sharing copy of ``model``, capturing the graph before the first and again
+    after each pass that modified the model (a pass that changed nothing leaves the last capture valid).
 
-    ``eval_mode`` puts the copy (never the user's model) in eval mode first. Returns (rewritten model, sites)."""
-    work = clone_sharing_tensors(model)
+    ``eval_mode`` puts the copy (never the user's model) in eval mode first. ``on_first_capture`` sees the first
+    capture (the unmodified model's graph: export plans from it instead of capturing once more; it is made even
+    with no pass). ``last_capture`` receives the capture still valid for the returned model, if there is one
+    (export hands its ExportedProgram to the ONNX exporter). ``writable``: passes write ``model``'s own tensors
+    (``clone_sharing_tensors``; a disposable model only). Returns (rewritten model, sites)."""
+    work = clone_sharing_tensors(model, writable)
     if eval_mode:
         for m in work.modules():
             m.training = False  # the flag itself: an exported program's module refuses .eval()
     sites: list[Site] = []
+    cap: Captured | None = None
+    if on_first_capture is not None:
+        cap = capture(work, inputs, method)
+        on_first_capture(cap)
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
-        cap = capture(work, inputs, method)
+        if cap is None or cap.model is not work:
+            cap = capture(work, inputs, method)
         try:
             result = p(work, cap)
         except NormconvError:
@@ -91,8 +103,12 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
             name = getattr(p, "name", getattr(p, "__name__", type(p).__name__))
             raise RuntimeError(f"pass {name} failed: {type(exc).__name__}: {exc}") from exc
         _inherit_training_flags(before, result.model)
+        if result.modified or result.model is not work:
+            cap = None  # the graph changed: the next pass captures it again
         work = result.model
         sites.extend(result.sites)
+    if last_capture is not None and cap is not None and cap.model is work:
+        last_capture.append(cap)
     return release(work), sites
 
 
@@ -111,18 +127,25 @@ def _inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Modul
 def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bool,
             atol: float | None = None, rtol: float | None = None, output: str | None = None,
             in_place: bool = False, method: str = "auto", eval_mode: bool = False,
-            bench: bool = False, keep_normconv: bool = False, write: bool = True) -> tuple[Report, nn.Module]:
+            bench: bool = False, keep_normconv: bool = False, write: bool = True,
+            outputs_seen: dict[str, Any] | None = None) -> tuple[Report, nn.Module]:
     """Apply ``passes`` to a loaded model, verify against the original, write ``output`` if it passed
-    (``write=False``: the caller writes, after checks of its own)."""
+    (``write=False``: the caller writes, after checks of its own). ``outputs_seen``, when given, receives the
+    original's and the rewritten model's outputs on the example inputs ("reference", "rewritten"), so that a
+    caller's further checks reuse them instead of running both models again."""
     inputs = loaded.require_inputs()
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
+    # everything the original has to say is taken before the passes (a disposable model is then written in place)
     reference = run(loaded.model, inputs)
-    model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode)
-    validations = [compare(reference, run(model, inputs), atol, rtol)] + _second_shape(loaded.model, model, inputs,
-                                                                                       atol, rtol)
-    report = Report(command=command, model=loaded.spec, sites=sites, validation=validations,
-                    before=model_stats(loaded.model, inputs if bench else None),
+    alt = other_shape(loaded.model, inputs)
+    before = model_stats(loaded.model, inputs if bench else None)
+    model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode, writable=loaded.disposable)
+    rewritten = run(model, inputs)
+    validations = [compare(reference, rewritten, atol, rtol)] + _second_shape(alt, model, atol, rtol)
+    if outputs_seen is not None:
+        outputs_seen.update(reference=reference, rewritten=rewritten)
+    report = Report(command=command, model=loaded.spec, sites=sites, validation=validations, before=before,
                     after=model_stats(model, inputs if bench else None))
     failed = next((v for v in validations if not v.passed), None)
     if exact and failed is not None:
@@ -136,11 +159,11 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
     return report, model
 
 
-def _second_shape(original: nn.Module, rewritten: nn.Module, inputs: Inputs, atol: float | None,
+def _second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: float | None,
                   rtol: float | None) -> list[Validation]:
     """The rewrite checked at a second input shape too, wherever the model's dimensions are free (a capture sees
-    one shape: a branch on the batch size, or a rewrite specialized to it, shows only at another)."""
-    alt = other_shape(original, inputs)
+    one shape: a branch on the batch size, or a rewrite specialized to it, shows only at another). ``alt``: the
+    original's ``other_shape`` (inputs, outputs), taken before the rewrite."""
     if alt is None:
         return []
     alt_inputs, reference = alt
@@ -258,8 +281,9 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
     # hand-written and functional norms -> native modules first: swap replaces modules
     passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass] + \
         ([fold_pass] if fold_scales_ else [])
+    seen: dict[str, Any] = {}
     report, model = rewrite(loaded, passes, command="swap", exact=False, atol=atol, rtol=rtol, method=method,
-                            bench=bench, write=False)
+                            bench=bench, write=False, outputs_seen=seen)
     report.notes.extend(swap_pass.notes + fold_pass.notes)
     if fold_scales_:
         report.extra["scales_folded"] = sum(p.ok for p in fold_pass.plans)
@@ -270,7 +294,7 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
         report.notes.append("functional / inline norms became modules in the traced graph: the result is a "
                             "torch.fx.GraphModule (your class is not kept; loading it back needs --trust-pickle)")
     v = report.validation[0]
-    agree = argmax_agreement(output_leaves(run(loaded.model, inputs)), output_leaves(run(model, inputs)))
+    agree = argmax_agreement(output_leaves(seen["reference"]), output_leaves(seen["rewritten"]))
     plans = swap_pass.analysis.plans if swap_pass.analysis else []
     report.extra.update({
         "to": to, "approximate": approximate, "exact": swap_pass.exact,
@@ -366,7 +390,7 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
 
 def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None = None, *, dynamic: bool = False,
            fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
-           atol: float | None = None, rtol: float | None = None, baseline: bool = True, repeats: int = 10,
+           atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
            skip_fusion: bool = False, method: str = "auto") -> Report:
     """``normconv export``: the exact passes (canonicalize, fold) through ``apply_passes``, verified against the
     original in torch, then ONNX with one fused op per norm, validated in onnxruntime (normconv.onnx.export)."""
@@ -388,25 +412,33 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
         half_torch = reference
         reference = _cast_floats(reference32, half)
 
-    # norm sites and the plan (the same analysis inspect shows)
+    # norm sites and the plan (the same analysis inspect shows), from the graph the passes capture first: the
+    # eval-mode copy has the original's graph, so one capture serves the plan and the passes
     norms: list[NormSite] = []
-    try:
-        cap = capture(source, src_inputs, method)
-        norms = find_norms(cap)
+
+    def plan_sites(cap: Captured) -> None:
+        norms.extend(find_norms(cap))
         report.sites.extend(onnx_export.plan(norms, target, opset, _plan_of(cap, norms, "canonicalize", canonicalize),
                                              _plan_of(cap, norms, "fold", fold), skip_fusion))
-    except NormconvError as exc:
-        cap = None
-        report.notes.append(f"norm detection and the torch passes skipped: {exc}")
 
     # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
-    passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_batchnorm.FOLD, fold))
-              if on and cap is not None]
-    if fold and passes:
+    passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_batchnorm.FOLD, fold)) if on]
+    if fold:
         passes = _lifted(loaded.model) + passes
+    last: list[Captured] = []
+    try:
+        with onnx_export._quiet():
+            prepared, pass_sites = apply_passes(source, src_inputs, passes, method, eval_mode=True,
+                                                on_first_capture=plan_sites, last_capture=last)
+    except NormconvError as exc:
+        if norms or "cannot capture" not in str(exc):
+            raise
+        report.notes.append(f"norm detection and the torch passes skipped: {exc}")
+        passes, pass_sites = [], []
+        prepared = clone_sharing_tensors(source)
+        for m in prepared.modules():
+            m.training = False
     report.extra["passes"] = [p.name for p in passes]
-    with onnx_export._quiet():
-        prepared, pass_sites = apply_passes(source, src_inputs, passes, method, eval_mode=True)
     report.sites.extend(pass_sites)
     if passes:
         check = compare(reference32 if half is not None else reference, run(prepared, src_inputs),
@@ -420,6 +452,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     if half is not None:
         prepared = copy.deepcopy(release(prepared)).to(half)
         prepared.eval()
+        last = []  # the capture was of the float32 copy: the half model is exported afresh
         rewritten_half = run(prepared, inputs)
         label = str(half).removeprefix("torch.")
         atol = default_tolerance(half)[0] if atol is None else atol  # tolerances follow the target dtype
@@ -438,12 +471,15 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
         if not ours.passed:
             raise VerificationError(f"export: {ours.label} beyond tolerance (max abs error "
                                     f"{ours.max_abs_error:.3g}); nothing written", report)
-    original = clone_sharing_tensors(loaded.model)  # the plain baseline export runs on an eval-mode copy too
-    for m in original.modules():
-        m.training = False
-    return onnx_export.write_onnx(release(prepared), release(original), inputs, reference, out, report, norms,
-                                  target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
-                                  rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)
+    original = None
+    if baseline:  # opt-in: a second full export (time and peak memory) only for the op-count / latency comparison
+        original = clone_sharing_tensors(loaded.model)  # the plain baseline export runs on an eval-mode copy too
+        for m in original.modules():
+            m.training = False
+    return onnx_export.write_onnx(release(prepared), original and release(original), inputs, reference, out, report,
+                                  norms, target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
+                                  rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
+                                  exported=last[0].exported if last else None)
 
 
 def _half_dtype(model: nn.Module) -> torch.dtype | None:

@@ -55,6 +55,9 @@ class Loaded:
     fmt: str  # zoo | hf | pt2 | pickle | factory
     path: Path | None = None
     reads: tuple[Path, ...] = ()  # every file or folder the load read: -o may not be one of them (or inside one)
+    # the model is normconv's own (the command line loaded it from a file; no caller holds it): a rewrite may write
+    # its tensors in place once the original's outputs are taken, instead of copying every tensor it changes
+    disposable: bool = False
 
     def require_inputs(self) -> Inputs:
         if self.inputs is None:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.clone import owned
+from normconv.clone import adopt, owned
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.capture import Captured
 from normconv.graph.match import TRANSPARENT
@@ -524,9 +524,10 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
 
 def _writer_mean(cap: Captured, w: Writer) -> float | None:
     """Largest |mean over the hidden dim| of a writer's weight / bias, or None when it is zero-mean."""
-    t = cap.tensor(w.weight).detach().double()
+    t = cap.tensor(w.weight).detach()
     dim = w.axis
-    worst = float(t.mean(dim).abs().max())
+    # float64 one slice at a time (each slice holds whole reductions: the same means, not 2x the weight in float64)
+    worst = max(float(s.double().mean(dim).abs().max()) for s in _slices(t, dim))
     scale = float(t.abs().max())
     if w.bias:
         b = cap.tensor(w.bias).detach().double()
@@ -674,8 +675,24 @@ def _dim(layout: str) -> int:
 def _center(model: nn.Module, t: torch.Tensor, dim: int) -> None:
     """t <- t - mean(t, dim), computed in float64, into the rewrite's own copy of t (ties kept)."""
     t = owned(model, t)
-    t64 = t.detach().double()
-    t.data.copy_((t64 - t64.mean(dim, keepdim=True)).to(t.dtype))
+    for s in _slices(t.detach(), dim):  # float64 one slice at a time: peak memory of a slice, not of the weight
+        s64 = s.double()
+        s.copy_((s64 - s64.mean(dim, keepdim=True)).to(s.dtype))
+
+
+_SLICE_ELEMENTS = 1 << 22  # float64 working set per slice: 32 MB
+
+
+def _slices(t: torch.Tensor, dim: int):
+    """Views of ``t`` along an axis other than ``dim``, each holding whole reductions over ``dim``: a mean over
+    ``dim`` computed slice by slice is the mean computed at once, at the memory of one slice."""
+    if t.dim() < 2 or t.numel() <= _SLICE_ELEMENTS:
+        yield t
+        return
+    axis = 0 if dim % t.dim() != 0 else 1
+    step = max(1, _SLICE_ELEMENTS * t.shape[axis] // t.numel())
+    for i in range(0, t.shape[axis], step):
+        yield t.narrow(axis, i, min(step, t.shape[axis] - i))
 
 
 class SwapPass:
@@ -743,6 +760,7 @@ class SwapPass:
             old = emb.weight
             others = [n for n, t in model.named_parameters(remove_duplicate=False) if t is old and n != f"{path}.weight"]
             emb.weight = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+            adopt(model, emb.weight)  # already this rewrite's own copy: centering it must not clone it again
             self.notes.append(f"untied {path}.weight from {', '.join(others)}: the embedding is centered, "
                               f"{', '.join(others)} keeps the original values")
             _untie_config(model, self.notes)
@@ -769,7 +787,11 @@ class SwapPass:
                 continue
             folded.add(id(w))
             # linear after the norm: c <- c + W b  (W (out, D): W @ b;  HF Conv1D W (D, out): b @ W)
-            delta = w.detach().double() @ b64 if c.layout == "out_in" else b64 @ w.detach().double()
+            # in float64 a slice of output features at a time (each output is one whole dot product)
+            if c.layout == "out_in":
+                delta = torch.cat([s.double() @ b64 for s in _slices(w.detach(), 1)])
+            else:
+                delta = torch.cat([b64 @ s.double() for s in _slices(w.detach(), 0)])
             if c.bias is None:
                 cap.modules[c.module].bias = nn.Parameter(delta.to(w.dtype), requires_grad=w.requires_grad)
                 self.notes.append(f"added a bias to {c.module} to carry the bias of {p.module}")

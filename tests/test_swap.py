@@ -291,3 +291,25 @@ def test_functional_layer_norm_becomes_a_module_then_swaps_exactly(cli, tmp_path
     assert set(plans) == {"layer_norm", "layer_norm_1", "ln"}
     assert all(p["swap"]["applied"] and "exact" in p["swap"]["reason"] for p in plans.values())
     assert plans["layer_norm"]["canonicalize"]["reason"] == "already native (functional layernorm)"
+
+
+def test_disposable_model_is_rewritten_in_place_with_the_same_result():
+    """The command line's own model (Loaded.disposable) is written in place instead of copied; the result is bit
+    for bit the copying path's, and a caller's model (the API path) is left untouched."""
+    from normconv import flow
+    from normconv.io import load
+
+    results = {}
+    for disposable in (False, True):
+        loaded = load("zoo:gpt")
+        loaded.disposable = disposable
+        before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+        report, model = flow.swap(loaded, "rmsnorm")
+        assert report.validation[0].passed and report.extra["exact"]
+        after = loaded.model.state_dict()
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert bool(changed) == disposable  # centered writers land in the loaded tensors only when disposable
+        results[disposable] = model.state_dict()
+    copied, in_place = results[False], results[True]
+    assert copied.keys() == in_place.keys()
+    assert all(torch.equal(copied[k], in_place[k]) for k in copied)

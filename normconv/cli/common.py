@@ -47,8 +47,10 @@ RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relat
 
 def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[list[str]], trust_pickle: bool,
                     dtype: Optional[str], trust_remote_code: bool = False) -> Loaded:
-    return load(model, weights=weights, input_shapes=input_shape, trust_pickle=trust_pickle, dtype=dtype,
-                trust_remote_code=trust_remote_code)
+    loaded = load(model, weights=weights, input_shapes=input_shape, trust_pickle=trust_pickle, dtype=dtype,
+                  trust_remote_code=trust_remote_code)
+    loaded.disposable = True  # loaded here from a file, seen by no one else: rewrites need not copy what they change
+    return loaded
 
 
 def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = print_report) -> None:

@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         validate: Annotated[str, typer.Option(help="onnxruntime providers to validate on: cpu, cuda, "
                                                    "comma separated, or none")] = "cpu",
         baseline: Annotated[bool, typer.Option(help="also export with plain torch.onnx.export and compare op "
-                                                    "counts and latency")] = True,
+                                                    "counts and latency (a second export: opt-in)")] = False,
         repeats: Annotated[int, typer.Option(help="timed onnxruntime runs per provider (0: no timing)")] = 10,
         skip_fusion: Annotated[bool, typer.Option(
             "--skip-fusion", help="with --target ort: fuse residual add + norm into Skip*LayerNormalization "

@@ -148,8 +148,17 @@ def dynamic_shapes(model: nn.Module, inputs) -> dict[str, Any] | None:
     return shapes
 
 
-def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool):
-    """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export."""
+def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool, exported: Any = None):
+    """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export.
+
+    ``exported``: a torch.export ExportedProgram of ``model`` on ``inputs`` already made (normconv's capture, with
+    static shapes): the exporter starts from it instead of running torch.export once more; if it fails on it, the
+    module is exported as usual."""
+    if exported is not None and not dynamic:
+        try:
+            return torch_export(exported, inputs, opset, normconv_ops, dynamic)
+        except NormconvError:
+            pass
     from normconv.onnx.ops import translation_table
 
     kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False)
@@ -222,10 +231,11 @@ def check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
 def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any, out: Path, report: Report,
                norms: Sequence[NormSite], *, target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET, dynamic: bool = False,
                validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
-               baseline: bool = True, repeats: int = 10, skip_fusion: bool = False) -> Report:
+               baseline: bool = True, repeats: int = 10, skip_fusion: bool = False, exported: Any = None) -> Report:
     """Export ``prepared`` (the passes already applied and verified, in eval mode) to ``out`` with one fused op
     per norm, validate it in onnxruntime against ``reference`` (the original's outputs), and rename it into
-    place. ``original`` is exported plainly for the baseline op counts and latency.
+    place. ``original`` is exported plainly for the baseline op counts and latency (None: no baseline).
+    ``exported``: normconv's capture of ``prepared`` (an ExportedProgram), reused by the exporter.
 
     Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
     in both cases nothing is left under ``out``.
@@ -245,7 +255,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     sites_by_kind = dict(collections.Counter(s.kind for s in norms))
     extra["norm_sites"] = sites_by_kind
 
-    program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic)
+    program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported)
     onnx_model = program.model
     repair_downconverted(onnx_model)
     extra["lowered"] = lower_norm_ops(onnx_model, target, opset)

@@ -1,0 +1,156 @@
+"""Benchmark: normconv on real model sizes against the floor, in wall time and peak RSS (issue 13).
+
+GPT-2 models are built from ``GPT2Config`` with random weights (no download) and saved as Hugging Face folders
+(safetensors). Every measurement is a fresh subprocess (``os.wait4`` gives that child's own peak RSS); the cases
+run interleaved, round after round, and each keeps its best of ``--rounds``, so machine noise hits all alike:
+
+    floor          load the folder with from_pretrained, save_pretrained it (the bytes in, the bytes out)
+    swap           normconv swap FOLDER --to rmsnorm -o out.pt
+    fold           normconv fold FOLDER -o out.pt          (GPT-2 has no BatchNorm: capture + verify + save)
+    canonicalize   normconv canonicalize FOLDER -o out.pt  (GPT-2's norms are native: capture + verify + save)
+    deepnorm       normconv deepnorm FOLDER --rescale -o out.pt (GPT-2 is pre-LN: refused, timed anyway)
+    plain-export   load + torch.onnx.export (dynamo, opset 20, the same inputs) + save: export's floor
+    export         normconv export FOLDER -o out.onnx
+
+    python benchmarks/bench_scale.py [--sizes 124m,355m] [--rounds 2] [--out benchmarks/results/scale.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+SIZES = {  # GPT-2 family configs (n_embd, n_layer, n_head)
+    "124m": dict(n_embd=768, n_layer=12, n_head=12),
+    "355m": dict(n_embd=1024, n_layer=24, n_head=16),
+    "774m": dict(n_embd=1280, n_layer=36, n_head=20),
+}
+
+FLOOR = """
+import sys, torch, transformers
+m = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1], local_files_only=True)
+m.save_pretrained(sys.argv[2], safe_serialization=True)
+"""
+
+PLAIN_EXPORT = """
+import sys, torch, transformers
+m = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1], local_files_only=True, use_cache=False).eval()
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=g)  # normconv's HF example inputs
+with torch.no_grad():
+    p = torch.onnx.export(m, (), kwargs=dict(input_ids=ids, attention_mask=torch.ones_like(ids)), dynamo=True,
+                          opset_version=20, external_data=False, verbose=False)
+p.save(sys.argv[2])
+"""
+
+
+def build(size: str, cache: Path) -> Path:
+    """The GPT-2 folder of ``size`` with random weights (seed 0), built once into ``cache``."""
+    folder = cache / f"gpt2-{size}"
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**SIZES[size]))
+    tmp = cache / f".gpt2-{size}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(folder)
+    return folder
+
+
+def commands(folder: Path, work: Path, only: set[str] | None, extra: list[str]) -> dict[str, list[str]]:
+    nc = [PY, "-m", "normconv.cli"]
+    cmds = {
+        "floor": [PY, "-c", FLOOR, str(folder), str(work / "floor")],
+        "swap": nc + ["swap", str(folder), "--to", "rmsnorm", "-o", str(work / "swap.pt")] + extra,
+        "fold": nc + ["fold", str(folder), "-o", str(work / "fold.pt")] + extra,
+        "canonicalize": nc + ["canonicalize", str(folder), "-o", str(work / "canon.pt")] + extra,
+        "deepnorm": nc + ["deepnorm", str(folder), "--rescale", "-o", str(work / "deepnorm.pt")] + extra,
+        "plain-export": [PY, "-c", PLAIN_EXPORT, str(folder), str(work / "plain.onnx")],
+        "export": nc + ["export", str(folder), "-o", str(work / "out.onnx")] + extra,
+    }
+    return {k: v for k, v in cmds.items() if only is None or k in only}
+
+
+def measure(cmd: list[str], work: Path) -> dict:
+    """Wall seconds and the child's own peak RSS (bytes) of one subprocess run."""
+    for p in work.iterdir():  # every run writes into an empty folder
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"wall_s": wall, "rss": rss, "rc": proc.returncode, "tail": out.decode(errors="replace")[-600:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="124m")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default=None, help="comma-separated case names (floor and plain-export are kept)")
+    ap.add_argument("--extra", default="", help="extra flags for every normconv command")
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "normconv_bench_scale"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/scale.md"))
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    only = None if args.only is None else set(args.only.split(",")) | {"floor", "plain-export"}
+    rows, raw = [], {}
+    for size in args.sizes.split(","):
+        folder = build(size, cache)
+        weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        with tempfile.TemporaryDirectory(dir=str(cache)) as w:
+            work = Path(w)
+            cmds = commands(folder, work, only, args.extra.split())
+            runs: dict[str, list[dict]] = {k: [] for k in cmds}
+            for r in range(args.rounds):  # interleaved: every case once per round
+                for name, cmd in cmds.items():
+                    res = measure(cmd, work)
+                    runs[name].append(res)
+                    print(f"[{size} round {r + 1}] {name}: {res['wall_s']:.1f} s, {res['rss'] / 2**30:.2f} GiB, "
+                          f"rc {res['rc']}", flush=True)
+                    if res["rc"] != 0:
+                        print("   " + res["tail"].strip().replace("\n", "\n   "), flush=True)
+        best = {k: {"wall_s": min(x["wall_s"] for x in v), "rss": min(x["rss"] for x in v),
+                    "rc": max(x["rc"] for x in v)} for k, v in runs.items()}
+        raw[size] = {"weights_bytes": weight_bytes, "runs": runs, "best": best}
+        for name, b in best.items():
+            floor = best["plain-export" if name in ("export", "plain-export") else "floor"]
+            rows.append(f"| {size} | {name} | {b['rc']} | {b['wall_s']:.1f} | {b['rss'] / 2**30:.2f} | "
+                        f"{b['wall_s'] / floor['wall_s']:.2f}x | {b['rss'] / floor['rss']:.2f}x |")
+    load = os.getloadavg()
+    head = [f"# bench_scale {args.label}".rstrip(), "",
+            f"`{' '.join([Path(PY).name] + sys.argv)}` — {time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, "
+            f"{os.cpu_count()} cores (shared), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "
+            f"best of {args.rounds} interleaved rounds, each a fresh subprocess; ratios against `floor` "
+            f"(from_pretrained + save_pretrained) or, for export, `plain-export` (load + torch.onnx.export + save).", "",
+            "| model | case | rc | wall s | peak RSS GiB | time / floor | RSS / floor |",
+            "|---|---|---|---|---|---|---|"]
+    text = "\n".join(head + rows) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+
+
+if __name__ == "__main__":
+    main()
