@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -515,14 +516,30 @@ def load_cache() -> dict[str, dict]:
     return recs
 
 
-def _cell(v) -> str:
+def verdict(command: str, v) -> tuple[str, str]:
+    """The cached (status, detail) with two readings made here: a rewrite that had nothing to rewrite ("0
+    applied", or swap's "has no layernorm") is n/a, and an export "refusal" that is the exporter's own exception
+    ("cannot export ...: SomeError") is a failure."""
     if not v:
-        return "-"
+        return "-", ""
     status, why = v
+    if status == "ok" and why == "0 applied":
+        return "n/a", "nothing to rewrite"
+    if status == "refused" and command == "swap" and "has no layernorm to swap" in why:
+        return "n/a", "no LayerNorm"
+    if status == "refused" and command == "export" and why.startswith("cannot export"):
+        return "failed", why
+    return status, why
+
+
+def _cell(command: str, v) -> str:
+    status, why = verdict(command, v)
+    if status == "-":
+        return "-"
     why = why.replace("|", "\\|").replace("\n", " ")
     if len(why) > 90:
         why = why[:87] + "..."
-    return {"ok": "ok", "refused": "refused", "failed": "**FAILED**"}[status] + (f": {why}" if why else "")
+    return {"ok": "ok", "refused": "refused", "failed": "**FAILED**", "n/a": "n/a"}[status] + (f": {why}" if why else "")
 
 
 def write_md(recs: dict[str, dict], total_types: int) -> None:
@@ -544,10 +561,10 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
              "is *ok* only if onnxruntime (CPU) matches torch. *refused* = NormconvError with its reason (for swap, "
              "the `approximate` fallback's drift is appended); **FAILED** = any other error, a verification error, "
              "or a verdict that does not hold.", "", "## Totals", "",
-             "| command | ok | refused | failed |", "|---|---|---|---|"]
+             "| command | ok | n/a (nothing to rewrite) | refused | failed |", "|---|---|---|---|---|"]
     for c in COMMANDS:
-        cnt = Counter(r["results"].get(c, ["-"])[0] for r in built)
-        lines.append(f"| {c} | {cnt['ok']} | {cnt['refused']} | {cnt['failed']} |")
+        cnt = Counter(verdict(c, r["results"].get(c))[0] for r in built)
+        lines.append(f"| {c} | {cnt['ok']} | {cnt['n/a']} | {cnt['refused']} | {cnt['failed']} |")
     approx = sum(1 for r in built if r.get("swap_approx") == "ok")
     lines += ["", f"swap refused exactly but succeeded with `approximate=True`: {approx}.",
               f"Types that did not build / had no inputs / failed their own forward: "
@@ -557,10 +574,10 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
     for c in COMMANDS:
         groups = defaultdict(list)
         for r in built:
-            v = r["results"].get(c)
-            if v and v[0] == "failed":
+            v = verdict(c, r["results"].get(c))
+            if v[0] == "failed":
                 key = v[1].split(" (e.g.")[0] if c == "inspect" else v[1]
-                groups[key[:160]].append(r["type"])
+                groups[re.sub(r"0x[0-9a-f]+", "0x..", key)[:160]].append(r["type"])
         if not groups:
             continue
         lines.append(f"### {c}")
@@ -572,8 +589,8 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
     for c in COMMANDS:
         groups = defaultdict(list)
         for r in built:
-            v = r["results"].get(c)
-            if v and v[0] == "refused":
+            v = verdict(c, r["results"].get(c))
+            if v[0] == "refused":
                 key = v[1].split(" (approximate")[0]
                 key = key.split(";")[0]
                 groups[key[:140]].append(r["type"])
@@ -595,7 +612,7 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
               "|---|---|---|" + "---|" * len(COMMANDS) + "---|"]
     for r in built:
         sites = f"{r.get('site_calls', '?')} / {r.get('hook_calls', '?')}"
-        cells = " | ".join(_cell(r["results"].get(c)) for c in COMMANDS)
+        cells = " | ".join(_cell(c, r["results"].get(c)) for c in COMMANDS)
         lines.append(f"| {r['type']} | {r.get('cls', '')} | {sites} | {cells} | {r.get('seconds', '')} |")
     OUT_MD.write_text("\n".join(lines) + "\n")
 
