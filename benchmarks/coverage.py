@@ -592,8 +592,9 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
             v = verdict(c, r["results"].get(c))
             if v[0] == "refused":
                 key = v[1].split(" (approximate")[0]
-                key = key.split(";")[0]
-                groups[key[:140]].append(r["type"])
+                m = re.search(r"cannot be swapped exactly; \S+: (.*?)(?: \(and \d+ more\))?\. Pass", key)
+                key = "not exact: " + m.group(1) if m else key.split(";")[0]
+                groups[re.sub(r"0x[0-9a-f]+", "0x..", key)[:160]].append(r["type"])
         if groups:
             lines.append(f"### {c}")
             lines.append("")
