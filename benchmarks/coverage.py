@@ -94,14 +94,22 @@ _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_seque
              "max_target_positions", "max_text_positions"}
 
 
-def _shrink(d: dict) -> dict:
-    """A config dict with its sizes shrunk (recursively into sub-config dicts)."""
+def _shrink(d: dict, gentle: bool = False) -> dict:
+    """A config dict with its sizes shrunk (recursively into sub-config dicts); ``gentle``: only the depth, vocab
+    and experts (the fallback for models whose shapes are tied together in ways the full shrink breaks)."""
     out = dict(d)
     for k, v in d.items():
         if isinstance(v, dict) and ("model_type" in v or k.endswith("_config") or k in ("encoder", "decoder")):
-            out[k] = _shrink(v)
+            out[k] = _shrink(v, gentle)
+            continue
+        if k in ("out_features", "out_indices") and v is not None:
+            out[k] = None  # backbone stages: let the config pick from the (fewer) stages left
             continue
         if isinstance(v, bool) or v is None:
+            continue
+        if gentle and k not in _LAYER_KEYS | {"vocab_size", "depths", "layer_types", "num_experts", "num_local_experts",
+                                              "n_routed_experts", "num_experts_per_tok"} \
+                and not k.endswith("_token_id") and not k.endswith("token_index"):
             continue
         if isinstance(v, int):
             if k in _HIDDEN_KEYS and v > HIDDEN:
@@ -136,12 +144,10 @@ def _shrink(d: dict) -> dict:
                 out[k] = 4
             elif k in ("num_experts_per_tok", "top_k", "moe_topk") and v > 2:
                 out[k] = 2
-            elif ("size" in k or "dim" in k) and v > 256 and "vocab" not in k and "max" not in k:
-                out[k] = HIDDEN
         elif isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             if k in ("hidden_sizes", "embed_dims", "dims", "num_channels_per_stage", "channels", "widths",
                      "embed_dim", "hidden_size"):
-                out[k] = [min(x, 8 * 2 ** i) for i, x in enumerate(v)]
+                out[k] = [min(x, 32 * 2 ** i) for i, x in enumerate(v)]
             elif k in ("depths", "num_layers", "layers", "block_repeats", "num_blocks"):
                 out[k] = [1 for _ in v]
             elif k == "conv_dim":
@@ -157,23 +163,23 @@ def _shrink(d: dict) -> dict:
     return out
 
 
-def tiny_config(mtype: str):
+def tiny_config(mtype: str, gentle: bool = False):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[mtype]
     d = cls().to_dict()
-    d = _shrink(d)
+    d = _shrink(d, gentle)
     for k in ("transformers_version", "model_type", "architectures"):
         d.pop(k, None)
     d["use_cache"] = False
     return cls.from_dict(d)
 
 
-def build(mtype: str, maps):
+def build(mtype: str, maps, gentle: bool = False):
     import torch
     import transformers
 
-    cfg = tiny_config(mtype)
+    cfg = tiny_config(mtype, gentle)
     errors = []
     for mapping, cname in maps[mtype]:
         cls = getattr(transformers, cname, None)
@@ -194,7 +200,7 @@ def build(mtype: str, maps):
 # inputs
 
 
-def example_inputs(model, batch: int, seq: int, seed: int):
+def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
     """kwargs for the model's forward, from its config and signature; None if none can be made."""
     import torch
 
@@ -208,7 +214,7 @@ def example_inputs(model, batch: int, seq: int, seed: int):
         ch = getattr(cfg, "num_channels", None) or getattr(getattr(cfg, "vision_config", None), "num_channels", 3) or 3
         size = getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", 32)
         size = size[0] if isinstance(size, (list, tuple)) else size
-        size = size if isinstance(size, int) and size <= 64 else 32
+        size = size if isinstance(size, int) and size <= max_image else 32
         kw["pixel_values"] = torch.randn(batch, ch, size, size, generator=g)
     elif "input_values" in params:
         kw["input_values"] = torch.randn(batch, 4000 + 400 * seq, generator=g)
@@ -356,27 +362,36 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
         finally:
             signal.alarm(0)
 
-    try:
-        model, mapping, cname = limited(lambda: build(mtype, maps))
-    except Exception as exc:  # noqa: BLE001
-        rec["build_error"] = f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError) \
-            else _first_line(exc)
-        return rec
-    rec.update(built=True, cls=cname, mapping=mapping, params=sum(p.numel() for p in model.parameters()))
-    x1 = example_inputs(model, BATCH, SEQ, 0)
-    x2 = example_inputs(model, BATCH2, SEQ2, 1)
-    if x1 is None:
-        rec["build_error"] = "no example inputs for forward(" + ", ".join(
-            __import__("normconv.io", fromlist=["x"]).forward_params(model)[:4]) + ")"
+    for gentle in (False, True):  # the tiny config; if it cannot build or run, only depth / vocab shrunk
+        rec.pop("build_error", None)
+        rec.pop("forward_error", None)
         rec["built"] = False
-        return rec
-    rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
-    try:
-        ref1 = limited(lambda: forward(model, x1))
-        ref2 = limited(lambda: forward(model, x2))
-        calls, _ = limited(lambda: norm_hooks(model, x1))
-    except Exception as exc:  # noqa: BLE001
-        rec["forward_error"] = f"{type(exc).__name__}: {_first_line(exc)}"
+        try:
+            model, mapping, cname = limited(lambda: build(mtype, maps, gentle))
+        except Exception as exc:  # noqa: BLE001
+            rec["build_error"] = f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError) \
+                else _first_line(exc)
+            rec.setdefault("tiny_error", rec["build_error"])
+            continue
+        rec.update(built=True, cls=cname, mapping=mapping, params=sum(p.numel() for p in model.parameters()),
+                   config="depth-only shrink" if gentle else "tiny")
+        x1 = example_inputs(model, BATCH, SEQ, 0, 1024 if gentle else 64)
+        x2 = example_inputs(model, BATCH2, SEQ2, 1, 1024 if gentle else 64)
+        if x1 is None:
+            rec["build_error"] = "no example inputs for forward(" + ", ".join(
+                __import__("normconv.io", fromlist=["x"]).forward_params(model)[:4]) + ")"
+            rec["built"] = False
+            return rec
+        rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
+        try:
+            ref1 = limited(lambda: forward(model, x1))
+            ref2 = limited(lambda: forward(model, x2))
+            calls, _ = limited(lambda: norm_hooks(model, x1))
+            break
+        except Exception as exc:  # noqa: BLE001
+            rec["forward_error"] = f"{type(exc).__name__}: {_first_line(exc)}"
+            rec.setdefault("tiny_error", rec["forward_error"])
+    if not rec["built"] or "forward_error" in rec:
         return rec
     rec["hook_calls"] = sum(calls.values())
     rec["hook_modules"] = len(calls)
