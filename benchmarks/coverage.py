@@ -531,24 +531,29 @@ def load_cache() -> dict[str, dict]:
     return recs
 
 
-def verdict(command: str, v) -> tuple[str, str]:
-    """The cached (status, detail) with two readings made here: a rewrite that had nothing to rewrite ("0
-    applied", or swap's "has no layernorm") is n/a, and an export "refusal" that is the exporter's own exception
-    ("cannot export ...: SomeError") is a failure."""
+def verdict(command: str, rec: dict) -> tuple[str, str]:
+    """The cached (status, detail) with three readings made here: inspect's site calls must equal the hooked
+    calls, a rewrite that had nothing to rewrite ("0 applied", or swap's "has no layernorm") is n/a, and an export
+    "refusal" that is the exporter's own exception ("cannot export ...: SomeError") is a failure."""
+    v = rec.get("results", {}).get(command)
     if not v:
         return "-", ""
     status, why = v
+    if command == "inspect" and status == "ok" and rec.get("site_calls") != rec.get("hook_calls"):
+        return "failed", f"site calls != hooked calls ({rec.get('site_calls')} vs {rec.get('hook_calls')})"
     if status == "ok" and why == "0 applied":
         return "n/a", "nothing to rewrite"
     if status == "refused" and command == "swap" and "has no layernorm to swap" in why:
         return "n/a", "no LayerNorm"
+    if status == "refused" and "Timeout: timed out" in why:  # the per-command limit, wrapped by normconv
+        return "failed", "timeout"
     if status == "refused" and command == "export" and why.startswith("cannot export"):
         return "failed", why
     return status, why
 
 
-def _cell(command: str, v) -> str:
-    status, why = verdict(command, v)
+def _cell(command: str, rec: dict) -> str:
+    status, why = verdict(command, rec)
     if status == "-":
         return "-"
     why = why.replace("|", "\\|").replace("\n", " ")
@@ -578,7 +583,7 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
              "or a verdict that does not hold.", "", "## Totals", "",
              "| command | ok | n/a (nothing to rewrite) | refused | failed |", "|---|---|---|---|---|"]
     for c in COMMANDS:
-        cnt = Counter(verdict(c, r["results"].get(c))[0] for r in built)
+        cnt = Counter(verdict(c, r)[0] for r in built)
         lines.append(f"| {c} | {cnt['ok']} | {cnt['n/a']} | {cnt['refused']} | {cnt['failed']} |")
     approx = sum(1 for r in built if r.get("swap_approx") == "ok")
     lines += ["", f"swap refused exactly but succeeded with `approximate=True`: {approx}.",
@@ -589,10 +594,11 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
     for c in COMMANDS:
         groups = defaultdict(list)
         for r in built:
-            v = verdict(c, r["results"].get(c))
+            v = verdict(c, r)
             if v[0] == "failed":
-                key = v[1].split(" (e.g.")[0] if c == "inspect" else v[1]
-                groups[re.sub(r"0x[0-9a-f]+", "0x..", key)[:160]].append(r["type"])
+                key = re.sub(r"\d+ vs \d+", "n vs m", v[1].split(" (e.g.")[0]) if c == "inspect" else v[1]
+                key = re.sub(r"\b[A-Z]\w*(Model|For\w+)\b", "<Model>", re.sub(r"0x[0-9a-f]+", "0x..", key))
+                groups[key[:160]].append(r["type"])
         if not groups:
             continue
         lines.append(f"### {c}")
@@ -604,12 +610,13 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
     for c in COMMANDS:
         groups = defaultdict(list)
         for r in built:
-            v = verdict(c, r["results"].get(c))
+            v = verdict(c, r)
             if v[0] == "refused":
                 key = v[1].split(" (approximate")[0]
                 m = re.search(r"cannot be swapped exactly; \S+: (.*?)(?: \(and \d+ more\))?\. Pass", key)
                 key = "not exact: " + m.group(1) if m else key.split(";")[0]
-                groups[re.sub(r"0x[0-9a-f]+", "0x..", key)[:160]].append(r["type"])
+                key = re.sub(r"\b[A-Z]\w*(Model|For\w+)\b", "<Model>", re.sub(r"0x[0-9a-f]+", "0x..", key))
+                groups[key[:160]].append(r["type"])
         if groups:
             lines.append(f"### {c}")
             lines.append("")
@@ -628,8 +635,9 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
               "|---|---|---|" + "---|" * len(COMMANDS) + "---|"]
     for r in built:
         sites = f"{r.get('site_calls', '?')} / {r.get('hook_calls', '?')}"
-        cells = " | ".join(_cell(c, r["results"].get(c)) for c in COMMANDS)
-        lines.append(f"| {r['type']} | {r.get('cls', '')} | {sites} | {cells} | {r.get('seconds', '')} |")
+        cells = " | ".join(_cell(c, r) for c in COMMANDS)
+        cls = r.get("cls", "") + (" (depth-only shrink)" if r.get("config") == "depth-only shrink" else "")
+        lines.append(f"| {r['type']} | {cls} | {sites} | {cells} | {r.get('seconds', '')} |")
     OUT_MD.write_text("\n".join(lines) + "\n")
 
 
