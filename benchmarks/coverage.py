@@ -1,0 +1,693 @@
+"""Coverage sweep: every model type in transformers' auto-model mappings, built tiny, through normconv's public API.
+
+    python benchmarks/coverage.py                      # the whole sweep (long: hours on 2 cores), resumable
+    python benchmarks/coverage.py --limit 20 --timeout 60
+    python benchmarks/coverage.py --types bert,gpt2,vit --rerun
+    python benchmarks/coverage.py --report-only         # COVERAGE.md from the cache alone
+
+Each model type is built offline from its config class's defaults, shrunk (hidden <= 64, 2 layers, 4 heads, vocab
+128, 32 px images), with random weights, in a forked child (one at a time, killed past its time limit). Then
+inspect / fold / swap (exact, ``approximate`` as a fallback verdict) / canonicalize / export (ONNX, opset 20) run
+through ``normconv.*``. The verdicts are computed here, outside the passes:
+
+- sites: norm calls inspect reports against forward hooks on the norm modules (class name contains "Norm", which
+  covers torch's own), innermost ones only; a hooked module inspect does not name is *missed*, a module site
+  inspect names that no hook saw is *false*;
+- rewrites: the returned model against the original on fresh inputs of a second shape (batch 1, shorter sequence);
+- export: the ONNX in onnxruntime (CPU) against the original torch model on the example inputs.
+
+Results go to benchmarks/results/coverage.jsonl (one JSON object per model type; a type already there is skipped
+unless --rerun) and COVERAGE.md at the repo root is rewritten from the whole cache after each type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CACHE = ROOT / "benchmarks" / "results" / "coverage.jsonl"
+OUT_MD = ROOT / "COVERAGE.md"
+COMMANDS = ("inspect", "fold", "swap", "canonicalize", "export")
+OPSET = 20
+
+# common architectures first, so a partial sweep is a diverse one; the rest follow alphabetically
+PRIORITY = ["bert", "gpt2", "llama", "t5", "vit", "resnet", "whisper", "wav2vec2", "opt", "mistral", "convnext",
+            "bart", "roberta", "gemma", "qwen2", "phi", "falcon", "gpt_neox", "deit", "swin", "clip", "mobilevit",
+            "dinov2", "olmo", "levit", "mamba", "bit", "distilbert", "electra", "albert", "mobilenet_v2",
+            "efficientnet", "regnet", "segformer", "beit", "hubert", "mt5", "pegasus", "marian", "mbart", "gptj",
+            "bloom", "codegen", "qwen3", "gemma2", "phi3", "deberta", "deberta-v2", "xlm-roberta", "poolformer"]
+
+VOCAB = 128
+HIDDEN = 64
+FFN = 128
+HEADS = 4
+KV_HEADS = 2
+LAYERS = 2
+SEQ, SEQ2 = 16, 12
+BATCH, BATCH2 = 2, 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which model types, and which class for each
+
+
+def mappings() -> dict[str, list[tuple[str, str]]]:
+    """model_type -> [(mapping name, class name)], the base-model mapping first."""
+    from transformers.models.auto import modeling_auto as ma
+
+    names = ["MODEL_MAPPING_NAMES"] + sorted(n for n in dir(ma) if n.startswith("MODEL_FOR_")
+                                             and n.endswith("_MAPPING_NAMES"))
+    out: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for n in names:
+        for mtype, cls in getattr(ma, n).items():
+            for c in (cls if isinstance(cls, (tuple, list)) else (cls,)):
+                out[mtype].append((n.replace("_MAPPING_NAMES", ""), c))
+    return dict(out)
+
+
+def ordered_types(all_types) -> list[str]:
+    first = [t for t in PRIORITY if t in all_types]
+    return first + sorted(t for t in all_types if t not in set(first))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiny configs
+
+_HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "model_dim", "hidden_dim",
+                "word_embed_proj_dim", "projection_dim", "d_embed", "embedding_size", "encoder_hidden_size",
+                "text_embed_dim", "vision_embed_dim", "emb_dim", "embedding_dim", "hidden_channels", "d_inner"}
+_LAYER_KEYS = {"num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+               "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers"}
+_POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
+             "max_target_positions", "max_text_positions"}
+
+
+def _shrink(d: dict, gentle: bool = False) -> dict:
+    """A config dict with its sizes shrunk (recursively into sub-config dicts); ``gentle``: only the depth, vocab
+    and experts (the fallback for models whose shapes are tied together in ways the full shrink breaks)."""
+    out = dict(d)
+    for k, v in d.items():
+        if isinstance(v, dict) and ("model_type" in v or k.endswith("_config") or k in ("encoder", "decoder")):
+            out[k] = _shrink(v, gentle)
+            continue
+        if k in ("out_features", "out_indices") and v is not None:
+            out[k] = None  # backbone stages: let the config pick from the (fewer) stages left
+            continue
+        if isinstance(v, bool) or v is None:
+            continue
+        if gentle and k not in _LAYER_KEYS | {"vocab_size", "depths", "layer_types", "num_experts", "num_local_experts",
+                                              "n_routed_experts", "num_experts_per_tok"} \
+                and not k.endswith("_token_id") and not k.endswith("token_index"):
+            continue
+        if isinstance(v, int):
+            if k in _HIDDEN_KEYS and v > HIDDEN:
+                out[k] = HIDDEN
+            elif k in _LAYER_KEYS and v > LAYERS:
+                out[k] = LAYERS
+            elif k in ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num") and v > KV_HEADS:
+                out[k] = KV_HEADS
+            elif "heads" in k and not k.startswith("n_heads_per") and v > HEADS:
+                out[k] = HEADS
+            elif k == "n_head" and v > HEADS:
+                out[k] = HEADS
+            elif k in ("head_dim", "kv_channels", "d_kv", "attention_head_size", "qk_rope_head_dim",
+                       "qk_nope_head_dim", "v_head_dim") and v > HIDDEN // HEADS:
+                out[k] = HIDDEN // HEADS
+            elif ("intermediate" in k or "ffn" in k or k in ("d_ff", "n_inner", "inner_dim", "dim_feedforward",
+                                                            "mlp_dim", "hidden_dim_ffn")) and v > FFN:
+                out[k] = FFN
+            elif k == "vocab_size" and v > VOCAB:
+                out[k] = VOCAB
+            elif (k.endswith("_token_id") or k.endswith("token_index")) and v >= VOCAB:
+                out[k] = VOCAB - 1 - (sum(map(ord, k)) % 8)
+            elif k in _POS_KEYS and v > 128:
+                out[k] = 128
+            elif k == "max_source_positions" and v > 16:
+                out[k] = 16
+            elif k == "image_size" and v > 32:
+                out[k] = 32
+            elif k == "patch_size" and v > 4:
+                out[k] = 4
+            elif k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts") and v > 4:
+                out[k] = 4
+            elif k in ("num_experts_per_tok", "top_k", "moe_topk") and v > 2:
+                out[k] = 2
+        elif isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            if k in ("hidden_sizes", "embed_dims", "dims", "num_channels_per_stage", "channels", "widths",
+                     "embed_dim", "hidden_size"):
+                out[k] = [min(x, 32 * 2 ** i) for i, x in enumerate(v)]
+            elif k in ("depths", "num_layers", "layers", "block_repeats", "num_blocks"):
+                out[k] = [1 for _ in v]
+            elif k == "conv_dim":
+                out[k] = [min(x, 32) for x in v]
+            elif k in ("num_heads", "num_attention_heads", "heads") :
+                out[k] = [min(x, 2 ** i) for i, x in enumerate(v)]
+            elif k == "image_size":
+                out[k] = [min(x, 32) for x in v]
+            elif k.endswith("_token_id"):
+                out[k] = [x if x < VOCAB else VOCAB - 1 for x in v]
+        elif isinstance(v, list) and k in ("layer_types", "attention_types_list", "block_types") and len(v) > LAYERS:
+            out[k] = v[:LAYERS]
+    return out
+
+
+def tiny_config(mtype: str, gentle: bool = False):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[mtype]
+    d = cls().to_dict()
+    d = _shrink(d, gentle)
+    for k in ("transformers_version", "model_type", "architectures"):
+        d.pop(k, None)
+    d["use_cache"] = False
+    return cls.from_dict(d)
+
+
+def build(mtype: str, maps, gentle: bool = False):
+    import torch
+    import transformers
+
+    cfg = tiny_config(mtype, gentle)
+    errors = []
+    for mapping, cname in maps[mtype]:
+        cls = getattr(transformers, cname, None)
+        if cls is None:
+            errors.append(f"{cname}: not exported by transformers")
+            continue
+        try:
+            torch.manual_seed(0)
+            model = cls(cfg).eval()
+            return model, mapping, cname
+        except Exception as exc:  # noqa: BLE001 - the sweep records every reason
+            errors.append(f"{cname}: {type(exc).__name__}: {_first_line(exc)}")
+        break  # one class per type: the base model, else the first mapping that has the type
+    raise RuntimeError("; ".join(errors) or "no class")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
+    """kwargs for the model's forward, from its config and signature; None if none can be made."""
+    import torch
+
+    from normconv.io import forward_params
+
+    cfg = model.config
+    params = forward_params(model)
+    g = torch.Generator().manual_seed(seed)
+    kw = {}
+    if "pixel_values" in params:
+        ch = getattr(cfg, "num_channels", None) or getattr(getattr(cfg, "vision_config", None), "num_channels", 3) or 3
+        size = getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", 32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        size = size if isinstance(size, int) and size <= max_image else 32
+        kw["pixel_values"] = torch.randn(batch, ch, size, size, generator=g)
+    elif "input_values" in params:
+        kw["input_values"] = torch.randn(batch, 4000 + 400 * seq, generator=g)
+    elif "input_features" in params:
+        if "whisper" in cfg.model_type or hasattr(cfg, "max_source_positions") and hasattr(cfg, "num_mel_bins"):
+            kw["input_features"] = torch.randn(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g)
+        else:
+            feat = (getattr(cfg, "input_feat_per_channel", None) or getattr(cfg, "num_mel_bins", None)
+                    or getattr(cfg, "feature_size", 80)) * (getattr(cfg, "input_channels", 1) or 1)
+            kw["input_features"] = torch.randn(batch, 4 * seq, feat, generator=g)
+    if "input_ids" in params and ("pixel_values" not in kw or "text" in str(type(cfg)).lower()
+                                  or hasattr(cfg, "text_config")):
+        vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
+        if vocab:
+            hi = min(vocab, 100)
+            kw["input_ids"] = torch.randint(3 if hi > 8 else 0, hi, (batch, seq), generator=g)
+    if not kw:
+        return None
+    dec = "decoder_input_ids" in params and (getattr(cfg, "is_encoder_decoder", False) or "input_features" in kw)
+    if dec:
+        vocab = getattr(cfg, "vocab_size", None) or VOCAB
+        kw["decoder_input_ids"] = torch.randint(0, min(vocab, 100), (batch, max(seq // 2, 1)), generator=g)
+    return kw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checks made outside normconv
+
+
+def flat_tensors(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in flat_tensors(o)]
+    return []
+
+
+def forward(model, kw):
+    import torch
+
+    with torch.no_grad():
+        return flat_tensors(model(**kw))
+
+
+def close(a, b, atol=1e-4, rtol=1e-3):
+    """(ok, max abs error) over the floating leaves; a different structure is not ok."""
+    import torch
+
+    if len(a) != len(b) or not a:
+        return False, float("inf")
+    worst = 0.0
+    ok = True
+    for x, y in zip(a, b):
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        if x.shape != y.shape:
+            return False, float("inf")
+        if not x.is_floating_point():
+            ok = ok and bool(torch.equal(x, y.to(x.dtype)))
+            continue
+        x, y = x.double(), y.double()
+        fin = torch.isfinite(x) & torch.isfinite(y)
+        if not torch.equal(torch.isfinite(x), torch.isfinite(y)):
+            return False, float("inf")
+        if fin.any():
+            err = (x[fin] - y[fin]).abs()
+            worst = max(worst, float(err.max()))
+            ok = ok and bool(torch.allclose(x[fin], y[fin], atol=atol, rtol=rtol))
+    return ok, worst
+
+
+def norm_hooks(model, kw):
+    """Calls per innermost module whose class name contains "Norm", counted by forward hooks."""
+    import torch.nn as nn
+
+    def is_norm(m):
+        n = type(m).__name__
+        # not norms: "NoLayerNorm"/"NoNorm" layers (wav2vec2's conv layer, MobileBERT's affine), weight norm
+        return "Norm" in n and not any(s in n for s in ("NoLayerNorm", "NoNorm", "WeightNorm"))
+
+    names = {}
+    for name, m in model.named_modules():
+        if is_norm(m) and ".parametrizations." not in f".{name}." and \
+                not any(is_norm(c) for c in m.modules() if c is not m):
+            names[m] = name
+    calls: Counter = Counter()
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: calls.update([n])) for m, n in names.items()]
+    try:
+        forward(model, kw)
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(calls), {n for n in names.values()}
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Timeout("timed out")
+
+
+def _first_line(exc) -> str:
+    s = str(exc).strip().splitlines()
+    return (s[0] if s else type(exc).__name__)[:300]
+
+
+def classify(exc) -> tuple[str, str]:
+    from normconv.errors import NormconvError, VerificationError
+
+    if isinstance(exc, Timeout):
+        return "failed", "timeout"
+    if isinstance(exc, VerificationError):
+        return "failed", "VerificationError: " + _first_line(exc)
+    if isinstance(exc, NormconvError):
+        return "refused", _first_line(exc)
+    return "failed", f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one model type (in a forked child)
+
+
+def run_type(mtype: str, maps, timeout: float) -> dict:
+    import torch
+
+    import normconv
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    rec: dict = {"type": mtype, "built": False}
+    t0 = time.time()
+    signal.signal(signal.SIGALRM, _alarm)
+
+    def limited(fn):
+        signal.alarm(max(1, int(timeout)))
+        try:
+            return fn()
+        finally:
+            signal.alarm(0)
+
+    for gentle in (False, True):  # the tiny config; if it cannot build or run, only depth / vocab shrunk
+        rec.pop("build_error", None)
+        rec.pop("forward_error", None)
+        rec["built"] = False
+        try:
+            model, mapping, cname = limited(lambda: build(mtype, maps, gentle))
+        except Exception as exc:  # noqa: BLE001
+            rec["build_error"] = f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError) \
+                else _first_line(exc)
+            rec.setdefault("tiny_error", rec["build_error"])
+            continue
+        rec.update(built=True, cls=cname, mapping=mapping, params=sum(p.numel() for p in model.parameters()),
+                   config="depth-only shrink" if gentle else "tiny")
+        x1 = example_inputs(model, BATCH, SEQ, 0, 1024 if gentle else 64)
+        x2 = example_inputs(model, BATCH2, SEQ2, 1, 1024 if gentle else 64)
+        if x1 is None:
+            rec["build_error"] = "no example inputs for forward(" + ", ".join(
+                __import__("normconv.io", fromlist=["x"]).forward_params(model)[:4]) + ")"
+            rec["built"] = False
+            return rec
+        rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
+        try:
+            ref1 = limited(lambda: forward(model, x1))
+            ref2 = limited(lambda: forward(model, x2))
+            calls, _ = limited(lambda: norm_hooks(model, x1))
+            break
+        except Exception as exc:  # noqa: BLE001
+            rec["forward_error"] = f"{type(exc).__name__}: {_first_line(exc)}"
+            rec.setdefault("tiny_error", rec["forward_error"])
+    if not rec["built"] or "forward_error" in rec:
+        return rec
+    rec["hook_calls"] = sum(calls.values())
+    rec["hook_modules"] = len(calls)
+    res: dict = {}
+
+    # inspect
+    try:
+        rep = limited(lambda: normconv.inspect(model, x1)).to_json()
+        sites = rep["sites"]
+        # one site per call node; a site's "calls" is its module's call count (a shared module: several sites)
+        nodes, module_calls = Counter(), Counter()
+        for s in sites:
+            o = s.get("owner") or s.get("target")
+            nodes[o] += 1
+            module_calls[o] = max(module_calls[o], s.get("calls") or 1)
+        owners = Counter({o: max(n, module_calls[o]) for o, n in nodes.items()})
+        rec["site_calls"] = sum(owners.values())
+        rec["sites"] = len(sites)
+        missed = sorted(n for n in calls if n not in owners)
+        false = sorted(s.get("owner") or s.get("target") for s in sites
+                       if s.get("source") == "module" and (s.get("owner") or s.get("target")) not in calls)
+        rec["missed"], rec["false"] = missed[:8], false[:8]
+        rec["n_missed"], rec["n_false"] = len(missed), len(false)
+        if missed or false:
+            res["inspect"] = ("failed", f"sites vs hooks: {len(missed)} missed, {len(false)} false"
+                              + (f" (e.g. {(missed or false)[0]})"))
+        else:
+            res["inspect"] = ("ok", f"{len(sites)} sites")
+    except Exception as exc:  # noqa: BLE001
+        res["inspect"] = classify(exc)
+
+    def rewrite(name, fn):
+        try:
+            new, rep = limited(fn)
+            applied = sum(1 for s in rep.sites if getattr(s, "applied", False))
+            ok, err = close(ref2, limited(lambda: forward(new, x2)))
+            if not ok:
+                return "failed", f"second shape differs (max abs {err:.3g})"
+            return "ok", f"{applied} applied"
+        except Exception as exc:  # noqa: BLE001
+            return classify(exc)
+
+    res["fold"] = rewrite("fold", lambda: normconv.fold(model, x1))
+    res["swap"] = rewrite("swap", lambda: normconv.swap(model, x1))
+    if res["swap"][0] == "refused":
+        try:
+            new, rep = limited(lambda: normconv.swap(model, x1, approximate=True))
+            v = rep.validation[0] if rep.validation else None
+            drift = f" (approximate: max abs drift {v.max_abs_error:.3g})" if v is not None else " (approximate ok)"
+            res["swap"] = ("refused", res["swap"][1] + drift)
+            rec["swap_approx"] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            rec["swap_approx"] = "/".join(classify(exc))
+    res["canonicalize"] = rewrite("canonicalize", lambda: normconv.canonicalize(model, x1))
+
+    # export, then onnxruntime here against torch
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.onnx")
+        try:
+            rep = limited(lambda: normconv.export(model, x1, path, opset=OPSET, baseline=False, repeats=1))
+            import onnxruntime as ort
+
+            sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+            feeds = {}
+            for i in sess.get_inputs():
+                if i.name in x1:
+                    feeds[i.name] = x1[i.name].numpy()
+                elif "mask" in i.name and "input_ids" in x1:
+                    feeds[i.name] = torch.ones_like(x1["input_ids"]).numpy()
+                else:
+                    raise RuntimeError(f"ONNX input {i.name} not among the example inputs")
+            outs = limited(lambda: sess.run(None, feeds))
+            n = min(len(outs), len(ref1))
+            ok, err = close(ref1[:n], [torch.from_numpy(o) for o in outs[:n]], atol=1e-3, rtol=1e-3)
+            fused = rep.extra.get("fused") if isinstance(rep.extra, dict) else None
+            if not ok:
+                res["export"] = ("failed", f"onnxruntime differs from torch (max abs {err:.3g})")
+            else:
+                res["export"] = ("ok", f"{n} outputs match" + (f", fused {fused}" if fused is not None else ""))
+        except Exception as exc:  # noqa: BLE001
+            res["export"] = classify(exc)
+    rec["results"] = {k: list(v) for k, v in res.items()}
+    rec["seconds"] = round(time.time() - t0, 1)
+    return rec
+
+
+def run_in_child(mtype: str, maps, timeout: float) -> dict:
+    """run_type in a forked child, killed past 8x the per-command limit; its record through a pipe."""
+    r, w = os.pipe()
+    t0 = time.time()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            rec = run_type(mtype, maps, timeout)
+        except BaseException as exc:  # noqa: BLE001
+            rec = {"type": mtype, "built": False, "build_error": f"sweep crashed: {type(exc).__name__}: "
+                                                              f"{_first_line(exc)}",
+                   "trace": traceback.format_exc()[-2000:]}
+        with os.fdopen(w, "w") as f:
+            f.write(json.dumps(rec, default=str))
+        os._exit(0)
+    os.close(w)
+    data = b""
+    deadline = t0 + 8 * timeout
+    import select
+
+    with os.fdopen(r, "rb") as f:
+        while True:
+            left = deadline - time.time()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return {"type": mtype, "built": False, "build_error": f"whole type timed out ({8 * timeout:.0f} s)",
+                        "seconds": round(time.time() - t0, 1)}
+            ready, _, _ = select.select([f], [], [], min(left, 5))
+            if ready:
+                chunk = os.read(f.fileno(), 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+    _, status = os.waitpid(pid, 0)
+    try:
+        return json.loads(data.decode())
+    except ValueError:
+        return {"type": mtype, "built": False, "build_error": f"child died (status {status})",
+                "seconds": round(time.time() - t0, 1)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# COVERAGE.md
+
+
+def load_cache() -> dict[str, dict]:
+    recs = {}
+    if CACHE.exists():
+        for line in CACHE.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                recs[rec["type"]] = rec
+    return recs
+
+
+def verdict(command: str, rec: dict) -> tuple[str, str]:
+    """The cached (status, detail) with three readings made here: inspect's site calls must equal the hooked
+    calls, a rewrite that had nothing to rewrite ("0 applied", or swap's "has no layernorm") is n/a, and an export
+    "refusal" that is the exporter's own exception ("cannot export ...: SomeError") is a failure."""
+    v = rec.get("results", {}).get(command)
+    if not v:
+        return "-", ""
+    status, why = v
+    if command == "inspect" and status == "ok" and rec.get("site_calls") != rec.get("hook_calls"):
+        return "failed", f"site calls != hooked calls ({rec.get('site_calls')} vs {rec.get('hook_calls')})"
+    if status == "ok" and why == "0 applied":
+        return "n/a", "nothing to rewrite"
+    if status == "refused" and command == "swap" and "has no layernorm to swap" in why:
+        return "n/a", "no LayerNorm"
+    if status == "refused" and "Timeout: timed out" in why:  # the per-command limit, wrapped by normconv
+        return "failed", "timeout"
+    if status == "refused" and command == "export" and why.startswith("cannot export"):
+        return "failed", why
+    return status, why
+
+
+def _cell(command: str, rec: dict) -> str:
+    status, why = verdict(command, rec)
+    if status == "-":
+        return "-"
+    why = why.replace("|", "\\|").replace("\n", " ")
+    if len(why) > 90:
+        why = why[:87] + "..."
+    return {"ok": "ok", "refused": "refused", "failed": "**FAILED**", "n/a": "n/a"}[status] + (f": {why}" if why else "")
+
+
+def write_md(recs: dict[str, dict], total_types: int) -> None:
+    import transformers
+
+    order = ordered_types(recs)
+    built = [recs[t] for t in order if recs[t].get("built") and "results" in recs[t]]
+    lines = ["# Coverage: transformers' model types through normconv", "",
+             f"Generated by `benchmarks/coverage.py` (transformers {transformers.__version__}, ONNX opset {OPSET}, "
+             f"CPU, random weights, tiny configs: hidden <= {HIDDEN}, {LAYERS} layers, {HEADS} heads, vocab "
+             f"{VOCAB}, 32 px images).", "",
+             f"**Swept {len(recs)} of the {total_types} model types** in the auto-model mappings; "
+             f"{len(built)} built and ran a forward on their example inputs. The rest of the types were not run "
+             "(the sweep is resumable: `python benchmarks/coverage.py` continues from "
+             "`benchmarks/results/coverage.jsonl`).", "",
+             "Verdicts are computed outside normconv: *sites* = norm calls inspect reports / calls seen by forward "
+             "hooks on innermost modules whose class name contains `Norm`; a rewrite is *ok* only if the returned "
+             f"model matches the original on fresh inputs of a second shape (batch {BATCH2}, seq {SEQ2}); export "
+             "is *ok* only if onnxruntime (CPU) matches torch. *refused* = NormconvError with its reason (for swap, "
+             "the `approximate` fallback's drift is appended); **FAILED** = any other error, a verification error, "
+             "or a verdict that does not hold.", "", "## Totals", "",
+             "| command | ok | n/a (nothing to rewrite) | refused | failed |", "|---|---|---|---|---|"]
+    for c in COMMANDS:
+        cnt = Counter(verdict(c, r)[0] for r in built)
+        lines.append(f"| {c} | {cnt['ok']} | {cnt['n/a']} | {cnt['refused']} | {cnt['failed']} |")
+    approx = sum(1 for r in built if r.get("swap_approx") == "ok")
+    lines += ["", f"swap refused exactly but succeeded with `approximate=True`: {approx}.",
+              f"Types that did not build / had no inputs / failed their own forward: "
+              f"{sum(1 for r in recs.values() if not r.get('built'))} / "
+              f"{sum(1 for r in recs.values() if r.get('built') and 'forward_error' in r)}.", ""]
+    lines += ["## Failures grouped by cause", ""]
+    for c in COMMANDS:
+        groups = defaultdict(list)
+        for r in built:
+            v = verdict(c, r)
+            if v[0] == "failed":
+                key = re.sub(r"\d+ vs \d+", "n vs m", v[1].split(" (e.g.")[0]) if c == "inspect" else v[1]
+                key = re.sub(r"\b[A-Z]\w*(Model|For\w+)\b", "<Model>", re.sub(r"0x[0-9a-f]+", "0x..", key))
+                groups[key[:160]].append(r["type"])
+        if not groups:
+            continue
+        lines.append(f"### {c}")
+        lines.append("")
+        for key, types in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- {len(types)} x `{key}`: {', '.join(types[:12])}{' ...' if len(types) > 12 else ''}")
+        lines.append("")
+    lines += ["## Refusals grouped by reason", ""]
+    for c in COMMANDS:
+        groups = defaultdict(list)
+        for r in built:
+            v = verdict(c, r)
+            if v[0] == "refused":
+                key = v[1].split(" (approximate")[0]
+                m = re.search(r"cannot be swapped exactly; \S+: (.*?)(?: \(and \d+ more\))?\. Pass", key)
+                key = "not exact: " + m.group(1) if m else key.split(";")[0]
+                key = re.sub(r"\b[A-Z]\w*(Model|For\w+)\b", "<Model>", re.sub(r"0x[0-9a-f]+", "0x..", key))
+                groups[key[:160]].append(r["type"])
+        if groups:
+            lines.append(f"### {c}")
+            lines.append("")
+            for key, types in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+                lines.append(f"- {len(types)} x `{key}`: {', '.join(types[:12])}{' ...' if len(types) > 12 else ''}")
+            lines.append("")
+    skipped = [r for r in (recs[t] for t in order) if not r.get("built") or "forward_error" in r]
+    if skipped:
+        lines += ["## Not built / no forward", "", "| type | reason |", "|---|---|"]
+        for r in skipped:
+            why = (r.get("build_error") or r.get("forward_error") or "").replace("|", "\\|")[:160]
+            lines.append(f"| {r['type']} | {why} |")
+        lines.append("")
+    lines += ["## Per model type", "",
+              "| type | class | sites / hooks | " + " | ".join(COMMANDS) + " | s |",
+              "|---|---|---|" + "---|" * len(COMMANDS) + "---|"]
+    for r in built:
+        sites = f"{r.get('site_calls', '?')} / {r.get('hook_calls', '?')}"
+        cells = " | ".join(_cell(c, r) for c in COMMANDS)
+        cls = r.get("cls", "") + (" (depth-only shrink)" if r.get("config") == "depth-only shrink" else "")
+        lines.append(f"| {r['type']} | {cls} | {sites} | {cells} | {r.get('seconds', '')} |")
+    OUT_MD.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=None, help="at most N model types (after --types)")
+    ap.add_argument("--types", default=None, help="comma-separated model types (default: all)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per command (the type: 8x)")
+    ap.add_argument("--jobs", type=int, default=1, help="only 1 is supported (one model at a time)")
+    ap.add_argument("--rerun", action="store_true", help="run types already in the cache again")
+    ap.add_argument("--report-only", action="store_true", help="write COVERAGE.md from the cache and stop")
+    args = ap.parse_args(argv)
+    if args.jobs != 1:
+        ap.error("--jobs: only 1 is supported")
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import transformers  # noqa: F401 - imported once here, before the children fork
+
+    import normconv  # noqa: F401
+
+    maps = mappings()
+    recs = load_cache()
+    if args.report_only:
+        write_md(recs, len(maps))
+        return 0
+    types = [t.strip() for t in args.types.split(",")] if args.types else ordered_types(maps)
+    unknown = [t for t in types if t not in maps]
+    if unknown:
+        ap.error("unknown model types: " + ", ".join(unknown))
+    todo = [t for t in types if args.rerun or t not in recs]
+    if args.limit is not None:
+        todo = todo[:args.limit]
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    for i, t in enumerate(todo, 1):
+        rec = run_in_child(t, maps, args.timeout)
+        recs[t] = rec
+        with CACHE.open("a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+        summary = " ".join(f"{c}={rec.get('results', {}).get(c, ['-'])[0]}" for c in COMMANDS) \
+            if rec.get("results") else (rec.get("build_error") or rec.get("forward_error", ""))[:120]
+        print(f"[{i}/{len(todo)}] {t} ({rec.get('seconds', '?')} s): {summary}", flush=True)
+        write_md(recs, len(maps))
+    write_md(recs, len(maps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
