@@ -167,7 +167,7 @@ def test_dynamic_axes_run_other_shapes(tmp_path):
 
 def test_report_has_baseline_counts_and_latency(tmp_path):
     model, inputs = zoo_inputs("llama")
-    report = export_onnx(model, inputs, tmp_path / "m.onnx", "ort", 18, repeats=3)
+    report = export_onnx(model, inputs, tmp_path / "m.onnx", "ort", 18, repeats=3, baseline=True)
     assert report.before["ReduceMean"] == 5 and "ReduceMean" not in report.after  # plain export decomposes
     assert report.extra["baseline_latency_ms"]["cpu"] > 0 and report.extra["latency_ms"]["cpu"] > 0
     assert report.extra["checker"].startswith("skipped")  # SimplifiedLayerNormalization in the default domain
