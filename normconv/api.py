@@ -93,11 +93,12 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
 def export(model: nn.Module, example_inputs: Any, path: str, target: str = "ort", opset: int | None = None, *,
            dynamic: bool = False, fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
-           skip_fusion: bool = False) -> Report:
+           skip_fusion: bool = False, dim_names: dict[str, str] | None = None) -> Report:
     """ONNX at ``path`` with one fused op per norm, validated in onnxruntime. Returns the report."""
     return flow.export(_loaded(model, example_inputs), str(path), target, opset, dynamic=dynamic, fold=fold,
                        canonicalize=canonicalize, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
-                       repeats=repeats, skip_fusion=skip_fusion)
+                       repeats=repeats, skip_fusion=skip_fusion,
+                       dim_names=dim_names)
 
 
 def inspect(model: nn.Module, example_inputs: Any, method: str = "auto") -> Report:

@@ -394,7 +394,7 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
 def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None = None, *, dynamic: bool = False,
            fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
-           skip_fusion: bool = False, method: str = "auto") -> Report:
+           skip_fusion: bool = False, method: str = "auto", dim_names: dict[str, str] | None = None) -> Report:
     """``normconv export``: the exact passes (canonicalize, fold) through ``apply_passes``, verified against the
     original in torch, then ONNX with one fused op per norm, validated in onnxruntime (normconv.onnx.export)."""
     from normconv.onnx import export as onnx_export
@@ -482,7 +482,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     return onnx_export.write_onnx(release(prepared), original and release(original), inputs, reference, out, report,
                                   norms, target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
                                   rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
-                                  exported=last[0].exported if last else None)
+                                  exported=last[0].exported if last else None, dim_names=dim_names)
 
 
 def _half_dtype(model: nn.Module) -> torch.dtype | None:

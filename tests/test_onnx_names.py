@@ -39,3 +39,14 @@ def test_hf_inspect_prints_no_expected_symbolic_trace_note(cli, hf_folders):
     code, out, err = cli("inspect", hf_folders["bert"])
     assert code == 0, err
     assert "symbolic_trace failed" not in out + err and "graph by torch.export" in out
+
+
+def test_user_named_dynamic_dimensions(cli, tmp_path, hf_folders):
+    out = tmp_path / "gpt2.onnx"
+    code, _, err = cli("export", hf_folders["gpt2"], "-o", out, "--dynamic", "--dim-name", "batch=N",
+                       "--dim-name", "sequence=T", "--repeats", "0")
+    assert code == 0, err
+    ins, outs = _io(out)
+    assert ins == {"input_ids": ["N", "T"], "attention_mask": ["N", "T"]} and outs == {"logits": ["N", "T", 100]}
+    code, _, err = cli("export", hf_folders["gpt2"], "-o", tmp_path / "x.onnx", "--dim-name", "width=W")
+    assert code == 2 and "bad --dim-name" in err and not (tmp_path / "x.onnx").exists()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, load_from_flags, user_errors)
+from normconv.errors import NormconvError
 from normconv.onnx.export import DEFAULT_OPSET
 from normconv.report import Report, console, render_sites, render_validation, table
 
@@ -35,6 +36,9 @@ def register(app: typer.Typer) -> None:
         skip_fusion: Annotated[bool, typer.Option(
             "--skip-fusion", help="with --target ort: fuse residual add + norm into Skip*LayerNormalization "
                                   "(onnxruntime's GPU kernels; measured slower on onnxruntime CPU)")] = False,
+        dim_name: Annotated[Optional[list[str]], typer.Option(
+            "--dim-name", help="with --dynamic: your name for a dynamic dimension, e.g. batch=N or sequence=T "
+                               "(repeatable; defaults batch, sequence, decoder_sequence)")] = None,
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
         weights: WeightsOpt = None,
@@ -50,11 +54,19 @@ def register(app: typer.Typer) -> None:
         from normconv.onnx.validate import parse_providers
 
         providers = parse_providers(validate)
+        dim_names = {}
+        for item in dim_name or []:
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("batch", "sequence", "decoder_sequence") or not value.isidentifier():
+                raise NormconvError(f"bad --dim-name {item!r}: expected batch=NAME, sequence=NAME or "
+                                    f"decoder_sequence=NAME with NAME an identifier")
+            dim_names[key] = value
         check_args(output, target, opset)  # bad flags fail before loading the model
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report = flow.export(loaded, output, target, opset, dynamic=dynamic, fold=not no_fold,
                              canonicalize=not no_canonicalize, validate=providers, atol=atol, rtol=rtol,
-                             baseline=baseline, repeats=repeats, skip_fusion=skip_fusion)
+                             baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
+                             dim_names=dim_names)
         emit(report, as_json, print_export)
 
 

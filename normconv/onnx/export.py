@@ -231,7 +231,8 @@ def check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
 def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any, out: Path, report: Report,
                norms: Sequence[NormSite], *, target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET, dynamic: bool = False,
                validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
-               baseline: bool = True, repeats: int = 10, skip_fusion: bool = False, exported: Any = None) -> Report:
+               baseline: bool = True, repeats: int = 10, skip_fusion: bool = False, exported: Any = None,
+               dim_names: dict[str, str] | None = None) -> Report:
     """Export ``prepared`` (the passes already applied and verified, in eval mode) to ``out`` with one fused op
     per norm, validate it in onnxruntime against ``reference`` (the original's outputs), and rename it into
     place. ``original`` is exported plainly for the baseline op counts and latency (None: no baseline).
@@ -283,7 +284,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                             f"differ from norm sites ({non_bn_sites} + {sites_by_kind.get('batchnorm', 0)} batchnorm)")
     from normconv.onnx.names import name_graph
 
-    extra["renamed"] = name_graph(onnx_model, reference)  # logits / batch / sequence, not linear / s72
+    extra["renamed"] = name_graph(onnx_model, reference, dim_names)  # logits / batch / sequence, not linear / s72
     extra["dynamic_axes"] = _dynamic_axes(onnx_model)
     if dynamic and not extra["dynamic_axes"]:
         report.notes.append("--dynamic: the model specializes every input dimension; the graph is static")

@@ -45,9 +45,9 @@ def _all_values(graph):
     return list(seen.values())
 
 
-def _dim_names(graph) -> dict[str, str]:
+def _dim_names(graph, chosen: dict[str, str] | None = None) -> dict[str, str]:
     """exporter symbol -> batch / sequence, read off the inputs: dim 0 is the batch; dim 1 of token ids (2-D
-    integer) or of (B, L, C) activations is the sequence."""
+    integer) or of (B, L, C) activations is the sequence. ``chosen`` renames those (the user's --dim-name)."""
     import onnx_ir as ir
 
     names: dict[str, str] = {}
@@ -64,12 +64,13 @@ def _dim_names(graph) -> dict[str, str]:
                 want = "decoder_sequence" if v.name.startswith("decoder_") else "sequence"
             else:
                 want = f"{v.name}_dim{axis}"
-            names.setdefault(d.value, want)
+            names.setdefault(d.value, (chosen or {}).get(want, want))
     return names
 
 
-def name_graph(model, reference: Any) -> dict[str, Any]:
-    """Rename the outputs and the dynamic dimensions of an onnx_ir model in place; returns what was renamed."""
+def name_graph(model, reference: Any, dim_names: dict[str, str] | None = None) -> dict[str, Any]:
+    """Rename the outputs and the dynamic dimensions of an onnx_ir model in place; returns what was renamed.
+    ``dim_names``: the user's names for batch / sequence / decoder_sequence."""
     import onnx_ir as ir
 
     graph = model.graph
@@ -82,7 +83,7 @@ def name_graph(model, reference: Any) -> dict[str, Any]:
             if v.name != name and v not in list(graph.inputs):
                 done["outputs"][v.name] = name
                 _rename(graph, v, name, taken)
-    dims = _dim_names(graph)
+    dims = _dim_names(graph, dim_names)
     if dims:
         pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(dims, key=len, reverse=True))) + r")\b")
         for v in _all_values(graph):
