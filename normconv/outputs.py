@@ -182,13 +182,13 @@ def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
 
 def write_pt2(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     """torch.export program (loads with torch.export.load alone)."""
-    import warnings
-
     if inputs is None:
         raise ValueError("example inputs are needed to write a .pt2")
     ep = torch.export.export(model, tuple(inputs.args), dict(inputs.kwargs), strict=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns about the temp file's name (not a .pt2 suffix)
+    from normconv.quiet import quiet
+
+    # torch's logger warns about the temp file's name (not a .pt2 suffix)
+    with quiet(("torch", "torch.export", "torch.export.pt2_archive._package")):
         torch.export.save(ep, path)
     _follow_umask(path)
 

@@ -192,3 +192,12 @@ def test_hf_folder_output_refused_where_the_config_cannot_express_the_rewrite(cl
     assert list(tmp_path.iterdir()) == []
     code, stdout, stderr = cli("swap", hf_folders["gpt2"], "-o", tmp_path / "gpt2_rms.pt2")
     assert code == 0, stderr
+
+
+def test_writing_a_pt2_prints_nothing_on_stderr(tmp_path):
+    """torch warns about the temp file's name when it saves a .pt2: normconv's output is normconv's alone."""
+    out = tmp_path / "mlp.pt2"
+    r = subprocess.run([sys.executable, "-m", "normconv.cli", "fold", "zoo:mlp", "-o", str(out)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and out.is_file(), r.stderr
+    assert r.stderr == "", r.stderr
