@@ -291,6 +291,17 @@ def close(a, b, atol=1e-4, rtol=1e-3):
     return ok, worst
 
 
+def site_calls(sites: list[dict]) -> Counter:
+    """owner module -> norm calls inspect reports: one site per call node, and a site's "calls" is its module's
+    call count (a module shared at several places: several sites, or one site called several times)."""
+    nodes, module_calls = Counter(), Counter()
+    for s in sites:
+        o = s.get("owner") or s.get("target")
+        nodes[o] += 1
+        module_calls[o] = max(module_calls[o], s.get("calls") or 1)
+    return Counter({o: max(n, module_calls[o]) for o, n in nodes.items()})
+
+
 def norm_hooks(model, kw):
     """Calls per innermost module whose class name contains "Norm", counted by forward hooks."""
     import torch.nn as nn
@@ -401,13 +412,7 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
     try:
         rep = limited(lambda: normconv.inspect(model, x1)).to_json()
         sites = rep["sites"]
-        # one site per call node; a site's "calls" is its module's call count (a shared module: several sites)
-        nodes, module_calls = Counter(), Counter()
-        for s in sites:
-            o = s.get("owner") or s.get("target")
-            nodes[o] += 1
-            module_calls[o] = max(module_calls[o], s.get("calls") or 1)
-        owners = Counter({o: max(n, module_calls[o]) for o, n in nodes.items()})
+        owners = site_calls(sites)
         rec["site_calls"] = sum(owners.values())
         rec["sites"] = len(sites)
         missed = sorted(n for n in calls if n not in owners)

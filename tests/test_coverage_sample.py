@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -69,13 +68,7 @@ def check_inspect(model, x1):
     calls, _ = sw.norm_hooks(model, x1)
     assert calls, "the sample should have norm modules"
     sites = normconv.inspect(model, x1).to_json()["sites"]
-    # one site per call node; a site's "calls" is its module's call count (a shared module: several sites)
-    nodes, module_calls = Counter(), Counter()
-    for s in sites:
-        o = s.get("owner") or s.get("target")
-        nodes[o] += 1
-        module_calls[o] = max(module_calls[o], s.get("calls") or 1)
-    owners = Counter({o: max(n, module_calls[o]) for o, n in nodes.items()})
+    owners = sw.site_calls(sites)
     missed = sorted(n for n in calls if n not in owners)
     false = sorted(s.get("owner") or s.get("target") for s in sites
                    if s.get("source") == "module" and (s.get("owner") or s.get("target")) not in calls)

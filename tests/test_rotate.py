@@ -293,14 +293,6 @@ def test_handwritten_pre_ln_vit_rotates_exactly(inplace):
 
 
 def test_hf_vit_rotates_exactly():
-    transformers = pytest.importorskip("transformers")
-    from tests.test_swap_writers import _randomize
+    from tests.test_swap_writers import tiny_hf_vit
 
-    torch.manual_seed(0)
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                 image_size=32, patch_size=8, num_labels=10)
-    model = _randomize(transformers.ViTForImageClassification(cfg)).eval()
-    with torch.no_grad():
-        model.vit.embeddings.position_embeddings.normal_()
-        model.vit.embeddings.cls_token.normal_()
-    _vit_rotates_exactly(model, torch.randn(2, 3, 32, 32))
+    _vit_rotates_exactly(tiny_hf_vit(), torch.randn(2, 3, 32, 32))

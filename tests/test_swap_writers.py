@@ -87,7 +87,9 @@ def test_grouped_conv_writer_is_refused_by_name():
         normconv.swap(model, torch.randn(2, 4, 32, 32))
 
 
-def test_hf_vit_swaps_exactly():
+def tiny_hf_vit() -> nn.Module:
+    """HF ViTForImageClassification (hidden 32, 2 layers, 32 px, patch 8) with every weight, the position
+    embeddings and the class token random: centering / rotating them is visible."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -96,4 +98,8 @@ def test_hf_vit_swaps_exactly():
     with torch.no_grad():
         model.vit.embeddings.position_embeddings.normal_()
         model.vit.embeddings.cls_token.normal_()
-    _exact(model, torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32))
+    return model
+
+
+def test_hf_vit_swaps_exactly():
+    _exact(tiny_hf_vit(), torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32))
