@@ -223,6 +223,9 @@ def _torch_load_safely(path: Path, spec: str) -> Any:
         with quiet_loaders():
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if not zipfile.is_zipfile(path) and not _starts_like_a_pickle(path):
+            raise NormconvError(f"{spec} is not a model file normconv can read (neither a zip archive nor a "
+                                f"pickle)") from None
         if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
             raise _NeedsTrust(_unsafe_globals(path)) from None
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
@@ -233,6 +236,13 @@ def _torch_load_safely(path: Path, spec: str) -> Any:
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
     except (EOFError, OSError, ValueError, KeyError) as exc:
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
+
+
+def _starts_like_a_pickle(path: Path) -> bool:
+    """A pickle of protocol 2 or later (every torch.save) opens with the PROTO opcode 0x80 and its version."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def _is_torchscript(path: Path) -> bool:

@@ -122,6 +122,13 @@ class _UserClass(nn.Module):
         return self.lin(x)
 
 
+def test_a_text_file_is_not_called_a_pickle(cli, tmp_path):
+    path = tmp_path / "notes.pt"
+    path.write_text("garbage, not a model\n")
+    _one_line_error(cli, "fold", path, "-o", tmp_path / "out.pt", match="neither a zip archive nor a pickle")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.pt"]
+
+
 def test_old_format_pickle_refusal_lists_its_globals(cli, tmp_path):
     path = tmp_path / "legacy.pt"
     torch.save(_UserClass(), path, _use_new_zipfile_serialization=False)
