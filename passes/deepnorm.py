@@ -159,6 +159,10 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
     all_outputs = frozenset(s.node for s in norms)
     named = {r: tuple(p) for r, p in (named or {}).items() if p}
     subs = [_sublayer(cap, s, outputs, all_outputs, beta_mode, named) for s in post]
+    by_node = {s.node: s for s in norms}
+    for sub in subs:
+        # a final norm over another stack (nn.Transformer's encoder.norm before the memory) reads as that stack
+        sub.reads = {_stream_read(cap, r, by_node, outputs, all_outputs) for r in sub.reads}
     an = Analysis(subs, others)
     for role, patterns in named.items():
         for pat in patterns:
@@ -174,6 +178,19 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
         return an
     _stacks(an, arch, n_layers, m_layers)
     return an
+
+
+def _stream_read(cap: Captured, name: str, by_node: dict[str, NormSite], post_outputs: dict[str, NormSite],
+                 all_outputs: frozenset[str]) -> str:
+    """The post-LN output a norm output stands for: followed back through norms applied on top of it."""
+    seen: set[str] = set()
+    while name not in post_outputs and name in by_node and name not in seen:
+        seen.add(name)
+        kind, prev = producer_of(cap, cap.nodes[by_node[name].input], all_outputs)
+        if kind != "norm":
+            break
+        name = prev.name
+    return name
 
 
 def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], all_outputs: frozenset[str],

@@ -113,6 +113,26 @@ def test_deepnorm_sees_post_ln_encoder_layers(bf):
     assert new.enc.layers[0].norm1.eps == pytest.approx(model.enc.layers[0].norm1.eps / alpha**2)
 
 
+@pytest.mark.parametrize("bf", [True, False])
+def test_deepnorm_on_post_ln_transformer_reads_the_encoder_through_its_final_norm(bf):
+    """nn.Transformer's decoder reads the memory after encoder.norm: that final norm must not hide which stack is
+    the encoder (it was refused as "two post-LN stacks, neither reading the other's output")."""
+    model, inputs = _build("transformer", False, bf)
+    new, report = normconv.deepnorm(model, inputs)
+    assert report.extra["arch"] == "encoder-decoder"
+    applied = [s.target for s in report.sites if s.applied]
+    assert len(applied) == 2 * 2 + 2 * 3  # encoder: attention, ffn; decoder: self-, cross-attention, ffn
+    n = m = 2  # the paper's encoder-decoder constants, decoder alpha = (3M)^(1/4)
+    dec_alpha = (3 * m) ** 0.25
+    enc_alpha = 0.81 * (n**4 * m) ** (1 / 16)
+    assert new.t.decoder.layers[0].norm3.eps == pytest.approx(model.t.decoder.layers[0].norm3.eps / dec_alpha**2)
+    assert new.t.encoder.layers[1].norm2.eps == pytest.approx(model.t.encoder.layers[1].norm2.eps / enc_alpha**2)
+    # alpha = 1 without beta is the identity instance: the original model, at another batch size
+    same, _ = normconv.deepnorm(model, inputs, alpha=1.0, beta_mode="none")
+    _, other = _build("transformer", False, bf, n=3)
+    torch.testing.assert_close(run(same, other), run(model, other), atol=1e-5, rtol=1e-5)
+
+
 def test_replaced_norm_turns_off_torchs_fused_encoder_path():
     """batch_first post-LN encoder in eval/no_grad takes torch._transformer_encoder_layer_fwd, which reads
     norm1.weight/bias as a LayerNorm: after the (approximate) swap it must run the RMSNorm modules instead."""
