@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "benchmarks" / "results" / "coverage.jsonl"
 OUT_MD = ROOT / "COVERAGE.md"
-COMMANDS = ("inspect", "fold", "swap", "canonicalize", "export")
+COMMANDS = ("inspect", "fold", "swap", "canonicalize", "deepnorm", "export")
 OPSET = 20
 
 # common architectures first, so a partial sweep is a diverse one; the rest follow alphabetically
@@ -414,6 +414,7 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
         sites = rep["sites"]
         owners = site_calls(sites)
         rec["site_calls"] = sum(owners.values())
+        rec["post_norm_sites"] = sum(1 for s in sites if s.get("placement") == "post-norm")
         rec["sites"] = len(sites)
         missed = sorted(n for n in calls if n not in owners)
         false = sorted(s.get("owner") or s.get("target") for s in sites
@@ -451,6 +452,7 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
         except Exception as exc:  # noqa: BLE001
             rec["swap_approx"] = "/".join(classify(exc))
     res["canonicalize"] = rewrite("canonicalize", lambda: normconv.canonicalize(model, x1))
+    res["deepnorm"] = deepnorm_verdict(normconv, model, x1, x2, ref2, limited)
 
     # export, then onnxruntime here against torch
     with tempfile.TemporaryDirectory() as tmp:
@@ -479,8 +481,39 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
         except Exception as exc:  # noqa: BLE001
             res["export"] = classify(exc)
     rec["results"] = {k: list(v) for k, v in res.items()}
+    rec["commit"] = _commit()
     rec["seconds"] = round(time.time() - t0, 1)
     return rec
+
+
+def deepnorm_verdict(normconv, model, x1, x2, ref2, limited) -> tuple[str, str]:
+    """DeepNorm changes what the model computes, so the verdict outside the pass is its identity instance:
+    alpha = 1 with no beta must leave the model equal to the original on the second shape, at the same sites
+    the default (the paper's alpha, beta on init) rewrites; the default run must pass normconv's own check."""
+    try:
+        _, rep = limited(lambda: normconv.deepnorm(model, x1))
+        applied = sum(1 for s in rep.sites if getattr(s, "applied", False))
+        same, rep1 = limited(lambda: normconv.deepnorm(model, x1, alpha=1.0, beta_mode="none"))
+        applied1 = sum(1 for s in rep1.sites if getattr(s, "applied", False))
+        if applied1 != applied:
+            return "failed", f"alpha=1 rewrote {applied1} sites, the default {applied}"
+        ok, err = close(ref2, limited(lambda: forward(same, x2)))
+        if not ok:
+            return "failed", f"alpha=1 instance differs from the original on the second shape (max abs {err:.3g})"
+        return "ok", f"{applied} applied ({rep.extra.get('arch')})"
+    except Exception as exc:  # noqa: BLE001
+        return classify(exc)
+
+
+def _commit() -> str:
+    """The normconv commit a record was swept with (records from several commits can share the cache)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def run_in_child(mtype: str, maps, timeout: float) -> dict:
@@ -554,6 +587,9 @@ def verdict(command: str, rec: dict) -> tuple[str, str]:
         return "n/a", "nothing to rewrite"
     if status == "refused" and command == "swap" and "has no layernorm to swap" in why:
         return "n/a", "no LayerNorm"
+    if status == "refused" and command == "deepnorm" and why.startswith(("pre-LN model", "no post-LN residual")) \
+            and not rec.get("post_norm_sites"):  # a post-norm site inspect placed must not go unrewritten
+        return "n/a", why.split(":")[0]
     if status == "refused" and "Timeout: timed out" in why:  # the per-command limit, wrapped by normconv
         return "failed", "timeout"
     if status == "refused" and command == "export" and why.startswith("cannot export"):
