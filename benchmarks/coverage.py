@@ -159,8 +159,22 @@ def _shrink(d: dict, gentle: bool = False) -> dict:
             elif k.endswith("_token_id"):
                 out[k] = [x if x < VOCAB else VOCAB - 1 for x in v]
         elif isinstance(v, list) and k in ("layer_types", "attention_types_list", "block_types") and len(v) > LAYERS:
-            out[k] = v[:LAYERS]
+            out[k] = _fewer(v, LAYERS)
+    # per-layer lists (layer_types, mlp_layer_types, ...) follow the layer count they were written for
+    for lk in _LAYER_KEYS & d.keys():
+        if isinstance(d[lk], int) and out[lk] != d[lk]:
+            for k, v in d.items():
+                if isinstance(v, list) and len(v) == d[lk] and ("type" in k or "layer" in k or "pattern" in k):
+                    out[k] = _fewer(v, out[lk])
     return out
+
+
+def _fewer(v: list, n: int) -> list:
+    """n entries of a per-layer list, each distinct value kept while room allows (a hybrid keeps both kinds)."""
+    firsts = sorted({x: i for i, x in reversed(list(enumerate(v)))}.values())[:n] if all(
+        isinstance(x, (str, int, float, bool)) for x in v) else []
+    keep = sorted(firsts + [i for i in range(len(v)) if i not in firsts][:n - len(firsts)])
+    return [v[i] for i in keep]
 
 
 def tiny_config(mtype: str, gentle: bool = False):
