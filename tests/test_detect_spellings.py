@@ -94,3 +94,40 @@ def test_fold_does_not_touch_weight_standardization():
     assert [s.target for s in report.sites] == ["4"]  # only the activation BN is a fold site
     with torch.no_grad():
         assert torch.allclose(new(x), net(x), atol=1e-5)
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+
+class CastingBlock(nn.Module):
+    """Mamba's block: the caller casts the input to the norm's weight dtype before calling the norm."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.proj = HandRMSNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x.to(dtype=self.norm.weight.dtype)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_callers_cast_does_not_move_the_norm_to_the_caller(method):
+    torch.manual_seed(0)
+    net = nn.Sequential(CastingBlock(16), CastingBlock(16)).eval()
+    inputs = Inputs((torch.randn(2, 5, 16),))
+    rep = inspect(net, inputs, method=method)
+    assert [(s["target"], s["owner"]) for s in rep.sites] == [("0.norm", "0.norm"), ("1.norm", "1.norm")]
+    new, report = canonicalize(net, inputs)
+    assert [s.target for s in report.sites if s.applied] == ["0.norm", "1.norm"]
+    assert not isinstance(new[0].norm, HandRMSNorm)
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), net(x), atol=1e-6, rtol=1e-6)

@@ -546,7 +546,9 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
         notes.append("scale applied as (1 + weight) (Gemma style)")
     acc.discard(x.name)
     aliases = aliases_of(cap, x)
-    owners = {cap.owner(cap.nodes[n]) for n in acc}
+    # a cast of the input made by the caller (Mamba: norm(x.to(norm.weight.dtype))) does not say who owns the norm
+    core = {n for n in acc if not _leading_cast(cap, cap.nodes[n], x)} or acc
+    owners = {cap.owner(cap.nodes[n]) for n in core}
     owner = owners.pop() if len(owners) == 1 else _common_prefix(owners | {""})
     self_contained = all(all(u.name in acc for u in cap.users(cap.nodes[n])) for n in acc
                          if n != out.name and n not in aliases)
@@ -564,6 +566,13 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
         running_var=running_var, upcast=upcast, nodes=tuple(sorted(acc, key=order.__getitem__)),
         self_contained=self_contained, notes=tuple(notes),
     )
+
+
+def _leading_cast(cap: Captured, node: fx.Node, x: fx.Node) -> bool:
+    """``node`` is a chain of casts / identities of ``x`` and nothing else."""
+    while node is not x and cap.op(node) in TRANSPARENT and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node is x
 
 
 def _common_prefix(paths: set[str]) -> str:
