@@ -32,6 +32,7 @@ from normconv.io import Loaded, check_output_path, save
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
 from normconv.passes import fold_batchnorm, fold_scales, lift_layers, rotate as rotate_pass, swap_norm
+from normconv.passes import fold_weight_standardization as fold_ws
 from normconv.report import OutputError, PassResult, Report, Site, Validation
 from normconv.verify import Inputs, argmax_agreement, compare, default_tolerance, other_shape, output_leaves, run
 
@@ -218,7 +219,8 @@ def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, 
         where = "the model" if training[0] == "" else training[0]
         raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
                             f"so folding would change it; call .eval() first or pass --eval")
-    report, model = rewrite(loaded, _lifted(loaded.model) + [fold_batchnorm.FOLD], command=fold_batchnorm.NAME,
+    report, model = rewrite(loaded, _lifted(loaded.model) + [fold_ws.FOLD_WS, fold_batchnorm.FOLD],
+                            command=fold_batchnorm.NAME,
                             exact=True, atol=atol,
                             rtol=rtol, output=output, in_place=in_place, method=method, eval_mode=eval_mode,
                             bench=bench, keep_normconv=keep_normconv)
@@ -425,7 +427,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
                                              _plan_of(cap, norms, "fold", fold), skip_fusion))
 
     # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
-    passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_batchnorm.FOLD, fold)) if on]
+    passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_ws.FOLD_WS, fold),
+                              (fold_batchnorm.FOLD, fold)) if on]
     if fold:
         passes = _lifted(loaded.model) + passes
     last: list[Captured] = []

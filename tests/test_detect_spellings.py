@@ -87,13 +87,39 @@ def test_weight_standardization_is_reported_as_such(method):
     assert all("weight standardization" in w["reason"] for w in ws)
 
 
-def test_fold_does_not_touch_weight_standardization():
+@pytest.mark.parametrize("method", METHODS)
+def test_fold_computes_weight_standardization_once(method):
+    """The standardized weight is a constant at inference: fold makes each StdConv a plain nn.Conv2d holding it
+    (bit for bit what the forward computed), then folds the activation BN into the conv as usual."""
     net = bit_net()
     x = torch.randn(2, 3, 8, 8)
-    new, report = fold(net, Inputs((x,)))
-    assert [s.target for s in report.sites] == ["4"]  # only the activation BN is a fold site
+    new, report = fold(net, Inputs((x,)), method=method)
+    assert [(s.pass_name, s.target, s.applied) for s in report.sites] == [
+        ("fold-weight-standardization", "0", True), ("fold-weight-standardization", "3", True), ("fold", "4", True)]
+    assert type(new[0]) is nn.Conv2d and type(new[3]) is nn.Conv2d and isinstance(new[4], nn.Identity)
+    assert new[0].bias is net[0].bias  # the bias is shared, the standardized weight is new
     with torch.no_grad():
-        assert torch.allclose(new(x), net(x), atol=1e-5)
+        w = net[0].weight
+        ref = F.batch_norm(w.reshape(1, 8, -1), None, None, training=True, momentum=0.0, eps=1e-6).reshape_as(w)
+        assert torch.equal(new[0].weight, ref)
+        x2 = torch.randn(1, 3, 6, 6)
+        torch.testing.assert_close(new(x2), net(x2), atol=1e-5, rtol=1e-5)
+    assert isinstance(net[0], StdConv)  # the user's model is untouched
+
+
+def test_export_has_no_norm_on_weights(tmp_path):
+    """Plain torch.onnx.export keeps BiT's weight standardization as BatchNormalization / ReduceMean on every
+    weight; normconv's export computes the standardized weights once."""
+    import onnx
+
+    from normconv.api import export
+
+    net = bit_net()
+    path = tmp_path / "bit.onnx"
+    export(net, Inputs((torch.randn(2, 3, 8, 8),)), str(path))
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("BatchNormalization") == 0 and ops.count("ReduceMean") == 0
+    assert ops == ["Conv", "GroupNorm", "Relu", "Conv"]  # onnxruntime's fused GroupNorm, the BN folded
 
 
 class HandRMSNorm(nn.Module):

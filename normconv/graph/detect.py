@@ -113,7 +113,8 @@ class WeightStandardization:
                 "consumer": self.consumer, "written_as": f"{self.site.source} {self.site.kind}",
                 "eps": self.site.eps,
                 "reason": f"weight standardization of {self.param}: the input is a parameter, not an activation; "
-                          f"constant at inference (not an activation {self.site.kind})"}
+                          f"constant at inference (not an activation {self.site.kind}); fold and export compute it "
+                          f"once into the conv's weight"}
 
 
 def find_norms(cap: Captured) -> list[NormSite]:
