@@ -174,10 +174,11 @@ def test_fp16_export_keeps_norm_statistics_in_float32_and_validates_against_fp32
     assert reduce_in and all(set(products.get(i, [i])) <= casts for i in reduce_in)
 
 
-def test_plain_torch_onnx_export_of_the_fp16_model_reduces_squares_in_fp16():
+@pytest.mark.parametrize("name", ["fp16_overflow", "nafnet_fp16"])
+def test_plain_torch_onnx_export_of_the_fp16_model_reduces_squares_in_fp16(name):
     import torch
 
-    model, inputs = _fp32_and_inputs()
+    model, inputs = _fp32_and_inputs(name)
     half = copy.deepcopy(model).half()
     with torch.no_grad():
         program = torch.onnx.export(half, tuple(x.half() for x in inputs), dynamo=True, external_data=False,
@@ -185,7 +186,8 @@ def test_plain_torch_onnx_export_of_the_fp16_model_reduces_squares_in_fp16():
     assert len(_fp16_reductions(program.model_proto)) >= 3
 
 
-def test_fp16_export_default_target_keeps_statistics_in_float32(cli, tmp_path):
+@pytest.mark.parametrize("name", ["fp16_overflow", "nafnet_fp16"])
+def test_fp16_export_default_target_keeps_statistics_in_float32(cli, tmp_path, name):
     """The default (--target ort): SimplifiedLayerNormalization / LayerNormalization with float32 statistics
     (stash_type 1, the ops' default), no reduction on fp16 data, and the fp32 model's outputs within tolerance."""
     import json
@@ -193,7 +195,7 @@ def test_fp16_export_default_target_keeps_statistics_in_float32(cli, tmp_path):
     import onnx
 
     out = tmp_path / "m.onnx"
-    code, stdout, err = cli("export", "zoo:fp16_overflow", "--dtype", "float16", "-o", str(out), "--no-baseline",
+    code, stdout, err = cli("export", f"zoo:{name}", "--dtype", "float16", "-o", str(out), "--no-baseline",
                             "--repeats", "0", "--json")
     assert code == 0, err
     assert json.loads(stdout)["extra"]["half_precision"]["error_vs_float32"]["normconv"] < 1e-2
