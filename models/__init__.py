@@ -21,7 +21,8 @@ from .cnn import (conv1d, conv1d_inputs, conv3d, conv3d_inputs, deconv, deconv_i
                   mobilenet_inputs, resnet, resnet_inputs)
 from .handwritten import (hf_style_norms, hf_style_norms_inputs, inline_norm, inline_norm_inputs, tutorial_bn,
                           tutorial_bn_inputs, tutorial_ln, tutorial_ln_inputs, tutorial_rms, tutorial_rms_inputs)
-from .halfprec import fp16_overflow, fp16_overflow_inputs
+from .halfprec import (fp16_overflow, fp16_overflow_inputs, fp16_raw_features, fp16_raw_features_inputs, nafnet_fp16,
+                       nafnet_fp16_inputs)
 from .transformer import bert, bert_inputs, gpt, gpt_inputs, llama, llama_inputs, seq2seq, seq2seq_inputs
 from .unet import unet, unet_inputs
 
@@ -76,6 +77,12 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("fp16_overflow", "Pre-norm stack, hand-written RMSNorm/LayerNorm without float32 cast, outlier "
                  "channels of +-300 (x^2 overflows fp16); input (2,8,16)",
                  fp16_overflow, fp16_overflow_inputs, {"rmsnorm": 2, "layernorm": 1}, handwritten=3),
+        ZooModel("fp16_raw_features", "Input BatchNorm1d on raw readings (running var 9e6, beyond fp16), GELU, "
+                 "Conv1d, LayerNorm; input (2,6,24)",
+                 fp16_raw_features, fp16_raw_features_inputs, {"batchnorm": 1, "layernorm": 1}),
+        ZooModel("nafnet_fp16", "NAFNet-style restoration net, hand-written channels-first LayerNorm2d without float32 "
+                 "cast, channels of +-300 ((x - mean)^2 overflows fp16); input (2,3,16,16)",
+                 nafnet_fp16, nafnet_fp16_inputs, {"layernorm": 3}, handwritten=3),
     )
 }
 
@@ -96,4 +103,5 @@ __all__ = [
     "seq2seq", "seq2seq_inputs", "tutorial_bn", "tutorial_bn_inputs", "tutorial_ln", "tutorial_ln_inputs",
     "tutorial_rms", "tutorial_rms_inputs", "inline_norm", "inline_norm_inputs",
     "hf_style_norms", "hf_style_norms_inputs", "fp16_overflow", "fp16_overflow_inputs",
+    "fp16_raw_features", "fp16_raw_features_inputs", "nafnet_fp16", "nafnet_fp16_inputs",
 ]

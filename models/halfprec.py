@@ -105,3 +105,114 @@ def fp16_overflow() -> nn.Module:
 
 def fp16_overflow_inputs() -> tuple:
     return (randn(2, 8, 16, seed=117),)
+
+
+SENSOR_CHANNELS = 6
+SENSOR_SCALE = (5.0, 40.0, 300.0, 900.0, 2000.0, 3000.0)  # per-channel std of the raw readings
+
+
+class RawSensorNet(nn.Module):
+    """(B, 6, L) raw sensor readings (std up to 3000, |x| < 65504) -> BatchNorm1d on the input (running var up to
+    9e6, beyond float16's max: inf in fp16) -> GELU -> Conv1d -> LayerNorm over channels -> Linear head.
+
+    Exercises: a BatchNorm that cannot fold (graph input before, GELU after) whose running statistics do not fit
+    in float16 while its input and output do; the LayerNorm after it has headroom.
+    """
+
+    def __init__(self, channels: int = SENSOR_CHANNELS, hidden: int = 32, out: int = 4):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(channels)
+        self.conv = nn.Conv1d(channels, hidden, 3, padding=1)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, out)
+
+    def forward(self, x):
+        h = self.conv(F.gelu(self.bn(x)))
+        return self.head(self.norm(h.transpose(1, 2)))
+
+
+@seeded(118)
+def _raw_sensor() -> nn.Module:
+    return RawSensorNet()
+
+
+def fp16_raw_features() -> nn.Module:
+    """RawSensorNet with running statistics of raw readings (set after the zoo's random norm statistics)."""
+    model = _raw_sensor()
+    scale = torch.tensor(SENSOR_SCALE)
+    with torch.no_grad():
+        model.bn.running_mean.copy_(scale * 0.5)
+        model.bn.running_var.copy_(scale * scale)
+    return model
+
+
+def fp16_raw_features_inputs() -> tuple:
+    scale = torch.tensor(SENSOR_SCALE).reshape(1, -1, 1)
+    return (randn(2, SENSOR_CHANNELS, 24, seed=118) * scale + scale * 0.5,)
+
+
+class ChannelsFirstLayerNorm(nn.Module):
+    """NAFNet's / ConvNeXt's LayerNorm2d: normalizes dim 1 of (N, C, H, W), in the input's dtype (no upcast)."""
+
+    def __init__(self, channels: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.eps = eps
+
+    def forward(self, x):
+        mu = x.mean(1, keepdim=True)
+        var = (x - mu).pow(2).mean(1, keepdim=True)
+        y = (x - mu) / (var + self.eps).sqrt()
+        return self.weight.view(1, -1, 1, 1) * y + self.bias.view(1, -1, 1, 1)
+
+
+class NAFBlock(nn.Module):
+    """x + conv3(gate(dwconv(conv1(LN2d(x))))) with SimpleGate (split the channels in two, multiply)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.norm = ChannelsFirstLayerNorm(c)
+        self.conv1 = nn.Conv2d(c, 2 * c, 1)
+        self.dwconv = nn.Conv2d(2 * c, 2 * c, 3, padding=1, groups=2 * c)
+        self.conv3 = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        a, b = self.dwconv(self.conv1(self.norm(x))).chunk(2, dim=1)
+        return x + self.conv3(a * b)
+
+
+class TinyNAFNet(nn.Module):
+    """(B, 3, H, W) -> conv stem writing two feature channels of about +-300 -> 2 NAFBlocks -> LayerNorm2d ->
+    conv to 3 channels + the input (image restoration's global residual).
+
+    Exercises: a channels-first hand-written LayerNorm without upcast: (x - mean)^2 over the channel dim
+    overflows float16 on the outlier channels.
+    """
+
+    def __init__(self, c: int = 16, blocks: int = 2):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*(NAFBlock(c) for _ in range(blocks)))
+        self.norm = ChannelsFirstLayerNorm(c)
+        self.out = nn.Conv2d(c, 3, 3, padding=1)
+        with torch.no_grad():
+            for ch in (2, 9):  # feature channels of a few hundred (restoration nets' large activations)
+                self.stem.bias[ch] = OUTLIER_SCALE if ch % 2 else -OUTLIER_SCALE
+            for m in self.modules():
+                if isinstance(m, ChannelsFirstLayerNorm):
+                    random_scale_(m.weight)
+                    random_shift_(m.bias)
+
+    def forward(self, x):
+        return x + self.out(self.norm(self.blocks(self.stem(x))))
+
+
+@seeded(119)
+def nafnet_fp16() -> nn.Module:
+    """NAFNet-style restoration net whose channels-first LayerNorms do not upcast, behind +-300 channels."""
+    return TinyNAFNet()
+
+
+def nafnet_fp16_inputs() -> tuple:
+    return (randn(2, 3, 16, 16, seed=119),)

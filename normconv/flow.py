@@ -33,6 +33,8 @@ from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
 from normconv.passes import fold_batchnorm, fold_scales, lift_layers, rotate as rotate_pass, swap_norm
 from normconv.passes import fold_weight_standardization as fold_ws
+from normconv.nn.modules import Float32Norm
+from normconv.passes.base import replace_module
 from normconv.report import OutputError, PassResult, Report, Site, Validation
 from normconv.verify import Inputs, argmax_agreement, compare, default_tolerance, other_shape, output_leaves, run
 
@@ -212,22 +214,56 @@ def _write(loaded: Loaded, model: nn.Module, output: str | None, in_place: bool,
 
 def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, rtol: float | None = None,
          output: str | None = None, in_place: bool = False, method: str = "auto",
-         bench: bool = False, keep_normconv: bool = False) -> tuple[Report, nn.Module]:
-    """``normconv fold``: BatchNorm folded into its neighbouring conv / linear, verified, then written."""
+         bench: bool = False, keep_normconv: bool = False,
+         dtype: torch.dtype | None = None) -> tuple[Report, nn.Module]:
+    """``normconv fold``: BatchNorm folded into its neighbouring conv / linear, verified, then written.
+    ``dtype`` (float16 / bfloat16): the model is folded in it; a half fold (that, or a half model) reports each
+    site's headroom measured in float32 and the folded weights' largest value in the dtype."""
     training = [p for p, m in loaded.model.named_modules() if m.training]
     if training and not eval_mode:
         where = "the model" if training[0] == "" else training[0]
         raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
                             f"so folding would change it; call .eval() first or pass --eval")
-    report, model = rewrite(loaded, _lifted(loaded.model) + [fold_ws.FOLD_WS, fold_batchnorm.FOLD],
-                            command=fold_batchnorm.NAME,
-                            exact=True, atol=atol,
-                            rtol=rtol, output=output, in_place=in_place, method=method, eval_mode=eval_mode,
-                            bench=bench, keep_normconv=keep_normconv)
+    half = dtype if dtype in (torch.float16, torch.bfloat16) else _half_dtype(loaded.model)
+    rooms, layers = _fold_headroom(loaded, half, method) if half is not None and not eval_mode else ([], {})
+    measured_on = loaded.require_inputs().to(torch.float32).describe() + " (float32)"
+    if half is not None and _half_dtype(loaded.model) is None:  # measured in float32, folded in the dtype
+        cast = loaded.model if loaded.disposable else copy.deepcopy(loaded.model)
+        loaded = dataclasses.replace(loaded, model=cast.to(half), inputs=loaded.require_inputs().to(half))
+    try:
+        report, model = rewrite(loaded, _lifted(loaded.model) + [fold_ws.FOLD_WS, fold_batchnorm.FOLD],
+                                command=fold_batchnorm.NAME, exact=True, atol=atol,
+                                rtol=rtol, output=output, in_place=in_place, method=method, eval_mode=eval_mode,
+                                bench=bench, keep_normconv=keep_normconv)
+    except VerificationError as exc:
+        if rooms and exc.report is not None:
+            exc.report.extra["headroom"] = _headroom_extra(rooms, half, measured_on)
+        raise
+    if rooms:
+        from normconv.graph.headroom import check_folded_weight
+
+        done = {s.target for s in report.sites if s.applied}
+        for h in rooms:  # the folded layer's weight, as written in the dtype
+            layer = layers.get(h.target)
+            if h.target in done and layer is not None and isinstance(getattr(model.get_submodule(layer), "weight",
+                                                                             None), torch.Tensor):
+                check_folded_weight(h, layer, model.get_submodule(layer).weight)
+        report.extra["headroom"] = _headroom_extra(rooms, half, measured_on)
     if not any(s.applied for s in report.sites):
         report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
                             else "the model has no BatchNorm; it is unchanged")
     return report, model
+
+
+def _fold_headroom(loaded: Loaded, half: torch.dtype, method: str) -> tuple[list, dict[str, str]]:
+    """Each site's headroom in ``half``, measured on the float32 model, and BatchNorm -> the layer it folds into."""
+    from normconv.graph.headroom import measure
+
+    wide = loaded.model if _half_dtype(loaded.model) is None else copy.deepcopy(loaded.model).float()
+    cap = capture(wide, loaded.require_inputs().to(torch.float32), method)
+    norms = find_norms(cap)
+    layers = {d.site.target: d.layer for d in fold_batchnorm.analyze(cap, norms) if d.applied and d.layer}
+    return measure(cap, norms, half), layers
 
 
 def _lifted(model: nn.Module) -> list[PassFn]:
@@ -238,8 +274,14 @@ def _lifted(model: nn.Module) -> list[PassFn]:
 
 def canonicalize(loaded: Loaded, *, atol: float | None = None, rtol: float | None = None, output: str | None = None,
                  in_place: bool = False, method: str = "auto", bench: bool = False,
-                 keep_normconv: bool = False) -> tuple[Report, nn.Module]:
-    """``normconv canonicalize``: hand-written norms replaced by native modules, verified, then written."""
+                 keep_normconv: bool = False, dtype: torch.dtype | None = None) -> tuple[Report, nn.Module]:
+    """``normconv canonicalize``: hand-written norms replaced by native modules, verified, then written.
+    A half model (``dtype`` float16 / bfloat16, or given in it) is verified against the half model as given and
+    against the float32 model (``_canonicalize_half``): both errors are reported, tolerances are the dtype's."""
+    half = dtype if dtype in (torch.float16, torch.bfloat16) else _half_dtype(loaded.model)
+    if half is not None:
+        return _canonicalize_half(loaded, half, atol=atol, rtol=rtol, output=output, in_place=in_place,
+                                  method=method, bench=bench, keep_normconv=keep_normconv)
     try:
         report, model = rewrite(loaded, [canonicalize_pass.CANONICALIZE], command=canonicalize_pass.NAME,
                                 exact=True, atol=atol, rtol=rtol, output=output, in_place=in_place, method=method,
@@ -249,6 +291,57 @@ def canonicalize(loaded: Loaded, *, atol: float | None = None, rtol: float | Non
             exc.report.notes.extend(_canonicalize_notes(exc.report, None))
         raise
     report.notes.extend(_canonicalize_notes(report, model))
+    return report, model
+
+
+def _canonicalize_half(loaded: Loaded, half: torch.dtype, *, atol: float | None, rtol: float | None,
+                       output: str | None, in_place: bool, method: str, bench: bool,
+                       keep_normconv: bool) -> tuple[Report, nn.Module]:
+    """canonicalize in ``half``, judged at every shape against the half model as given and the float32 model: a
+    check holds when either is within the dtype's tolerance (a hand-written norm without upcast overflows in fp16;
+    its native replacement then matches the float32 model, not the overflowing one). Both errors are reported."""
+    inputs = loaded.require_inputs()
+    if output is not None:
+        check_output_path(loaded, output, in_place)
+    if _half_dtype(loaded.model) is None:  # --dtype: the float32 model as given is the reference, its cast is run
+        model32, inputs32 = loaded.model, inputs
+        loaded = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).to(half), inputs=inputs.to(half))
+    else:  # given in half: its weights upcast
+        model32, inputs32 = copy.deepcopy(loaded.model).float(), inputs.to(torch.float32)
+    ref32, alt32 = run(model32, inputs32), other_shape(model32, inputs32)
+    atol, rtol = (default_tolerance(half)[0] if atol is None else atol), (default_tolerance(half)[1] if rtol is None
+                                                                         else rtol)
+    seen: dict[str, Any] = {}
+    report, model = rewrite(loaded, [canonicalize_pass.CANONICALIZE], command=canonicalize_pass.NAME, exact=False,
+                            atol=atol, rtol=rtol, method=method, bench=bench, write=False, outputs_seen=seen)
+    label = str(half).removeprefix("torch.")
+    vs32 = [compare(ref32, _cast_floats(seen["rewritten"], torch.float32), atol, rtol,
+                    label=f"torch {label} after canonicalize vs float32 model")]
+    if alt32 is not None:
+        alt_inputs, alt_ref = alt32
+        vs32.append(compare(alt_ref, _cast_floats(run(model, alt_inputs.to(half)), torch.float32), atol, rtol,
+                            label=f"torch {label} after canonicalize vs float32 model, second shape"))
+    given = compare(ref32, _cast_floats(seen["reference"], torch.float32), atol, rtol)
+    vs_half = report.validation
+    # each shape holds when within tolerance of the half model as given or of the float32 model; the other
+    # comparison is then information (drift), e.g. the half original overflows where the native norm does not
+    vs_half = [dataclasses.replace(v, label=v.label.replace("torch", f"torch {label} after canonicalize vs {label} "
+                                                                  f"model as given", 1)) for v in vs_half]
+    judged = []
+    for v, w in zip(vs_half, vs32):
+        judged.append(v if v.passed or not w.passed else dataclasses.replace(v, drift=True))
+        judged.append(w if w.passed or not v.passed else dataclasses.replace(w, drift=True))
+    report.validation = judged + vs_half[len(vs32):] + vs32[len(vs_half):]
+    report.extra["half_precision"] = {
+        "dtype": label, "error_vs_float32": {"given": given.max_abs_error, "canonicalized": vs32[0].max_abs_error},
+        "error_vs_given_half_model": vs_half[0].max_abs_error}
+    report.notes.extend(_canonicalize_notes(report, model))
+    failed = next((v for v in report.validation if not v.passed and not v.drift), None)
+    if failed is not None:
+        raise VerificationError(f"canonicalize: outputs differ beyond tolerance ({failed.label}: max abs error "
+                                f"{failed.max_abs_error:.3g}, atol {failed.atol:g}, rtol {failed.rtol:g}); nothing "
+                                f"written", report)
+    _write(loaded, model, output, in_place, loaded.require_inputs(), report, keep_normconv)
     return report, model
 
 
@@ -396,10 +489,17 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
 def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None = None, *, dynamic: bool = False,
            fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
-           skip_fusion: bool = False, method: str = "auto", dim_names: dict[str, str] | None = None) -> Report:
+           skip_fusion: bool = False, method: str = "auto", dim_names: dict[str, str] | None = None,
+           keep_fp32: str = "auto", dtype: torch.dtype | None = None) -> Report:
     """``normconv export``: the exact passes (canonicalize, fold) through ``apply_passes``, verified against the
-    original in torch, then ONNX with one fused op per norm, validated in onnxruntime (normconv.onnx.export)."""
+    original in torch, then ONNX with one fused op per norm, validated in onnxruntime (normconv.onnx.export).
+    ``dtype`` (float16 / bfloat16) exports a float32 model in that dtype, validated against the model as given; a
+    model given in half is validated against its float32 upcast. ``keep_fp32`` (auto | none | all) says which norm
+    sites run in float32 between Casts (auto: those the measured headroom says need it, ``headroom.precision``)."""
     from normconv.onnx import export as onnx_export
+
+    if keep_fp32 not in KEEP_FP32:
+        raise NormconvError(f"unknown --keep-fp32 {keep_fp32!r}; choose {', '.join(KEEP_FP32)}")
 
     opset = onnx_export.DEFAULT_OPSET if opset is None else opset
     out = onnx_export.check_args(output, target, opset)
@@ -408,23 +508,32 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, inputs, report)
     reference = run(loaded.model, inputs)
-    source, src_inputs, half = loaded.model, inputs, _half_dtype(loaded.model)
+    given_half = _half_dtype(loaded.model)
+    source, src_inputs, half = loaded.model, inputs, dtype if dtype in (torch.float16, torch.bfloat16) else given_half
     if half is not None:
-        # half precision: the passes run on a float32 copy and are verified against it; the half model is cast
+        # half precision: the passes run on the float32 model and are verified against it; the half model is cast
         # from the result (native norms keep float32 statistics) and validated against the float32 model
-        source, src_inputs = copy.deepcopy(loaded.model).float(), inputs.to(torch.float32)
-        reference32 = run(source, src_inputs)
-        half_torch = reference
+        if given_half is not None:  # given in half: its weights upcast are the float32 reference
+            source, src_inputs = copy.deepcopy(loaded.model).float(), inputs.to(torch.float32)
+            reference32, half_torch = run(source, src_inputs), reference
+        else:  # given in float32 (--dtype): the model itself is the reference, its half cast is what users run
+            reference32, inputs = reference, inputs.to(half)
+            half_torch = run(copy.deepcopy(loaded.model).to(half), inputs)
         reference = _cast_floats(reference32, half)
+    elif keep_fp32 != "auto":
+        raise NormconvError("--keep-fp32 chooses norm precisions in a half export: give --dtype float16 or bfloat16")
 
     # norm sites and the plan (the same analysis inspect shows), from the graph the passes capture first: the
     # eval-mode copy has the original's graph, so one capture serves the plan and the passes
     norms: list[NormSite] = []
+    wide: dict[str, str] = {}  # half export: site -> why it runs in float32 between Casts
 
     def plan_sites(cap: Captured) -> None:
         norms.extend(find_norms(cap))
-        report.sites.extend(onnx_export.plan(norms, target, opset, _plan_of(cap, norms, "canonicalize", canonicalize),
-                                             _plan_of(cap, norms, "fold", fold), skip_fusion))
+        canon, folds = _plan_of(cap, norms, "canonicalize", canonicalize), _plan_of(cap, norms, "fold", fold)
+        report.sites.extend(onnx_export.plan(norms, target, opset, canon, folds, skip_fusion))
+        if half is not None:
+            report.sites.extend(_precisions(cap, norms, half, keep_fp32, canon, folds, report, wide))
 
     # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
     passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_ws.FOLD_WS, fold),
@@ -456,7 +565,16 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
             raise VerificationError(f"export: {check.label} differs from the original beyond tolerance "
                                     f"(max abs error {check.max_abs_error:.3g}); nothing written", report)
     if half is not None:
-        prepared = copy.deepcopy(release(prepared)).to(half)
+        prepared32 = release(prepared)
+        prepared = copy.deepcopy(prepared32).to(half)
+        for path in wide:  # the site's module, float32 between two Casts (its output back in the half dtype)
+            try:
+                norm32 = copy.deepcopy(prepared32.get_submodule(path))
+            except AttributeError:
+                report.notes.append(f"{path}: no module left at that path after the passes; it runs in "
+                                    f"{str(half).removeprefix('torch.')}")
+                continue
+            replace_module(prepared, path, Float32Norm(norm32, torch.float32))
         prepared.eval()
         last = []  # the capture was of the float32 copy: the half model is exported afresh
         rewritten_half = run(prepared, inputs)
@@ -471,9 +589,11 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
                                label=f"torch {label} after normconv vs {label} model as given")
         report.validation.append(ours)  # the given half model's own error is information (extra), not a check
         report.extra["half_precision"] = {
-            "dtype": label, "reference": "float32 model (the given weights, upcast); ONNX validated against it",
+            "dtype": label, "reference": ("float32 model (the given half weights, upcast)" if given_half else
+                                          "float32 model as given") + "; ONNX validated against it",
             "error_vs_float32": {"given": plain.max_abs_error, "normconv": ours.max_abs_error},
-            "error_vs_given_half_model": ours_vs_half.max_abs_error}
+            "error_vs_given_half_model": ours_vs_half.max_abs_error,
+            "keep_fp32": keep_fp32, "float32_sites": sorted(wide)}
         if not ours.passed:
             raise VerificationError(f"export: {ours.label} beyond tolerance (max abs error "
                                     f"{ours.max_abs_error:.3g}); nothing written", report)
@@ -486,6 +606,41 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
                                   norms, target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
                                   rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
                                   exported=last[0].exported if last else None, dim_names=dim_names)
+
+
+KEEP_FP32 = ("auto", "none", "all")
+
+
+def _precisions(cap: Captured, norms: list[NormSite], half: torch.dtype, mode: str,
+                canon: dict[str, tuple[bool, str]] | None, folds: dict[str, tuple[bool, str]] | None,
+                report: Report, wide: dict[str, str]) -> list[Site]:
+    """Per norm site of a half export: float32 between Casts or the half dtype, and why (``--keep-fp32``), from the
+    headroom measured on the float32 copy ``cap``; fills ``wide`` (module path -> why) and the report's headroom."""
+    from normconv.graph.headroom import measure, precision
+
+    rooms = measure(cap, norms, half)
+    report.extra["headroom"] = _headroom_extra(rooms, half, cap.inputs.describe())
+    out = []
+    for s, h in zip(norms, rooms):
+        if s.kind == "batchnorm" and (folds or {}).get(s.target, (False, ""))[0]:
+            out.append(Site("export:precision", s.target, False, "folded into its neighbour: no norm op left"))
+            continue
+        decomposed = s.source == "handwritten" and not (canon or {}).get(s.target, (False, ""))[0]
+        keep, why = precision(h, decomposed, mode)
+        module = s.target in cap.modules and s.target != "" and (s.source != "handwritten" or s.target == s.owner)
+        if keep and not module:  # an inline / functional site has no module to run in float32
+            keep, why = False, (f"{str(half).removeprefix('torch.')}: written inline (node {s.node}), no module to "
+                                f"run in float32 (wanted: {why})")
+        if keep:
+            wide[s.target] = why
+        out.append(Site("export:precision", s.target, keep, why))
+    return out
+
+
+def _headroom_extra(rooms: list, dtype: torch.dtype, inputs: str) -> dict[str, Any]:
+    """The headroom block of a report's extra (inspect, export, fold)."""
+    return {"dtype": str(dtype).removeprefix("torch."), "inputs": inputs, "sites": [h.to_json() for h in rooms],
+            "without_headroom": [h.target for h in rooms if not h.ok]}
 
 
 def _half_dtype(model: nn.Module) -> torch.dtype | None:
@@ -567,11 +722,8 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
         if rooms is not None:
             entry["headroom"] = rooms[len(sites)].to_json()
         sites.append(entry)
-    extra_headroom = {} if rooms is None else {
-        "headroom": {"dtype": str(dtype).removeprefix("torch."),
-                     "inputs": (calibration or inputs).describe() + (" (calibration)" if calibration else ""),
-                     "sites": [h.to_json() for h in rooms],
-                     "without_headroom": [h.target for h in rooms if not h.ok]}}
+    extra_headroom = {} if rooms is None else {"headroom": _headroom_extra(
+        rooms, dtype, (calibration or inputs).describe() + (" (calibration)" if calibration else ""))}
     return Report(
         command="inspect", model=loaded.spec, sites=sites,
         extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),

@@ -7,6 +7,7 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
   normconv.nn.rmsnorm.RMSNorm           ->  nn.RMSNorm (same parameter, same state_dict key)
   normconv.nn.modules.Float32Norm       ->  GraphModule: norm(x.to(compute)).to(out)      (same keys: norm.*)
   normconv.nn.modules.ChannelShift      ->  GraphModule: (x.transpose(1, -1) + bias).transpose(1, -1)   (key: bias)
+  normconv.nn.modules.MovedDimNorm      ->  GraphModule: norm(x.movedim(dims, -1)).movedim(-1, dims)  (keys: norm.*)
   DeepNorm BranchScale / InputScale     ->  GraphModule hooks computing the same product
 
 ``keep_normconv=True`` (``--normconv-modules``) keeps normconv's faster eager modules; loading then needs normconv.
@@ -22,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.clone import clone_sharing_tensors, release
-from normconv.nn.modules import BranchScale, ChannelShift, Float32Norm, InputScale
+from normconv.nn.modules import BranchScale, ChannelShift, Float32Norm, InputScale, MovedDimNorm
 from normconv.nn.rmsnorm import RMSNorm as FastRMSNorm
 from normconv.verify import Inputs, run
 
@@ -50,6 +51,16 @@ class _Cast(nn.Module):
     def forward(self, x):
         y = self.norm(x.to(self.compute))
         return y.to(x.dtype) if self.out is None else y.to(self.out)
+
+
+class _Moved(nn.Module):
+    def __init__(self, norm: nn.Module, dims: tuple[int, ...]):
+        super().__init__()
+        self.norm, self.dims = norm, dims
+
+    def forward(self, x):  # no annotations: a traced GraphModule must pickle
+        last = tuple(range(-len(self.dims), 0))
+        return self.norm(x.movedim(self.dims, last)).movedim(last, self.dims)
 
 
 class _BranchHook(nn.Module):
@@ -138,6 +149,8 @@ def torch_only(model: nn.Module, inputs: Inputs | None) -> nn.Module:
             new = _graph_module(_Cast(m.norm, m.compute_dtype, m.out_dtype), "Float32Norm")
         elif isinstance(m, ChannelShift):
             new = _graph_module(_Shift(m.bias), "ChannelShift")
+        elif isinstance(m, MovedDimNorm):
+            new = _graph_module(_Moved(m.norm, m.dims), "MovedDimNorm")
         if new is not None:
             new.training = m.training
             for key in ("_forward_hooks", "_forward_pre_hooks"):

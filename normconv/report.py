@@ -170,6 +170,24 @@ def render_sites(sites: list[Site], title: str = "sites"):
     return table(title, ["pass", "target", "applied", "reason"], [[s.pass_name, s.target, s.applied, s.reason] for s in sites])
 
 
+def render_headroom(room: Mapping[str, Any]):
+    """The half-precision headroom table (``extra.headroom`` of inspect, fold and export)."""
+    def num(v, fmt: str = ".3g") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    dt = room["dtype"]
+    rows = [[h["target"], h["kind"], num(h["max_abs"]), num(h["max_square"]), num(h["max_stat"]),
+             num(h.get("max_out")), num(h["margin_log2"], ".1f"),
+             f"{h['eps']:g} -> {h['eps_in_dtype']:g}" if h["eps"] is not None else "-", num(h["folded_scale"]),
+             num(h.get("folded_weight")), num(h["error"]),
+             "ok" if h["ok"] else "NO: " + "; ".join(h["reasons"])] for h in room["sites"]]
+    missing = room["without_headroom"]
+    return table(f"{dt} headroom, measured in float32 on {room['inputs']}"
+                 + (f": {len(missing)} site(s) without it ({', '.join(missing)})" if missing else ""),
+                 ["target", "kind", "max |x|", "max square", "max stat", "max |y|", "margin 2^", "eps",
+                  "folded scale", "folded weight", f"site err {dt}", "headroom"], rows)
+
+
 def render_validation(v: Validation):
     if v.drift:
         rows = [[o.name, o.max_abs_error, o.max_rel_error, o.cosine, "drift"] for o in v.outputs]
@@ -195,6 +213,8 @@ def print_report(report: Report) -> None:
                                            f"{sum(not s.applied for s in report.sites)} skipped"))
     for v in report.validation:
         c.print(render_validation(v))
+    if report.extra.get("headroom"):
+        c.print(render_headroom(report.extra["headroom"]))
     for n in report.notes:
         c.print(f"note: {n}")
     if report.output:

@@ -5,6 +5,8 @@
   x * rsqrt(mean(x^2) + eps) * (1 + w)   (Gemma)        ->  make_rmsnorm(shape, eps, 1 + w)
   (x - running_mean) / sqrt(running_var + eps) * w + b  ->  nn.BatchNormNd(C, eps), eval, stats copied
   (x - mean_HW(x)) / sqrt(var_HW(x) + eps) * w + b      ->  nn.InstanceNormNd(C, eps, affine)
+  any of the first two over non-trailing dims D (NAFNet's channels-first LayerNorm2d: D = dim 1 of NCHW)
+                                                        ->  MovedDimNorm(native, D): native(x.movedim(D, -1)) moved back
 
 Every rewrite is an identity of the math, so the pass is exact. Two forms:
   module   a hand-written norm module (its whole forward is the norm): replaced in its parent, the user's
@@ -38,7 +40,7 @@ from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site
 from normconv.nn.rmsnorm import make_rmsnorm
 from normconv.verify import compare, default_tolerance, forward_guard, run
-from normconv.nn.modules import Float32Norm
+from normconv.nn.modules import Float32Norm, MovedDimNorm
 
 from .base import apply, replace_module, skip
 
@@ -76,7 +78,8 @@ def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) 
     if candidates:
         recorded = _record(cap, candidates)
         for d in candidates:
-            _check(d, recorded.get(d.site.target, []), recorded.get(("call", d.site.target)))
+            _check(d, recorded.get(d.site.target, []), recorded.get(("call", d.site.target)),
+                   cap.modules.get(d.site.target) if d.form == "module" else None)
     return decisions
 
 
@@ -106,8 +109,8 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
     # non-trailing normalized dims  =>  no native module normalizes them
     if site.kind in ("layernorm", "rmsnorm") and (site.dims is None or site.normalized_shape is None):
         return no("normalized dims or their sizes are unknown (dynamic shape)")
-    if site.kind in ("layernorm", "rmsnorm") and site.dims != tuple(range(-len(site.dims), 0)):
-        return no(f"normalizes non-trailing dims {list(site.dims)}: no native equivalent")
+    if site.kind in ("layernorm", "rmsnorm") and any(d >= 0 for d in site.dims):
+        return no(f"normalized dims {list(site.dims)} are not relative to the input's rank")
     if site.eps is None or not math.isfinite(site.eps) or site.eps < 0:
         return no(f"epsilon {site.eps} is not a finite non-negative number")
     x = cap.nodes[site.input]
@@ -138,7 +141,7 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
         f"functional {site.kind} in {site.owner or 'the root forward'} (so swap can replace a module)" \
         if modularize else f"inline subgraph ({len(site.nodes)} ops) in {site.owner or 'the root forward'}"
     reason = f"replace {where} by {what}"
-    renamed = _renamed_keys(site) if form == "module" else ""
+    renamed = _renamed_keys(site, module) if form == "module" else ""
     if renamed:
         reason += f"; state_dict keys {renamed}"
     return Decision(site, True, reason, form, module)
@@ -213,6 +216,11 @@ def _build(site: NormSite, t: dict[str, torch.Tensor | None], shape: tuple[int, 
         src = w if name == "weight" and w is not None else b if name == "bias" and b is not None else None
         if isinstance(src, nn.Parameter):
             p.requires_grad_(src.requires_grad)
+    moved = site.kind in ("layernorm", "rmsnorm") and site.dims != tuple(range(-len(site.dims), 0))
+    if moved:
+        # a norm over non-trailing dims (channels-first)  =>  the native norm on x.movedim(dims, trailing), moved back
+        mod = MovedDimNorm(mod, tuple(sorted(site.dims)))
+        notes.insert(0, f"over dims {list(mod.dims)}: moved last and back")
     if wide:
         out = None if out_dtype == in_dtype else out_dtype
         mod = Float32Norm(mod, dtype, out)
@@ -228,14 +236,16 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _renamed_keys(site: NormSite) -> str:
-    """Old -> new state_dict names of a module site (the native module's names replace the hand-written ones)."""
-    new_names = {"weight": "weight", "bias": "bias", "running_mean": "running_mean", "running_var": "running_var"}
+def _renamed_keys(site: NormSite, module: nn.Module) -> str:
+    """Old -> new state_dict names of a module site (the native module's names replace the hand-written ones; a
+    wrapper such as Float32Norm / MovedDimNorm puts them under ``norm.``)."""
+    keys = {k.rsplit(".", 1)[-1]: k for k in module.state_dict()}
     pairs = []
-    for role in new_names:
+    for role in ("weight", "bias", "running_mean", "running_var"):
         old = getattr(site, role)
-        if old and old.rsplit(".", 1)[-1] != new_names[role]:
-            pairs.append((old, f"{site.target}.{new_names[role]}"))
+        new = f"{site.target}.{keys.get(role, role)}"
+        if old and old != new:
+            pairs.append((old, new))
     if not pairs:
         return ""
     return ", ".join(f"{a} -> {b}" for a, b in pairs)
@@ -322,8 +332,11 @@ def _detach(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None) -> None:
-    """Run the replacement on each recorded input; refuse the site unless it reproduces the recorded output."""
+def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
+           original: nn.Module | None = None) -> None:
+    """Run the replacement on each recorded input; refuse the site unless it reproduces the recorded output, or, on
+    half-precision data, the hand-written module's own float32 computation better than the recorded output does
+    (``original``: that module; a norm without upcast overflows in fp16 where the native one does not)."""
     def refuse(reason: str) -> None:
         d.applied, d.reason, d.module = False, reason, None
 
@@ -344,10 +357,32 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None) 
             return refuse(f"the native replacement returns {_dt(got.dtype)} where the norm returns {_dt(y.dtype)}")
         atol, rtol = default_tolerance(y.dtype)
         v = compare(y, got, atol, rtol)
+        wide = _float32_form(original, x, y) if not v.passed else None
+        if wide is not None:
+            # half norm that loses its statistics (x^2 overflows)  =>  judged by its float32 computation
+            ours, theirs = compare(wide, got.float(), atol, rtol), compare(wide, y.float(), atol, rtol)
+            if ours.passed and not theirs.passed:
+                if "float32 computation" not in d.reason:  # said once, for the first call that needs it
+                    d.reason += (f"; in {_dt(y.dtype)} it differs from the hand-written norm by "
+                                 f"{v.max_abs_error:.3g}, which is {theirs.max_abs_error:.3g} off the norm's own "
+                                 f"float32 computation (the replacement: {ours.max_abs_error:.3g})")
+                continue
         if not v.passed:
             return refuse(f"the native replacement differs from the norm on the recorded input "
                           f"(max abs error {v.max_abs_error:.3g}, atol {atol:g})")
     return None
+
+
+def _float32_form(original: nn.Module | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """The hand-written module run in float32 on ``x`` (None unless ``x`` / ``y`` are half and it runs)."""
+    if original is None or x.dtype not in _HALF or y.dtype not in _HALF:
+        return None
+    try:
+        with torch.no_grad():
+            out = copy.deepcopy(original).float()(x.float())
+    except Exception:  # a module that does not run in float32 on its own: judged in its dtype only
+        return None
+    return out if isinstance(out, torch.Tensor) and out.shape == y.shape else None
 
 
 # ---------------------------------------------------------------------------------------------------------

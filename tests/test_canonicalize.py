@@ -301,6 +301,61 @@ class ChannelsFirstLN(nn.Module):  # ConvNeXt-style LN over dim 1
         return self.w[:, None, None] * ((x - u) / torch.sqrt(v + 1e-6)) + self.b[:, None, None]
 
 
+class ChannelsFirstRMS(nn.Module):  # RMSNorm over the channels of (N, C, L), no upcast
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * self.weight[:, None]
+
+
+class TwoDimsLN(nn.Module):  # LayerNorm over (C, H) of (N, C, H, W), weight (C, H, 1)
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(8, 5, 1) + 0.5)
+
+    def forward(self, x):
+        u = x.mean((1, 2), keepdim=True)
+        v = x.var((1, 2), keepdim=True, unbiased=False)
+        return (x - u) / torch.sqrt(v + 1e-5) * self.weight
+
+
+@pytest.mark.parametrize("model,x,x2,dims,native", [
+    (ChannelsFirstLN(), torch.randn(2, 8, 5, 5), torch.randn(1, 8, 7, 3), (-3,), nn.LayerNorm),
+    (ChannelsFirstRMS(), torch.randn(2, 8, 7), torch.randn(3, 8, 4), (-2,), nn.RMSNorm),
+    (TwoDimsLN(), torch.randn(2, 8, 5, 6), torch.randn(1, 8, 5, 2), (-3, -2), nn.LayerNorm),
+])
+def test_norm_over_non_trailing_dims_becomes_a_native_norm_on_moved_dims(tmp_path, model, x, x2, dims, native):
+    """NAFNet / ConvNeXt channels-first norms: the native norm on x.movedim(dims, -1), moved back; exact at another
+    shape, and exported as one fused norm op between two Transposes."""
+    from normconv.api import export
+    from normconv.nn.modules import MovedDimNorm
+
+    model = model.eval()
+    new, report = canonicalize(model, Inputs((x,)))
+    assert [s.applied for s in report.sites if s.pass_name == "canonicalize"] == [True]
+    moved = [m for m in new.modules() if isinstance(m, MovedDimNorm)]
+    assert len(moved) == 1 and moved[0].dims == dims and isinstance(moved[0].norm, native)
+    with torch.no_grad():
+        assert (new(x2) - model(x2)).abs().max() < 1e-5
+    onnx_report = export(model, (x,), tmp_path / "m.onnx", repeats=0)
+    assert onnx_report.passed and sum(onnx_report.extra["fused_norm_ops"].values()) == 1
+    assert onnx_report.after.get("Transpose") == 2 and "ReduceMean" not in onnx_report.after
+
+
+def test_moved_dim_norm_is_written_in_torch_only_form(cli, tmp_path):
+    from normconv.outputs import normconv_parts
+
+    out = tmp_path / "naf.pt"
+    code, _, err = cli("canonicalize", "zoo:nafnet_fp16", "-o", str(out))
+    assert code == 0, err
+    model, inputs = zoo_case("nafnet_fp16")
+    loaded = torch.load(out, weights_only=False)
+    assert normconv_parts(loaded) == []
+    assert compare(run(model, inputs), run(loaded, inputs), 1e-5, 1e-5).passed
+
+
 class EpsOutsideSqrt(nn.Module):
     def __init__(self):
         super().__init__()
@@ -334,7 +389,6 @@ class KeywordCall(nn.Module):
 
 @pytest.mark.parametrize("model,x,why", [
     (StatReused(), torch.randn(2, 4, 16), "intermediate value of the norm is used outside it"),
-    (ChannelsFirstLN(), torch.randn(2, 8, 5, 5), "non-trailing dims [-3]"),
     (TiedScale(), torch.randn(2, 4, 16), "is shared with other.scale"),
     (KeywordCall(), torch.randn(2, 4, 16), "called with 0 positional and 1 keyword"),
 ])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import normconv.models as zoo
 from normconv.models import ZOO, get
-from normconv.models.halfprec import NoUpcastLayerNorm, NoUpcastRMSNorm
+from normconv.models.halfprec import ChannelsFirstLayerNorm, NoUpcastLayerNorm, NoUpcastRMSNorm
 from normconv.models.handwritten import BatchNorm, GemmaRMSNorm, LayerNorm, LlamaRMSNorm, RMSNorm, T5LayerNorm
 
 NAMES = list(ZOO)
@@ -34,6 +34,7 @@ HANDWRITTEN_KINDS = {
     GemmaRMSNorm: "rmsnorm",
     NoUpcastRMSNorm: "rmsnorm",
     NoUpcastLayerNorm: "layernorm",
+    ChannelsFirstLayerNorm: "layernorm",
 }
 FUNCTIONAL_KINDS = {
     F.batch_norm: "batchnorm",
@@ -57,7 +58,7 @@ def _run(model: nn.Module, inputs: tuple) -> torch.Tensor:
 def test_zoo_names_and_order():
     assert NAMES == ["resnet", "mobilenet", "conv1d", "conv3d", "deconv", "mlp", "bert", "gpt", "llama", "unet",
                      "seq2seq", "tutorial_bn", "tutorial_ln", "tutorial_rms", "inline_norm", "hf_style_norms",
-                     "fp16_overflow"]
+                     "fp16_overflow", "fp16_raw_features", "nafnet_fp16"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -11,6 +11,7 @@ import sys
 import traceback
 from typing import Annotated, Callable, Optional
 
+import torch
 import typer
 
 from normconv.errors import EXIT_BAD_INPUT, NormconvError, VerificationError
@@ -53,6 +54,17 @@ def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[li
     return loaded
 
 
+def load_half_target(model: str, weights: Optional[str], input_shape: Optional[list[str]], trust_pickle: bool,
+                     dtype: Optional[str], trust_remote_code: bool = False) -> tuple[Loaded, Optional[torch.dtype]]:
+    """``--dtype float16 / bfloat16`` names the target of a half-precision command: the model loads as given (its
+    float32 form is the reference the command measures and verifies against) and the half dtype comes back; any
+    other ``--dtype`` casts at load as usual."""
+    from normconv.graph.headroom import HALF_DTYPES
+
+    half = HALF_DTYPES.get((dtype or "").lower())
+    return load_from_flags(model, weights, input_shape, trust_pickle, None if half else dtype, trust_remote_code), half
+
+
 def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = print_report) -> None:
     if as_json:
         print_json(report)
@@ -93,4 +105,5 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "load_from_flags", "fail"]
+__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "load_from_flags",
+           "load_half_target", "fail"]

@@ -7,10 +7,10 @@ from typing import Annotated, Optional
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
-                                 emit, load_from_flags, user_errors)
+                                 emit, load_half_target, user_errors)
 from normconv.errors import NormconvError
 from normconv.onnx.export import DEFAULT_OPSET
-from normconv.report import Report, console, render_sites, render_validation, table
+from normconv.report import Report, console, render_headroom, render_sites, render_validation, table
 
 
 def register(app: typer.Typer) -> None:
@@ -39,6 +39,10 @@ def register(app: typer.Typer) -> None:
         dim_name: Annotated[Optional[list[str]], typer.Option(
             "--dim-name", help="with --dynamic: your name for a dynamic dimension, e.g. batch=N or sequence=T "
                                "(repeatable; defaults batch, sequence, decoder_sequence)")] = None,
+        keep_fp32: Annotated[str, typer.Option(
+            "--keep-fp32", help="with --dtype float16/bfloat16: which norm sites run in float32 between Casts: auto "
+                                "(those whose measured headroom needs it, e.g. a running var beyond float16's "
+                                "range), none, all")] = "auto",
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
         weights: WeightsOpt = None,
@@ -62,11 +66,11 @@ def register(app: typer.Typer) -> None:
                                     f"decoder_sequence=NAME with NAME an identifier")
             dim_names[key] = value
         check_args(output, target, opset)  # bad flags fail before loading the model
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
+        loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report = flow.export(loaded, output, target, opset, dynamic=dynamic, fold=not no_fold,
                              canonicalize=not no_canonicalize, validate=providers, atol=atol, rtol=rtol,
                              baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
-                             dim_names=dim_names)
+                             dim_names=dim_names, keep_fp32=keep_fp32, dtype=half)
         emit(report, as_json, print_export)
 
 
@@ -93,6 +97,8 @@ def print_export(report: Report) -> None:
     if rows:
         c.print(table("onnxruntime", ["provider", "optimizations", "max abs err", "smallest atol", "smallest rtol",
                                       "latency ms", "plain export ms"], rows))
+    if ex.get("headroom"):
+        c.print(render_headroom(ex["headroom"]))
     c.print(f"checker: {ex.get('checker')}; dynamic axes: {ex.get('dynamic_axes') or 'none'}")
     for n in report.notes:
         c.print(f"note: {n}")

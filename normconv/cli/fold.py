@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
+                         TrustOpt, WeightsOpt, emit, load_half_target, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
     "--eval", help="rewrite a model saved in training mode as its eval-mode self (BN then uses its running statistics)")]
@@ -35,7 +35,8 @@ def register(app: typer.Typer) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
         from normconv import flow
 
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
+        # a half --dtype: headroom is measured on the model as loaded (float32), then it is cast and folded
+        loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.fold(loaded, eval_mode=eval_mode, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                              bench=bench, keep_normconv=normconv_modules)
+                              bench=bench, keep_normconv=normconv_modules, dtype=half)
         emit(report, as_json)

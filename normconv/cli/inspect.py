@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
-                                 load_from_flags, user_errors)
+                                 load_half_target, user_errors)
 from normconv.errors import NormconvError
-from normconv.report import Report, console, table
+from normconv.report import Report, console, render_headroom, table
 
 CAPTURES = ("auto", "symbolic_trace", "torch.export")
 
@@ -38,12 +38,10 @@ def register(app: typer.Typer) -> None:
 
         if capture not in CAPTURES:
             raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")
-        target = HALF_DTYPES.get((dtype or "").lower())
-        if calibration is not None and target is None:
+        if calibration is not None and (dtype or "").lower() not in HALF_DTYPES:
             raise NormconvError("--calibration measures half-precision headroom: give --dtype float16 or bfloat16")
         # a half --dtype is the target of the headroom report: the model is measured in float32, not cast
-        loaded = load_from_flags(model, weights, input_shape, trust_pickle, None if target else dtype,
-                                 trust_remote_code)
+        loaded, target = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         calib = load_calibration(calibration, loaded.model) if calibration else None
         emit(flow.inspect(loaded, capture, target, calib), as_json, print_inspect)
 
@@ -66,19 +64,8 @@ def print_inspect(report: Report) -> None:
         for p in s["plan"]:
             plan_rows.append([s["target"], p["pass"], "apply" if p["applied"] else "skip", p["reason"]])
     c.print(table("plan", ["target", "pass", "would", "why"], plan_rows))
-    room = ex.get("headroom")
-    if room:
-        dt = room["dtype"]
-        rows = [[h["target"], h["kind"], _num(h["max_abs"]), _num(h["max_square"]), _num(h["max_stat"]),
-                 _num(h["margin_log2"], ".1f"), f"{h['eps']:g} -> {h['eps_in_dtype']:g}" if h["eps"] is not None
-                 else "-", _num(h["folded_scale"]), _num(h["error"]), "ok" if h["ok"] else "NO: " + "; ".join(
-                     h["reasons"])] for h in room["sites"]]
-        c.print(table(f"{dt} headroom, measured in float32 on {room['inputs']}",
-                      ["target", "kind", "max |x|", "max square", "max stat", "margin 2^", "eps", "folded scale",
-                       f"site err {dt}", "headroom"], rows))
-        if room["without_headroom"]:
-            c.print(f"{len(room['without_headroom'])} site(s) without {dt} headroom: "
-                    f"{', '.join(room['without_headroom'])}")
+    if ex.get("headroom"):
+        c.print(render_headroom(ex["headroom"]))
     ws = ex.get("weight_standardizations", [])
     if ws:
         c.print(table(f"weight standardization: {len(ws)} (a parameter normalized, not an activation norm)",
@@ -88,10 +75,6 @@ def print_inspect(report: Report) -> None:
     if misses:
         c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],
                       [[m["target"], m["computes"], m["reason"]] for m in misses]))
-
-
-def _num(v, fmt: str = ".3g") -> str:
-    return "-" if v is None else format(v, fmt)
 
 
 def _shape(s: dict) -> str:

@@ -27,6 +27,21 @@ class Float32Norm(nn.Module):
         return y.to(x.dtype if self.out_dtype is None else self.out_dtype)
 
 
+class MovedDimNorm(nn.Module):
+    """A native norm over dims that are not the trailing ones (NAFNet's / ConvNeXt's LayerNorm2d normalizes dim 1 of
+    (N, C, H, W)): ``norm(x.movedim(dims, trailing)).movedim(trailing, dims)``, the same statistics per position.
+    It exports as one LayerNormalization (RMSNorm op) between two Transposes."""
+
+    def __init__(self, norm: nn.Module, dims: tuple[int, ...]):
+        super().__init__()
+        self.norm = norm
+        self.dims = tuple(dims)  # negative, in order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = tuple(range(-len(self.dims), 0))
+        return self.norm(x.movedim(self.dims, last)).movedim(last, self.dims)
+
+
 # DeepNorm hooks: torch.save(model) keeps them with the modules they are registered on
 
 
