@@ -410,7 +410,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     inputs = loaded.require_inputs()
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, inputs, report)
-    reference = run(loaded.model, inputs)
+    # the load's check forward when no mask was added (the same inputs), else one forward now
+    reference = loaded.checked_output() if inputs is loaded.inputs else run(loaded.model, inputs)
     source, src_inputs, half = loaded.model, inputs, _half_dtype(loaded.model)
     if half is not None:
         # half precision: the passes run on a float32 copy and are verified against it; the half model is cast
@@ -437,7 +438,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     try:
         with onnx_export._quiet():
             prepared, pass_sites = apply_passes(source, src_inputs, passes, method, eval_mode=True,
-                                                on_first_capture=plan_sites, last_capture=last)
+                                                on_first_capture=plan_sites, last_capture=last,
+                                                reference=reference32 if half is not None else reference)
     except NormconvError as exc:
         if norms or "cannot capture" not in str(exc):
             raise
