@@ -4,10 +4,10 @@
    no BN at all (BN -> Identity: the physical limit of folding) vs torch.fx.experimental.optimization.fuse.
 2. A BN with no foldable neighbour: torch's eval BatchNorm kernel vs a per-channel scale and shift
    (x * s + t, and torch.addcmul): decides whether the fold pass rewrites such a BN (it does not).
-3. Pass running time vs model size (chains of 10..1000+ conv-BN-ReLU blocks): normconv (capture + analysis +
-   fold) against fuse.
+3. Pass running time vs model size (chains of 10 -> 3000 conv-BN-ReLU blocks; ``--ladder`` runs only this): the fold
+   pass alone, ``normconv.fold`` end to end (with its verification), fuse alone, and fuse + one eager forward.
 
-    python benchmarks/bench_fold.py [--quick] [--out benchmarks/results/fold.md]
+    python benchmarks/bench_fold.py [--quick] [--ladder] [--threads N] [--out benchmarks/results/fold.md]
 
 Timings interleave the variants round by round and report medians, so ratios are comparable within a run.
 """
@@ -38,7 +38,7 @@ from normconv.models import get  # noqa: E402
 from normconv.models.cnn import BasicBlock, Decoder  # noqa: E402
 from normconv.api import fold  # noqa: E402
 from normconv.passes.fold_batchnorm import FOLD  # noqa: E402
-from normconv.flow import apply_passes  # noqa: E402
+from normconv.clone import clone_sharing_tensors  # noqa: E402
 from normconv.verify import Inputs  # noqa: E402
 
 
@@ -213,69 +213,119 @@ def bench_lone_bn(quick: bool, lines: list[str]) -> None:
     lines.append("")
 
 
+LADDER = (10, 30, 100, 300, 1000, 3000)
+
+
 def bench_pass_time(quick: bool, lines: list[str]) -> None:
-    sizes = (10, 50, 200) if quick else (10, 100, 300, 1000, 1500)
-    lines += ["## Pass running time vs model size (conv3x3-BN-ReLU blocks, 8 channels, input (1,8,8,8))", "",
-              "normconv end to end = deep copy + capture (symbolic_trace, shape propagation, eager check) + analysis "
-              "+ fold; analysis+fold = the pass on a given capture; fuse = torch.fx.experimental.optimization.fuse.",
-              "", "| blocks | normconv end to end s | analysis+fold s | fuse s | end to end / fuse | "
-              "per block ms (end to end) |", "|---|---|---|---|---|---|"]
+    """The ladder: per-block time of normconv's fold against torch.fx.experimental.optimization.fuse, interleaved."""
     from torch.fx.experimental.optimization import fuse
 
+    sizes = LADDER[:3] if quick else LADDER
+    lines += ["## Pass running time vs model size (conv3x3-BN-ReLU blocks, 8 channels, input (1,8,8,8))", "",
+              "Per block, in ms (CPU time of the process / blocks; torch at "
+              f"{torch.get_num_threads()} thread(s)), each size's variants interleaved round by round, best round "
+              "kept. "
+              "pass = the fold pass on a given capture (analysis + fold); fold = the documented "
+              "`normconv.fold(model, x)` end to end (copy of the module tree, capture with its trust check, pass, "
+              "verification against the original at the example shape and at a second shape: "
+              f"{FOLD_FORWARDS} model forwards in all, counted below); fuse = "
+              "`torch.fx.experimental.optimization.fuse(model)` (deep copy, trace, fuse; checks nothing); "
+              "fuse + check = fuse and one eager forward of the fused model (the least a check costs).", "",
+              "| blocks | rounds | pass | fold | fuse | fuse + check | fold / (fuse + check) | pass / fuse | "
+              "fold forwards |", "|---|---|---|---|---|---|---|---|---|"]
     for n in sizes:
         model = _randomize(Chain(n))
-        inputs = Inputs((torch.randn(1, 8, 8, 8),))
-        reps = 1 if n >= 1000 else 3
+        x = torch.randn(1, 8, 8, 8)
+        inputs = Inputs((x,))
+        rounds = 3 if n <= 300 else 2
 
-        def ours():
-            return apply_passes(model, inputs, [FOLD])
-
-        def pass_only():
-            m = copy.deepcopy(model)
+        def pass_only() -> float:
+            m = clone_sharing_tensors(model)
             cap = capture(m, inputs)
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             FOLD(m, cap)
-            return time.perf_counter() - t0
+            return time.process_time() - t0
 
-        t_ours = min(_time(ours) for _ in range(reps))
-        t_pass = min(pass_only() for _ in range(reps))
-        t_fuse = min(_time(lambda: fuse(model)) for _ in range(reps))
-        folded, _ = ours()
-        assert sum(isinstance(m, nn.BatchNorm2d) for m in folded.modules()) == 0
-        lines.append(f"| {n} | {t_ours:.3f} | {t_pass:.3f} | {t_fuse:.3f} | {t_ours / t_fuse:.2f}x | "
-                     f"{t_ours / n * 1e3:.2f} |")
+        def fuse_check() -> None:
+            fused = fuse(model)
+            with torch.no_grad():
+                fused(x)
+
+        variants = {"pass": pass_only, "fold": lambda: _time(lambda: fold(model, x)),
+                    "fuse": lambda: _time(lambda: fuse(model)), "fuse + check": lambda: _time(fuse_check)}
+        best = {k: float("inf") for k in variants}
+        for _ in range(rounds):
+            for k, f in variants.items():
+                best[k] = min(best[k], f())
+        result = []
+        forwards = _count_forwards(lambda: result.append(fold(model, x))) / n
+        folded, report = result[0]
+        assert sum(isinstance(m, nn.BatchNorm2d) for m in folded.modules()) == 0 and report.validation
+        per = {k: v / n * 1e3 for k, v in best.items()}
+        lines.append(f"| {n} | {rounds} | {per['pass']:.3f} | {per['fold']:.3f} | {per['fuse']:.3f} | "
+                     f"{per['fuse + check']:.3f} | {best['fold'] / best['fuse + check']:.2f}x | "
+                     f"{best['pass'] / best['fuse']:.2f}x | {forwards:g} |")
         print(lines[-1], file=sys.stderr)
     lines.append("")
 
 
+FOLD_FORWARDS = "five"  # original at two shapes, the traced graph once (shapes + trust check), the result at two
+
+
+def _count_forwards(fn) -> int:
+    """How many Conv2d forwards ``fn`` runs (per block: how many times it runs the model)."""
+    calls = [0]
+    original = nn.Conv2d._conv_forward
+
+    def counting(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+
+    nn.Conv2d._conv_forward = counting
+    try:
+        fn()
+    finally:
+        nn.Conv2d._conv_forward = original
+    return calls[0]
+
+
 def _time(fn) -> float:
-    t0 = time.perf_counter()
+    """CPU seconds of ``fn`` (this process): on a shared machine wall time also counts other people's jobs."""
+    t0 = time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes and few rounds (proves the script runs)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fold.md"))
+    ap.add_argument("--ladder", action="store_true", help="only the pass-time ladder (10 -> 3000 blocks) vs fuse")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: up to 2)")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/fold.md (fold_ladder.md with --ladder)")
     a = ap.parse_args()
-    cmd = "python benchmarks/bench_fold.py" + (" --quick" if a.quick else "")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    a.out = a.out or str(Path(__file__).parent / "results" / ("fold_ladder.md" if a.ladder else "fold.md"))
+    cmd = "python benchmarks/bench_fold.py" + (" --quick" if a.quick else "") + (" --ladder" if a.ladder else "") + \
+        (f" --threads {a.threads}" if a.threads else "")
     lines = ["# normconv fold: benchmark", "",
              f"Command: `{cmd}`  ", f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch "
              f"{torch.__version__}, {torch.get_num_threads()} threads, flush-denormal on, "
              f"load average {os.getloadavg()[0]:.1f} at start" + (" (QUICK run: few rounds, noisy)" if a.quick else ""),
              ""]
-    bench_inference(a.quick, lines)
-    bench_lone_bn(a.quick, lines)
+    if not a.ladder:
+        bench_inference(a.quick, lines)
+        bench_lone_bn(a.quick, lines)
     bench_pass_time(a.quick, lines)
-    lines += ["## Reading", "",
+    lines += ["## Reading", ""] + ([] if a.ladder else [
               "- fold vs no-BN is the target ratio (<= 1.02 means folding reached the physical limit). In ORT the "
               "unfolded model is already folded by the exporter / ORT's Conv+BN fusion, so ORT ratios near 1.0 are "
               "expected for conv models; folding matters there for ConvTranspose+BN and Linear+BN1d.",
               "- A lone BN stays a BatchNorm: torch's eval BN kernel is one pass over the data, and x*s+t / addcmul "
-              "are not faster on large inputs (ratios > 1 above); the pass therefore leaves it alone.",
-              "- analysis+fold is the pass itself; end to end adds normconv's capture, which runs the model to "
-              "propagate shapes and to check the traced graph against eager (fuse does neither).", ""]
+              "are not faster on large inputs (ratios > 1 above); the pass therefore leaves it alone."]) + [
+              "- pass is the fold itself; fold adds normconv's copy, capture and verification: the model runs "
+              "once as a traced graph (shapes, and the trust check against the original's output), and original "
+              "and result each run at the example shape and a second shape. fuse does none of it.", ""]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {a.out}", file=sys.stderr)

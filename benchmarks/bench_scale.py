@@ -13,6 +13,7 @@ run interleaved, round after round, and each keeps its best of ``--rounds``, so 
     export         normconv export FOLDER -o out.onnx
 
     python benchmarks/bench_scale.py [--sizes 124m,355m] [--rounds 2] [--out benchmarks/results/scale.md]
+                                     [--before COMMIT]   (each normconv case also as COMMIT's code, interleaved)
 """
 
 from __future__ import annotations
@@ -71,7 +72,22 @@ def build(size: str, cache: Path) -> Path:
     return folder
 
 
-def commands(folder: Path, work: Path, only: set[str] | None, extra: list[str]) -> dict[str, list[str]]:
+def before_tree(commit: str, cache: Path) -> Path:
+    """normconv as of ``commit`` (git archive), importable from its root with PYTHONPATH alone: the package maps
+    normconv.passes / normconv.models to top-level folders, so link them into place as the editable install does."""
+    root = cache / f"normconv-{commit}"
+    if not (root / "normconv" / "passes").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+        for sub in ("passes", "models"):
+            (root / "normconv" / sub).symlink_to(root / sub, target_is_directory=True)
+    return root
+
+
+def commands(folder: Path, work: Path, only: set[str] | None, extra: list[str],
+             before: Path | None = None) -> dict[str, list[str]]:
     nc = [PY, "-m", "normconv.cli"]
     cmds = {
         "floor": [PY, "-c", FLOOR, str(folder), str(work / "floor")],
@@ -82,14 +98,20 @@ def commands(folder: Path, work: Path, only: set[str] | None, extra: list[str]) 
         "plain-export": [PY, "-c", PLAIN_EXPORT, str(folder), str(work / "plain.onnx")],
         "export": nc + ["export", str(folder), "-o", str(work / "out.onnx")] + extra,
     }
-    return {k: v for k, v in cmds.items() if only is None or k in only}
+    cmds = {k: v for k, v in cmds.items() if only is None or k in only}
+    if before is not None:  # the same normconv commands run by the older code, interleaved with these
+        cmds = {**cmds, **{f"{k} (before)": [f"PYTHONPATH={before}"] + v for k, v in cmds.items()
+                           if v[:3] == nc}}
+    return cmds
 
 
 def measure(cmd: list[str], work: Path) -> dict:
     """Wall seconds and the child's own peak RSS (bytes) of one subprocess run."""
     for p in work.iterdir():  # every run writes into an empty folder
         shutil.rmtree(p) if p.is_dir() else p.unlink()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    path = cmd[0].removeprefix("PYTHONPATH=") if cmd[0].startswith("PYTHONPATH=") else str(ROOT)
+    cmd = cmd[1:] if cmd[0].startswith("PYTHONPATH=") else cmd
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=path)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out = proc.stdout.read()
@@ -109,6 +131,7 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "normconv_bench_scale"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/scale.md"))
     ap.add_argument("--label", default="")
+    ap.add_argument("--before", default=None, help="a commit: also run its normconv, interleaved (before / after)")
     args = ap.parse_args()
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -119,7 +142,8 @@ def main() -> None:
         weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         with tempfile.TemporaryDirectory(dir=str(cache)) as w:
             work = Path(w)
-            cmds = commands(folder, work, only, args.extra.split())
+            cmds = commands(folder, work, only, args.extra.split(),
+                            before_tree(args.before, cache) if args.before else None)
             runs: dict[str, list[dict]] = {k: [] for k in cmds}
             for r in range(args.rounds):  # interleaved: every case once per round
                 for name, cmd in cmds.items():
@@ -133,7 +157,7 @@ def main() -> None:
                     "rc": max(x["rc"] for x in v)} for k, v in runs.items()}
         raw[size] = {"weights_bytes": weight_bytes, "runs": runs, "best": best}
         for name, b in best.items():
-            floor = best["plain-export" if name in ("export", "plain-export") else "floor"]
+            floor = best["plain-export" if name.split(" ")[0] in ("export", "plain-export") else "floor"]
             rows.append(f"| {size} | {name} | {b['rc']} | {b['wall_s']:.1f} | {b['rss'] / 2**30:.2f} | "
                         f"{b['wall_s'] / floor['wall_s']:.2f}x | {b['rss'] / floor['rss']:.2f}x |")
     load = os.getloadavg()

@@ -60,8 +60,9 @@ def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5
     """Parameter count and module counts by family; with ``inputs``, the median latency (ms) of one eager forward
     (opt-in, ``--bench``: it costs 2 x (repeats + 1) extra forwards)."""
     stats: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
+    classes = collections.Counter(type(m) for m in model.modules())  # one walk; families judged per class
     for name, types in _COUNTED:
-        stats[f"{name} modules"] = sum(isinstance(m, types) for m in model.modules())
+        stats[f"{name} modules"] = sum(k for cls, k in classes.items() if issubclass(cls, types))
     if inputs is not None:
         times = []
         run(model, inputs)  # warm-up
@@ -76,7 +77,8 @@ def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5
 def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], method: str = "auto",
                  eval_mode: bool = False,
                  on_first_capture: Callable[[Captured], None] | None = None,
-                 last_capture: list[Captured] | None = None, writable: bool = False) -> tuple[nn.Module, list[Site]]:
+                 last_capture: list[Captured] | None = None, writable: bool = False,
+                 reference: Any = None) -> tuple[nn.Module, list[Site]]:
     """Run passes in order on a tensor-sharing copy of ``model``, capturing the graph before the first and again
     after each pass that modified the model (a pass that changed nothing leaves the last capture valid).
 
@@ -84,7 +86,9 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
     capture (the unmodified model's graph: export plans from it instead of capturing once more; it is made even
     with no pass). ``last_capture`` receives the capture still valid for the returned model, if there is one
     (export hands its ExportedProgram to the ONNX exporter). ``writable``: passes write ``model``'s own tensors
-    (``clone_sharing_tensors``; a disposable model only). Returns (rewritten model, sites)."""
+    (``clone_sharing_tensors``; a disposable model only). ``reference``: ``model``'s output on ``inputs`` when the
+    caller has it: captures of the still unmodified copy reuse it for their trust check. Returns (rewritten model,
+    sites)."""
     work = clone_sharing_tensors(model, writable)
     if eval_mode:
         for m in work.modules():
@@ -92,12 +96,12 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
     sites: list[Site] = []
     cap: Captured | None = None
     if on_first_capture is not None:
-        cap = capture(work, inputs, method)
+        cap = capture(work, inputs, method, reference)
         on_first_capture(cap)
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
         if cap is None or cap.model is not work:
-            cap = capture(work, inputs, method)
+            cap = capture(work, inputs, method, reference)
         try:
             result = p(work, cap)
         except NormconvError:
@@ -107,7 +111,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
             raise RuntimeError(f"pass {name} failed: {type(exc).__name__}: {exc}") from exc
         _inherit_training_flags(before, result.model)
         if result.modified or result.model is not work:
-            cap = None  # the graph changed: the next pass captures it again
+            cap = reference = None  # the graph changed: the next pass captures it again (and checks it afresh)
         work = result.model
         sites.extend(result.sites)
     if last_capture is not None and cap is not None and cap.model is work:
@@ -140,10 +144,11 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
     # everything the original has to say is taken before the passes (a disposable model is then written in place)
-    reference = run(loaded.model, inputs)
+    reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
     alt = other_shape(loaded.model, inputs)
     before = model_stats(loaded.model, inputs if bench else None)
-    model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode, writable=loaded.disposable)
+    model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode, writable=loaded.disposable,
+                                reference=reference)
     rewritten = run(model, inputs)
     validations = [compare(reference, rewritten, atol, rtol)] + _second_shape(alt, model, atol, rtol)
     if outputs_seen is not None:
@@ -507,7 +512,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     inputs = loaded.require_inputs()
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, inputs, report)
-    reference = run(loaded.model, inputs)
+    # the load's check forward when no mask was added (the same inputs), else one forward now
+    reference = loaded.checked_output() if inputs is loaded.inputs else run(loaded.model, inputs)
     given_half = _half_dtype(loaded.model)
     source, src_inputs, half = loaded.model, inputs, dtype if dtype in (torch.float16, torch.bfloat16) else given_half
     if half is not None:
@@ -544,7 +550,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     try:
         with onnx_export._quiet():
             prepared, pass_sites = apply_passes(source, src_inputs, passes, method, eval_mode=True,
-                                                on_first_capture=plan_sites, last_capture=last)
+                                                on_first_capture=plan_sites, last_capture=last,
+                                                reference=reference32 if half is not None else reference)
     except NormconvError as exc:
         if norms or "cannot capture" not in str(exc):
             raise

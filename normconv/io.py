@@ -21,7 +21,7 @@ import pickle
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +58,15 @@ class Loaded:
     # the model is normconv's own (the command line loaded it from a file; no caller holds it): a rewrite may write
     # its tensors in place once the original's outputs are taken, instead of copying every tensor it changes
     disposable: bool = False
+    # (inputs, output) of the load's check forward: the original's outputs on exactly these inputs, taken once
+    checked: tuple[Inputs, Any] | None = field(default=None, repr=False, compare=False)
+
+    def checked_output(self) -> Any:
+        """The model's output on its example inputs: the load's check forward when it ran on these very inputs
+        (nothing changed since), else one guarded forward now."""
+        if self.checked is not None and self.checked[0] is self.inputs:
+            return self.checked[1]
+        return run(self.model, self.require_inputs())
 
     def require_inputs(self) -> Inputs:
         if self.inputs is None:
@@ -643,9 +652,11 @@ def parse_input_shapes(model: nn.Module, specs: list[str]) -> Inputs:
 def check_inputs(loaded: Loaded) -> Any:
     """Run the model once on its example inputs; a mismatch is the user's input, said in one line."""
     try:
-        return run(loaded.model, loaded.inputs)
+        out = run(loaded.model, loaded.inputs)
     except Exception as exc:
         raise NormconvError(f"the model rejected its example inputs ({loaded.inputs.describe()}): {_why(exc)}") from None
+    loaded.checked = (loaded.inputs, out)  # the original's outputs: a rewrite compares against them, not a rerun
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ A BN with no foldable neighbour is left as it is: its eval kernel is one fused p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -52,6 +52,7 @@ class Decision:
     reason: str
     direction: str | None = None  # "backward" | "forward"
     layer: str | None = None  # module path of the conv / linear that absorbs the BN
+    affine: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)  # (s, t)
 
     def to_site(self) -> Site:
         return (apply if self.applied else skip)(NAME, self.site, self.reason)
@@ -97,7 +98,7 @@ class _Context:
 
 def _decide(ctx: _Context, site: NormSite) -> Decision:
     try:
-        s, _ = _removable(ctx, site)
+        s, t = _removable(ctx, site)
     except _Skip as why:
         return Decision(site, False, str(why))
     reasons = []
@@ -107,8 +108,8 @@ def _decide(ctx: _Context, site: NormSite) -> Decision:
             if _keeps_shift(ctx.cap.modules.get(path), site, direction):
                 return Decision(site, True, f"fold the scale into {path} ({direction}); the shift stays as a "
                                             f"ChannelShift: torch's CPU ConvTranspose is 3-12x slower with a bias",
-                                direction, path)
-            return Decision(site, True, f"fold into {path} ({direction})", direction, path)
+                                direction, path, (s, t))
+            return Decision(site, True, f"fold into {path} ({direction})", direction, path, (s, t))
         except _Skip as why:
             reasons.append(f"{direction}: {why}")
     # no foldable neighbour  =>  BN stays: its eval kernel is one per-channel pass already (measured)
@@ -455,8 +456,7 @@ class FoldBatchNorm:
         done = [d for d in decisions if d.applied]
         shifts: dict[str, nn.Module] = {}
         for d in done:
-            s, t = _affine(cap, d.site, cap.modules.get(d.site.target) if d.site.source == "module" else None,
-                           *_channels_rank(cap, d.site))
+            s, t = d.affine  # computed once, by the analysis that decided the fold
             layer = cap.modules[d.layer]
             if _keeps_shift(layer, d.site, d.direction):
                 fold_backward(layer, s, torch.zeros_like(t))
@@ -479,11 +479,6 @@ def _keeps_shift(layer: nn.Module | None, site: NormSite, direction: str) -> boo
     """bias-free ConvTranspose -> BN module  =>  scale into W, shift as ChannelShift (a bias there is slow)."""
     return (direction == "backward" and isinstance(layer, nn.modules.conv._ConvTransposeNd) and layer.bias is None
             and site.source != "functional" and site.target == site.owner)
-
-
-def _channels_rank(cap: Captured, site: NormSite) -> tuple[int, int]:
-    shape = cap.shape(cap.nodes[site.input])
-    return site.num_features or shape[1], len(shape)
 
 
 def _remove_from_graph(cap: Captured, done: list[Decision]) -> fx.GraphModule:

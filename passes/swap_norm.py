@@ -677,7 +677,7 @@ def _center(model: nn.Module, t: torch.Tensor, dim: int) -> None:
     t = owned(model, t)
     for s in _slices(t.detach(), dim):  # float64 one slice at a time: peak memory of a slice, not of the weight
         s64 = s.double()
-        s.copy_((s64 - s64.mean(dim, keepdim=True)).to(s.dtype))
+        s.copy_(s64.sub_(s64.mean(dim, keepdim=True)))  # in place: one float64 slice alive, rounded by copy_
 
 
 _SLICE_ELEMENTS = 1 << 22  # float64 working set per slice: 32 MB

@@ -302,3 +302,17 @@ def test_external_data_sidecar_over_the_size_limit(tmp_path, monkeypatch):
     with torch.no_grad():
         ref = model(ids)
     np.testing.assert_allclose(out, ref.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_export_runs_the_original_once_and_reuses_it_for_the_trust_check(tmp_path):
+    # the original's output feeds the trace's trust check and the torch check after the passes: the model runs 4
+    # times (the original, the traced graph's shape propagation, the folded model, the ONNX exporter's trace); was 6
+    from fold_helpers import randomize_bn
+
+    model = randomize_bn(nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+                                         for _ in range(3)]))
+    calls = [0]
+    model[0][0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    report = export_onnx(model, torch.randn(2, 4, 6, 6), str(tmp_path / "chain.onnx"))
+    assert calls[0] == 4 and report.passed and not report.extra["fused_norm_ops"]  # every BN folded
+    assert [v.label for v in report.validation][0] == "torch, after canonicalize + fold"

@@ -314,3 +314,65 @@ def test_module_registered_under_two_names_still_folds():
 
     folded, report = checked_fold(randomize_bn(Aliased()), torch.randn(2, 3, 6, 6))
     assert applied(report) == {"bn": "fold into conv (backward)"}
+
+
+# -- what verification costs, and that it still happens (issue 13) -------------------------------------------
+
+
+def _chain(n: int = 4) -> nn.Module:
+    return randomize_bn(nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+                                        for _ in range(n)]))
+
+
+def _count_forwards(model: nn.Module) -> list[int]:
+    """A hook on the first conv (copied into normconv's working copy and its traced graph): one call per forward."""
+    calls = [0]
+    model[0][0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_fold_runs_the_model_five_times():
+    # the original at the example and a second shape, the traced graph once (its shapes, and the trust check against
+    # the original's output already taken), the result at both shapes; was 7 (the trust check ran eager and graph again)
+    model = _chain()
+    calls = _count_forwards(model)
+    folded, report = fold(model, torch.randn(2, 4, 6, 6))
+    assert calls[0] == 5 and len(report.validation) == 2 and report.passed and bn_modules(folded) == 0
+
+
+def test_the_command_line_reuses_the_load_check_forward(tmp_path):
+    # io.load runs the model once to check its inputs: the rewrite compares against that output instead of a rerun
+    from normconv import flow, io
+
+    model = _chain()
+    torch.save(model, tmp_path / "chain.pt")
+    loaded = io.load(str(tmp_path / "chain.pt"), input_shapes=["input:2,4,6,6"])
+    calls = _count_forwards(loaded.model)
+    report, folded = flow.fold(loaded)
+    assert calls[0] == 4 and report.passed and bn_modules(folded) == 0  # the load's own forward came before the hook
+    loaded.inputs = io.Inputs((torch.randn(2, 4, 6, 6),))  # other inputs: the load's output is not theirs
+    flow.fold(loaded)
+    assert calls[0] == 4 + 5
+
+
+def test_a_wrong_fold_is_still_caught(monkeypatch):
+    # sabotage: the shift of every BN dropped. Verification runs on the original's outputs computed once, and must
+    # still see it, at the example shape, and nothing is returned
+    from normconv.errors import VerificationError
+    from normconv.passes import fold_batchnorm
+
+    real = fold_batchnorm.fold_backward
+    monkeypatch.setattr(fold_batchnorm, "fold_backward", lambda layer, s, t: real(layer, s, torch.zeros_like(t)))
+    with pytest.raises(VerificationError, match="fold: outputs differ beyond tolerance \\(torch: max abs error"):
+        fold(_chain(), torch.randn(2, 4, 6, 6))
+
+
+def test_the_trust_check_compares_the_graph_with_the_reference_it_is_given():
+    # a reference the traced graph does not reproduce  =>  the trace is not trusted, torch.export captures instead
+    from normconv.graph.capture import capture
+    from normconv.verify import Inputs, run
+
+    model, inputs = _chain(), Inputs((torch.randn(2, 4, 6, 6),))
+    assert capture(model, inputs, reference=run(model, inputs)).method == "symbolic_trace"
+    cap = capture(model, inputs, reference=run(model, inputs) + 1)
+    assert cap.method == "torch.export" and "traced graph differs from eager" in cap.attempts["symbolic_trace"]

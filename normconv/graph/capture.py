@@ -10,6 +10,7 @@ the module path that computed a node, the module object, the parameter a node re
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from normconv.errors import NormconvError
 from normconv.quiet import quiet
 from normconv.graph.match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
-from normconv.verify import Inputs, compare, forward_guard, run
+from normconv.verify import Inputs, compare, forward_guard, output_leaves, run
 
 
 class NormLeafTracer(fx.Tracer):
@@ -194,8 +195,11 @@ def _one_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
-def capture(model: nn.Module, inputs: Inputs, method: str = "auto") -> Captured:
-    """Capture an FX graph of ``model`` on ``inputs``; raises NormconvError naming why each method failed."""
+def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: Any = None) -> Captured:
+    """Capture an FX graph of ``model`` on ``inputs``; raises NormconvError naming why each method failed.
+
+    ``reference``: ``run(model, inputs)`` when the caller has it already (the trust check of a traced graph then
+    compares the shape-propagation forward against it instead of running the model and the graph once more)."""
     attempts: dict[str, str] = {}
     methods = ("symbolic_trace", "torch.export") if method == "auto" else (method,)
     for m in methods:
@@ -203,24 +207,28 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto") -> Captured:
             continue  # keyword inputs (every Hugging Face model) go to torch.export: a choice, not a failure
         try:
             with forward_guard(model):  # tracing and shape propagation run forwards too: they change nothing
-                return _capture_with(m, model, inputs, attempts)
+                return _capture_with(m, model, inputs, attempts, reference)
         except Exception as exc:  # each failure is recorded; the next method is tried
             attempts[m] = _one_line(exc)
     detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
     raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}")
 
 
-def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, str]) -> Captured:
+def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, str],
+                  reference: Any = None) -> Captured:
     if m == "symbolic_trace":
         if inputs.kwargs:
             raise NormconvError("keyword inputs need torch.export")
         tracer = NormLeafTracer()
         graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*inputs.args)
-        reference = run(model, inputs)
-        check = compare(reference, run(gm, inputs), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():  # on a copy of the inputs: a graph that writes into its input leaves the example alone
+            traced = ShapeProp(gm).propagate(*copy.deepcopy(inputs.args))
+        # the trust check: the graph's output is the eager output (a reference given by the caller is reused, and
+        # the shape-propagation forward is the graph's run; an output with no tensor is judged on buffers: run both)
+        if reference is None or not output_leaves(reference) or not output_leaves(traced):
+            reference, traced = run(model, inputs), run(gm, inputs)
+        check = compare(reference, traced, atol=1e-5, rtol=1e-5)
         if not check.passed:
             raise NormconvError(f"traced graph differs from eager (max abs error {check.max_abs_error:.3g})")
         return Captured(model, gm, "symbolic_trace", inputs, attempts=attempts)
