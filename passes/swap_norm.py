@@ -47,6 +47,9 @@ _VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
 _SWAPS = frozenset({"transpose", "swapaxes", "swapdims", "t"})
 _CATS = frozenset({"cat", "concat", "concatenate"})
+# resampling over the spatial axes with weights summing to one (each channel alone): a per-position shift along the
+# channels stays one, and a zero mean over the channels stays zero
+_RESAMPLES = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "interpolate"})
 
 # Swin's patch merging: centering each part shifts the joined row by a vector that is not constant along it
 _HIDDEN_CAT = ("the stream is joined along its hidden axis by {where} (patch merging: C-wide slices into one wider "
@@ -168,6 +171,8 @@ def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
     if name in _EXPANDS:  # broadcast: axes align from the right; expanding the hidden axis itself is not a pass
         j = axis - (len(b) - len(a))
         return j if j >= 0 and a[j] == b[axis] else None
+    if name in _RESAMPLES and (name != "interpolate" or node.kwargs.get("mode", "nearest") in ("nearest", "bilinear")):
+        return axis if axis == 1 and len(a) == len(b) > 2 and a[1] == b[1] else None
     if name == "mean" and len(node.args) > 1:  # a mean over tokens keeps every token's zero mean (and a bias)
         return _mean_back(node, axis, len(a))
     if name in ("select", "slice", "narrow", "getitem"):  # picking rows on other axes keeps every hidden vector
@@ -227,11 +232,47 @@ def _source(cap: Captured, v: Any, axis: int | None = None) -> tuple[Any, list[f
     while isinstance(v, fx.Node):
         j = _back(cap, v, axis)
         scaled = _scalar_operand(cap, v) if j is None else None
+        unfolded = _unfold_back(cap, v, axis) if j is None and scaled is None else None
+        if unfolded is not None:  # a chain of views that merges the hidden axis with others and splits it back
+            path.extend(unfolded[1])
+            v, axis = unfolded[0], unfolded[2]
+            continue
         if j is None and scaled is None:
             break
         path.append(v)
         v, axis = (v.args[0], j) if j is not None else (scaled, axis)
     return v, path, axis
+
+
+def _unfold_back(cap: Captured, v: fx.Node, axis: int | None) -> tuple[fx.Node, list[fx.Node], int] | None:
+    """MobileViT's patch unfolding, (B, C, H, W) -> (B*C*h, p, w, p) -> ... -> (B*p*p, N, C): walking back through
+    reshapes and transposes, the hidden axis may sit inside a merged dim as a block of D features with ``inner``
+    elements after it there; the walk succeeds where it is a whole axis again: (that node, the views, its axis)."""
+    shape = cap.shape(v)
+    if axis is None or not shape:
+        return None
+    d, dim, inner, path = shape[axis], axis, 1, []
+    while isinstance(v, fx.Node) and v.args and isinstance(v.args[0], fx.Node):
+        a, b, name = cap.shape(v.args[0]), cap.shape(v), _fn_name(v)
+        if not a or not b:
+            return None
+        if name in _VIEWS:  # row-major: the block is the same run of flat positions before and after a reshape
+            after = inner * _prod(b[dim + 1:])  # elements after the block in the flat layout
+            j = next((j for j in range(len(a)) if _prod(a[j + 1:]) <= after < _prod(a[j:])), None)
+            if j is None or after % _prod(a[j + 1:]) or a[j] % (after // _prod(a[j + 1:]) * d):
+                return None
+            dim, inner = j, after // _prod(a[j + 1:])
+        elif name in _SWAPS or name == "permute" or cap.op(v) in TRANSPARENT:  # whole dims move, the block with them
+            dim = _back(cap, v, dim)
+            if dim is None:
+                return None
+        else:
+            return None
+        path.append(v)
+        v = v.args[0]
+        if inner == 1 and a[dim] == d:
+            return v, path, dim
+    return None
 
 
 def _scalar_operand(cap: Captured, node: fx.Node) -> fx.Node | None:

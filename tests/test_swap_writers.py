@@ -1,7 +1,7 @@
 """Exact LN -> RMSNorm past writers that are not Linear / Embedding: a parameter added to the stream (position
 embedding, class token joined with cat), a conv patch embedding reached through flatten / transpose, an in-place
 add_, a layer scale (lambda * W x), a scalar multiplication, a constant-scale LayerNorm writing the stream, a norm
-module whose forward is one functional norm (OLMo); and refusals that name the op when no weights-only rewrite
+module whose forward is one functional norm (OLMo), MobileViT's patch unfolding; and refusals that name the op when no weights-only rewrite
 exists (grouped conv, a gate, a LayerNorm writer with a varying scale, the stream returned as an output)."""
 
 from __future__ import annotations
@@ -210,6 +210,29 @@ class RawStream(nn.Module):
 def test_stream_returned_as_output_is_refused_by_name():
     with pytest.raises(NormconvError, match="is also read by the model's output, which is not a LayerNorm"):
         normconv.swap(RawStream().eval(), torch.randint(0, 50, (2, 8)))
+
+
+class Unfold(nn.Module):
+    """MobileViT's patch unfolding: conv -> bilinear resize -> (B, C, H, W) -> (B*C*h, p, w, p) -> ... ->
+    (B*p*p, N, C): the hidden (channel) axis is merged with others on the way and split out again."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.block, self.norm, self.head = nn.Conv2d(4, D, 3, padding=1), Block(), nn.LayerNorm(D), \
+            nn.Linear(D, 10)
+
+    def forward(self, x):
+        x = F.interpolate(self.conv(x), size=(8, 8), mode="bilinear", align_corners=False)
+        b, c, h, w = x.shape
+        x = x.reshape(b * c * 4, 2, 4, 2).transpose(1, 2).reshape(b, c, 16, 4).transpose(1, 3).reshape(b * 4, 16, c)
+        return self.head(self.norm(self.block(x)).mean(1))  # the final norm's bias folds through the mean
+
+
+def test_patch_unfolding_reshapes_are_followed():
+    torch.manual_seed(0)
+    model = _randomize(Unfold()).eval()
+    new = _exact(model, torch.randn(2, 4, 6, 6), torch.randn(3, 4, 10, 10))
+    assert new.conv.weight.double().mean(0).abs().max() < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------
