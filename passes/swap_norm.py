@@ -429,7 +429,8 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None) -> Writer | str:
                 f"{tuple(cap.shape(leaf) or ())} whose input holds the hidden axis merged with other axes (patch "
                 f"unfolding): swap follows only views that keep the hidden axis whole, so it cannot reach the writers")
     what = op or name or leaf.op
-    return f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding"
+    return (f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding (nor a conv, parameter "
+            f"or constant-scale LayerNorm): no weights of it can be centered to make its output zero-mean")
 
 
 def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
@@ -755,6 +756,8 @@ def _check_readers(cap: Captured, st: Stream, sites) -> list[str]:
         for u in _live_users(cap, cap.nodes[name]):
             if u.name not in allowed:
                 end = _stream_end(cap, u)
+                if _fn_name(end) in _CATS and _cat_on_last(cap, end):  # Swin's patch merging, named as such
+                    return [_HIDDEN_CAT.format(where=cap.describe(end))]
                 past = f" (the stream flows on through {u.name})" if end is not u else ""
                 return [f"stream value {name} is also read by {_reader(cap, end)}{past}, which is not a LayerNorm "
                         f"(centering the stream would change it)"]
@@ -773,6 +776,13 @@ def _stream_end(cap: Captured, node: fx.Node) -> fx.Node:
             return v
         stack.extend(reversed(_live_users(cap, v)))
     return node
+
+
+def _cat_on_last(cap: Captured, node: fx.Node) -> bool:
+    """A cat joining along its last axis (where a stream keeps its hidden features)."""
+    rank = len(cap.shape(node) or ())
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return bool(rank) and isinstance(dim, int) and dim % rank == rank - 1
 
 
 def _reader(cap: Captured, node: fx.Node) -> str:

@@ -1,8 +1,9 @@
 """Exact LN -> RMSNorm past writers that are not Linear / Embedding: a parameter added to the stream (position
 embedding, class token joined with cat), a conv patch embedding reached through flatten / transpose, an in-place
 add_, a layer scale (lambda * W x), a scalar multiplication, a constant-scale LayerNorm writing the stream, a norm
-module whose forward is one functional norm (OLMo), MobileViT's patch unfolding; and refusals that name the op when no weights-only rewrite
-exists (grouped conv, a gate, a LayerNorm writer with a varying scale, the stream returned as an output)."""
+module whose forward is one functional norm (OLMo), MobileViT's patch unfolding; and refusals that name the op when
+no weights-only rewrite exists (grouped conv, a gate, a LayerNorm writer with a varying scale, Swin's patch-merging
+cat, the stream returned as an output)."""
 
 from __future__ import annotations
 
@@ -233,6 +234,25 @@ def test_patch_unfolding_reshapes_are_followed():
     model = _randomize(Unfold()).eval()
     new = _exact(model, torch.randn(2, 4, 6, 6), torch.randn(3, 4, 10, 10))
     assert new.conv.weight.double().mean(0).abs().max() < 1e-6
+
+
+class PatchMerge(nn.Module):
+    """Swin's patch merging: four strided C-wide slices of the stream joined into one 4C row, then LayerNorm(4C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block = nn.Linear(4, D), Block()
+        self.norm, self.reduce = nn.LayerNorm(4 * D), nn.Linear(4 * D, 10)
+
+    def forward(self, x):  # x: (B, 16, 4) tokens of a 4 x 4 grid
+        x = self.block(self.emb(x)).view(x.shape[0], 4, 4, D)
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+        return self.reduce(self.norm(x.view(x.shape[0], -1, 4 * D)))
+
+
+def test_patch_merging_cat_along_the_hidden_axis_is_refused_by_name():
+    with pytest.raises(NormconvError, match=r"the stream is joined along its hidden axis by cat \(patch merging"):
+        normconv.swap(PatchMerge().eval(), torch.randn(2, 16, 4))
 
 
 # ---------------------------------------------------------------------------------------------------------
