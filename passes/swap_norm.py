@@ -52,9 +52,8 @@ _CATS = frozenset({"cat", "concat", "concatenate"})
 _RESAMPLES = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "interpolate"})
 
 # Swin's patch merging: centering each part shifts the joined row by a vector that is not constant along it
-_HIDDEN_CAT = ("the stream is joined along its hidden axis by {where} (patch merging: C-wide slices into one wider "
-               "row): centering each slice shifts the joined row by a vector that is not constant along it, so the "
-               "norm reading it would change; no weights-only rewrite exists")
+_HIDDEN_CAT = ("the stream is joined along its hidden axis by {where} (patch merging): centering each part shifts "
+               "the joined row unevenly, so no weights-only rewrite keeps the norm after it")
 
 # a writer counts as zero-mean when |mean over the hidden dim| <= this * max |weight|
 _ZERO_MEAN_RTOL = 1e-5
@@ -429,8 +428,8 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None) -> Writer | str:
                 f"{tuple(cap.shape(leaf) or ())} whose input holds the hidden axis merged with other axes (patch "
                 f"unfolding): swap follows only views that keep the hidden axis whole, so it cannot reach the writers")
     what = op or name or leaf.op
-    return (f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding (nor a conv, parameter "
-            f"or constant-scale LayerNorm): no weights of it can be centered to make its output zero-mean")
+    return (f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding (nor a conv or a "
+            f"parameter): it has no weights that center its output")
 
 
 def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
@@ -460,9 +459,8 @@ def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
         return replace(inner, scale=_own_name(cap, cap.owner(leaf), pname),
                        via=tuple(n.name for n in path) + (leaf.name,))
     a, b = (list(leaf.args) + [None, None])[:2]
-    return (f"stream writer {cap.describe(leaf)} multiplies {_what(cap, a)} by {_what(cap, b)}, which varies along "
-            f"the hidden axis and is computed from the input (a gate), not a constant scale: no weights-only rewrite "
-            f"makes the product zero-mean")
+    return (f"stream writer {cap.describe(leaf)} multiplies {_what(cap, a)} by {_what(cap, b)}, computed from the "
+            f"input and varying along the hidden axis (a gate): no weights-only rewrite makes it zero-mean")
 
 
 def _what(cap: Captured, v: Any) -> str:
@@ -489,9 +487,8 @@ def _norm_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
         return f"stream writer {where} (layer_norm) normalizes other dims than the stream's hidden axis"
     if g is not None and not bool((g.detach() == g.detach().flatten()[0]).all()):
         lo, hi = float(g.detach().min()), float(g.detach().max())
-        return (f"stream writer {where} is a LayerNorm: its output g * n + b has mean(g * n) over the hidden axis, "
-                f"which depends on the input unless its scale g is constant (here g ranges {lo:.3g}..{hi:.3g}): "
-                f"no weights-only rewrite makes it zero-mean")
+        return (f"stream writer {where} is a LayerNorm whose scale g varies ({lo:.3g}..{hi:.3g}): mean(g * n) "
+                f"depends on the input unless g is constant, so no weights-only rewrite makes it zero-mean")
     return Writer(leaf.name, "norm", b, None, "rows", path, 0)
 
 
