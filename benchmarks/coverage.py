@@ -672,7 +672,8 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
             v = verdict(c, r)
             if v[0] == "refused":
                 key = v[1].split(" (approximate")[0]
-                m = re.search(r"cannot be swapped exactly; \S+: (.*?)(?: \(and \d+ more\))?\. Pass", key)
+                # the reason, also when the 300-character first line cut it before ". Pass"
+                m = re.search(r"cannot be swapped exactly; \S+: (.*?)(?: \(and \d+ more\))?(?:\. Pass|$)", key)
                 key = "not exact: " + m.group(1) if m else key.split(";")[0]
                 key = re.sub(r"\b[A-Z]\w*(Model|For\w+)\b", "<Model>", re.sub(r"0x[0-9a-f]+", "0x..", key))
                 groups[key[:160]].append(r["type"])

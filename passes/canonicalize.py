@@ -9,8 +9,9 @@
                                                         ->  MovedDimNorm(native, D): native(x.movedim(D, -1)) moved back
 
 Every rewrite is an identity of the math, so the pass is exact. Two forms:
-  module   a hand-written norm module (its whole forward is the norm): replaced in its parent, the user's
-           own class comes back; works on symbolic_trace and torch.export captures (all HF models).
+  module   a hand-written norm module (its whole forward is the norm), or a module whose whole forward is one
+           functional norm between casts (OLMo's F.layer_norm in float32, cast back): replaced in its parent, the
+           user's own class comes back; works on symbolic_trace and torch.export captures (all HF models).
   inline   a norm computed inside a larger forward: the traced graph's subgraph becomes one call_module of
            a new native module, and the result is a torch.fx.GraphModule (only then). Refused in a
            torch.export graph (an aten graph is not the user's model).
@@ -35,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.detect import NormSite, _owns_only, find_norms
 from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site
 from normconv.nn.rmsnorm import make_rmsnorm
@@ -63,6 +64,12 @@ class Decision:
     reason: str
     form: str = ""  # module | inline
     module: nn.Module | None = None  # the native replacement (None when skipped)
+    path: str = ""  # form module: the module replaced (the site's own module, or the module around a functional norm)
+
+    @property
+    def key(self) -> str:
+        """Where the replacement goes: the module path (form module), else the site."""
+        return self.path or self.site.target
 
     def to_site(self) -> Site:
         return apply(NAME, self.site, self.reason) if self.applied else skip(NAME, self.site, self.reason)
@@ -78,8 +85,8 @@ def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) 
     if candidates:
         recorded = _record(cap, candidates)
         for d in candidates:
-            _check(d, recorded.get(d.site.target, []), recorded.get(("call", d.site.target)),
-                   cap.modules.get(d.site.target) if d.form == "module" else None)
+            _check(d, recorded.get(d.key, []), recorded.get(("call", d.key)),
+                   cap.modules.get(d.key) if d.form == "module" else None)
     return decisions
 
 
@@ -99,6 +106,9 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
         return no(f"already native ({native or 'functional ' + site.kind})")
     form = "module" if site.source == "handwritten" and site.target == site.owner and site.target in cap.modules \
         else "inline"
+    # a module whose whole forward is this functional norm (OLMo: cast, F.layer_norm, cast back)  =>  the module
+    path = site.target if form == "module" else site.owner if modularize and _whole_module(cap, site) else ""
+    form = "module" if path else form
     # inline subgraph in an aten graph  =>  no user module to put a native one into
     if form == "inline" and cap.method != "symbolic_trace":
         return no(f"inline {site.kind} inside {site.owner or 'the root forward'} in a torch.export graph: only "
@@ -131,20 +141,37 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
         # a parameter that is not one value per normalized element / channel  =>  not this native norm
         if t is not None and t.numel() != size:
             return no(f"{role} has {t.numel()} elements, the native norm needs {size}")
-    shared = _shared(cap, site, form)
+    shared = _shared(cap, site, form, path)
     if shared:
         return no(shared)
     in_dtype = cap.dtype(x) or torch.float32
     out_dtype = cap.dtype(cap.nodes[site.node]) or in_dtype
     module, what = _build(site, tensors, shape, in_dtype, out_dtype)
-    where = f"module {site.target} ({site.module_type})" if form == "module" else \
+    where = f"module {path} ({site.module_type})" if form == "module" else \
         f"functional {site.kind} in {site.owner or 'the root forward'} (so swap can replace a module)" \
         if modularize else f"inline subgraph ({len(site.nodes)} ops) in {site.owner or 'the root forward'}"
     reason = f"replace {where} by {what}"
-    renamed = _renamed_keys(site, module) if form == "module" else ""
+    renamed = _renamed_keys(site, path, module) if form == "module" else ""
     if renamed:
         reason += f"; state_dict keys {renamed}"
-    return Decision(site, True, reason, form, module)
+    return Decision(site, True, reason, form, module, path)
+
+
+def _whole_module(cap: Captured, site: NormSite) -> bool:
+    """The site's owner is a leaf module computing nothing but the norm and the casts around it."""
+    mod = cap.modules.get(site.owner)
+    if not site.owner or mod is None or list(mod.children()):
+        return False
+    acc = set(site.nodes)
+    v = cap.nodes[site.input]
+    while cap.op(v) == "cast" and cap.owner(v) == site.owner:  # x.to(float32) before the norm
+        acc.add(v.name)
+        v = v.args[0]
+    v = cap.nodes[site.node]
+    while len(cap.users(v)) == 1 and cap.op(cap.users(v)[0]) == "cast" and cap.owner(cap.users(v)[0]) == site.owner:
+        v = cap.users(v)[0]  # .to(input dtype) after it
+        acc.add(v.name)
+    return _owns_only(cap, site.owner, acc)
 
 
 def _build(site: NormSite, t: dict[str, torch.Tensor | None], shape: tuple[int, ...], in_dtype: torch.dtype,
@@ -236,14 +263,14 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _renamed_keys(site: NormSite, module: nn.Module) -> str:
-    """Old -> new state_dict names of a module site (the native module's names replace the hand-written ones; a
-    wrapper such as Float32Norm / MovedDimNorm puts them under ``norm.``)."""
+def _renamed_keys(site: NormSite, path: str, module: nn.Module) -> str:
+    """Old -> new state_dict names of a module site replaced at ``path`` (the native module's names replace the
+    hand-written ones; a wrapper such as Float32Norm / MovedDimNorm puts them under ``norm.``)."""
     keys = {k.rsplit(".", 1)[-1]: k for k in module.state_dict()}
     pairs = []
     for role in ("weight", "bias", "running_mean", "running_var"):
         old = getattr(site, role)
-        new = f"{site.target}.{keys.get(role, role)}"
+        new = f"{path}.{keys.get(role, role)}"
         if old and old != new:
             pairs.append((old, new))
     if not pairs:
@@ -251,7 +278,7 @@ def _renamed_keys(site: NormSite, module: nn.Module) -> str:
     return ", ".join(f"{a} -> {b}" for a, b in pairs)
 
 
-def _shared(cap: Captured, site: NormSite, form: str) -> str:
+def _shared(cap: Captured, site: NormSite, form: str, path: str) -> str:
     """Why a parameter of the site cannot move into a new module ('' when none is shared)."""
     names = [n for n in (site.weight, site.bias, site.running_mean, site.running_var) if n]
     aliases: dict[int, list[str]] = {}
@@ -262,7 +289,7 @@ def _shared(cap: Captured, site: NormSite, form: str) -> str:
     for name in names:
         t = cap.tensor(name)
         others = [a for a in aliases.get(id(t), [name]) if a != name and
-                  not (form == "module" and a.startswith(site.target + "."))]
+                  not (form == "module" and a.startswith(path + "."))]
         if others:
             return f"{name} is shared with {others[0]}: moving it into a native module would untie them"
         for node in cap.gm.graph.nodes:
@@ -287,7 +314,7 @@ def _record(cap: Captured, candidates: list[Decision]) -> dict[Any, Any]:
     called); inline sites by interpreting the traced graph.
     """
     found: dict[Any, Any] = {}
-    modules = {d.site.target for d in candidates if d.form == "module"}
+    modules = {d.key for d in candidates if d.form == "module"}
     inline = [d for d in candidates if d.form == "inline"]
     if modules:
         handles = []
@@ -408,15 +435,15 @@ class Canonicalize:
             raise ValueError("canonicalize: the capture must be of the model being rewritten")
         decisions = analyze(cap, find_norms(cap), self.functional)
         applied = [d for d in decisions if d.applied]
-        self.renamed = {d.site.target: d.site.target for d in applied}
+        self.renamed = {d.site.target: d.key for d in applied}
         if any(d.form == "inline" for d in applied):
             model = _rewrite_graph(cap, applied, self.renamed)
         else:
             done: set[str] = set()
             for d in applied:
-                if d.site.target not in done:  # a module called twice is replaced once
-                    replace_module(model, d.site.target, d.module)
-                    done.add(d.site.target)
+                if d.key not in done:  # a module called twice is replaced once
+                    replace_module(model, d.key, d.module)
+                    done.add(d.key)
         return PassResult(model, bool(applied), tuple(d.to_site() for d in decisions))
 
 
@@ -429,7 +456,7 @@ def _rewrite_graph(cap: Captured, applied: list[Decision], renamed: dict[str, st
     for d in applied:
         s = d.site
         if d.form == "module":
-            target = s.target  # the hand-written module's own path: the native module takes its place
+            target = d.key  # the hand-written module's own path: the native module takes its place
         else:
             target = _free_name(f"{s.owner}.{s.kind}" if s.owner else s.kind, taken)
         taken.add(target)

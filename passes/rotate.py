@@ -180,6 +180,10 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
             if isinstance(w, str):
                 plan.problem = f"{s.target}: {w}"
                 return plan
+            if w.scale or w.kind == "norm":  # the rotation is not carried through a layer scale or a LayerNorm
+                what = f"is scaled by {w.scale}" if w.scale else "is a LayerNorm"
+                plan.problem = f"{s.target}: stream writer {w.module or w.node} {what}, which rotate does not rewrite"
+                return plan
             if w.node not in {x.node for x in plan.writers}:
                 plan.writers.append(w)
                 chains.append((w_node, list(reversed(extra)) + list(reversed(path))))

@@ -6,6 +6,13 @@ Pre-LN: center embeddings (row means) and each sublayer's output projection (W <
   The stream is the sum tree of residual adds read by the norms; its leaves are the writers. Centering a writer
   changes every reader of the stream, so each stream value may be read only by the adds of the tree and by the
   (mean-invariant) LayerNorms being swapped.
+  Writers past a multiplication: c * w(x) with c one constant number (embed_scale) keeps a zero mean: passed through;
+  lambda * (W x + b) with lambda a constant per-feature Parameter (layer scale)  =>  W <- C diag(lambda) W,
+  b <- C(lambda b), lambda <- ones (structure and keys kept); a product with a gate computed from the input has no
+  weights-only rewrite (refused, naming it).
+  A LayerNorm writing the stream (BLOOM, CLIP, Swin embeddings): mean(g n + b) = mean(g n) + mean(b) is zero for
+  every input only if g is constant  =>  then b <- C b; otherwise refused. A norm module whose whole forward is one
+  functional norm (OLMo: cast, F.layer_norm, cast back) is made a native module first (canonicalize).
 Post-LN: the stream is re-normalized with a bias after every sublayer, so it is not zero-mean: approximate only.
 RMSNorm -> LayerNorm: RMSNorm_{g,eps}(x) = LN_{g,0,eps}(x) when mean(x) = 0, i.e. when every writer is already
   zero-mean (a model this pass produced); otherwise approximate only.
@@ -40,6 +47,13 @@ _VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
 _SWAPS = frozenset({"transpose", "swapaxes", "swapdims", "t"})
 _CATS = frozenset({"cat", "concat", "concatenate"})
+# resampling over the spatial axes with weights summing to one (each channel alone): a per-position shift along the
+# channels stays one, and a zero mean over the channels stays zero
+_RESAMPLES = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "interpolate"})
+
+# Swin's patch merging: centering each part shifts the joined row by a vector that is not constant along it
+_HIDDEN_CAT = ("the stream is joined along its hidden axis by {where} (patch merging): centering each part shifts "
+               "the joined row unevenly, so no weights-only rewrite keeps the norm after it")
 
 # a writer counts as zero-mean when |mean over the hidden dim| <= this * max |weight|
 _ZERO_MEAN_RTOL = 1e-5
@@ -61,6 +75,9 @@ class Writer:
     module: str  # owner module path
     dim: int = -1  # the weight's axis that indexes the hidden dim (centered along it); -1: from layout
     # kind param: the tensor itself is added (position embedding, class token); conv: output channels are hidden
+    # kind norm: a LayerNorm with a constant scale; ``weight`` is its bias (None: none), the only tensor centered
+    scale: str | None = None  # a per-feature scale multiplied after the writer (layer scale): folded in, then ones
+    via: tuple[str, ...] = ()  # nodes between the writer and the stream (the scaling mul and views before it)
 
     @property
     def axis(self) -> int:
@@ -153,6 +170,10 @@ def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
     if name in _EXPANDS:  # broadcast: axes align from the right; expanding the hidden axis itself is not a pass
         j = axis - (len(b) - len(a))
         return j if j >= 0 and a[j] == b[axis] else None
+    if name in _RESAMPLES and (name != "interpolate" or node.kwargs.get("mode", "nearest") in ("nearest", "bilinear")):
+        return axis if axis == 1 and len(a) == len(b) > 2 and a[1] == b[1] else None
+    if name == "mean" and len(node.args) > 1:  # a mean over tokens keeps every token's zero mean (and a bias)
+        return _mean_back(node, axis, len(a))
     if name in ("select", "slice", "narrow", "getitem"):  # picking rows on other axes keeps every hidden vector
         return _index_back(node, name, axis, len(a), b)
     if name in _VIEWS:  # reshape keeps the hidden axis whole iff it has the same size and the same prefix product
@@ -161,6 +182,18 @@ def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
             if a[j] == b[axis] and _prod(a[:j]) == prefix:
                 return j
     return None
+
+
+def _mean_back(node: fx.Node, axis: int, rank: int) -> int | None:
+    """mean(x, dims, keepdim): the input axis behind output ``axis`` if the hidden axis is not reduced."""
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    dims = {d % rank for d in dims}
+    keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    kept = [i for i in range(rank) if keep or i not in dims]
+    j = kept[axis] if axis < len(kept) else None
+    return j if j is not None and j not in dims else None
 
 
 def _passes_through(cap: Captured, node: fx.Node) -> bool:
@@ -197,11 +230,83 @@ def _source(cap: Captured, v: Any, axis: int | None = None) -> tuple[Any, list[f
     axis = _last(cap, v) if axis is None else axis
     while isinstance(v, fx.Node):
         j = _back(cap, v, axis)
-        if j is None:
+        scaled = _scalar_operand(cap, v) if j is None else None
+        unfolded = _unfold_back(cap, v, axis) if j is None and scaled is None else None
+        if unfolded is not None:  # a chain of views that merges the hidden axis with others and splits it back
+            path.extend(unfolded[1])
+            v, axis = unfolded[0], unfolded[2]
+            continue
+        if j is None and scaled is None:
             break
         path.append(v)
-        v, axis = v.args[0], j
+        v, axis = (v.args[0], j) if j is not None else (scaled, axis)
     return v, path, axis
+
+
+def _unfold_back(cap: Captured, v: fx.Node, axis: int | None) -> tuple[fx.Node, list[fx.Node], int] | None:
+    """MobileViT's patch unfolding, (B, C, H, W) -> (B*C*h, p, w, p) -> ... -> (B*p*p, N, C): walking back through
+    reshapes and transposes, the hidden axis may sit inside a merged dim as a block of D features with ``inner``
+    elements after it there; the walk succeeds where it is a whole axis again: (that node, the views, its axis)."""
+    shape = cap.shape(v)
+    if axis is None or not shape:
+        return None
+    d, dim, inner, path = shape[axis], axis, 1, []
+    while isinstance(v, fx.Node) and v.args and isinstance(v.args[0], fx.Node):
+        a, b, name = cap.shape(v.args[0]), cap.shape(v), _fn_name(v)
+        if not a or not b:
+            return None
+        if name in _VIEWS:  # row-major: the block is the same run of flat positions before and after a reshape
+            after = inner * _prod(b[dim + 1:])  # elements after the block in the flat layout
+            j = next((j for j in range(len(a)) if _prod(a[j + 1:]) <= after < _prod(a[j:])), None)
+            if j is None or after % _prod(a[j + 1:]) or a[j] % (after // _prod(a[j + 1:]) * d):
+                return None
+            dim, inner = j, after // _prod(a[j + 1:])
+        elif name in _SWAPS or name == "permute" or cap.op(v) in TRANSPARENT:  # whole dims move, the block with them
+            dim = _back(cap, v, dim)
+            if dim is None:
+                return None
+        else:
+            return None
+        path.append(v)
+        v = v.args[0]
+        if inner == 1 and a[dim] == d:
+            return v, path, dim
+    return None
+
+
+def _scalar_operand(cap: Captured, node: fx.Node) -> fx.Node | None:
+    """x * c, c * x, x / c with c one constant number (embed_scale, a one-element buffer): x, else None.
+    A scalar keeps a zero mean, and a constant does not change when the stream is centered."""
+    if cap.op(node) not in ("mul", "div") or len(node.args) != 2:
+        return None
+    a, b = node.args
+    pairs = [(a, b), (b, a)] if cap.op(node) == "mul" else [(a, b)]
+    for x, c in pairs:
+        if isinstance(x, fx.Node) and cap.shape(x) == cap.shape(node) and _constant_scalar(cap, c):
+            return x
+    return None
+
+
+def _constant_scalar(cap: Captured, v: Any) -> bool:
+    """A Python number, or a parameter / buffer / lifted constant of one element (not computed from the input)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return True
+    if not isinstance(v, fx.Node) or not (v.op == "get_attr" or (v.op == "placeholder" and not cap.is_input(v))):
+        return False
+    shape = cap.shape(v)
+    return shape is not None and _prod(shape) == 1
+
+
+def _live_users(cap: Captured, node: fx.Node) -> list[fx.Node]:
+    """Users whose value is used (MBart's ``embeds[:, :, -1]`` read for its shape only is left dead by export)."""
+    return [u for u in cap.users(node) if not _dead(cap, u)]
+
+
+def _dead(cap: Captured, node: fx.Node) -> bool:
+    """A pure op whose result nothing uses (in-place ops and the output are not dead)."""
+    if node.op not in ("call_function", "call_method") or _fn_name(node).endswith("_") or node.is_impure():
+        return False
+    return all(_dead(cap, u) for u in cap.users(node))
 
 
 def _param_readers(cap: Captured) -> dict[int, list[str]]:
@@ -215,8 +320,22 @@ def _param_readers(cap: Captured) -> dict[int, list[str]]:
         name = cap.param_name(n)
         t = cap.tensor(name) if name is not None else None
         if t is not None:
-            readers.setdefault(id(t), []).extend(u.name for u in cap.users(n))
+            # W.T read by a matmul (FalconLinear): the matmul is the reader
+            users = [v for u in cap.users(n) for v in (cap.users(u) if _param_transpose(cap, u) else [u])]
+            readers.setdefault(id(t), []).extend(u.name for u in users)
     return readers
+
+
+def _param_transpose(cap: Captured, node: Any) -> str | None:
+    """The name of the 2-d parameter ``node`` transposes (W.T, W.t(), W.transpose(0, 1)), else None."""
+    if not isinstance(node, fx.Node) or not node.args or _fn_name(node) not in ("numpy_T", "t", "transpose"):
+        return None
+    name, shape = cap.param_name(node.args[0]), cap.shape(node.args[0])
+    if name is None or shape is None or len(shape) != 2:
+        return None
+    if _fn_name(node) == "transpose" and {int(d) % 2 for d in node.args[1:3]} != {0, 1}:
+        return None
+    return name
 
 
 def _own_name(cap: Captured, module: str, name: str | None) -> str | None:
@@ -259,6 +378,11 @@ def _linear_of(cap: Captured, node: fx.Node) -> tuple[Any, str | None, str | Non
         if b is not None and cap.param_name(b) is None:
             return None
         return x, cap.param_name(w), cap.param_name(b), "out_in", cap.owner(node)
+    if name == "matmul" and len(node.args) == 2:  # x @ W.T in an nn.Linear subclass (FalconLinear); its bias is
+        w, owner = _param_transpose(cap, node.args[1]), cap.owner(node)  # added by a separate add, if any
+        mod = cap.modules.get(owner)
+        if w is not None and isinstance(mod, nn.Linear) and mod.weight is cap.tensor(w):
+            return node.args[0], w, None, "out_in", owner
     return None
 
 
@@ -287,12 +411,85 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None) -> Writer | str:
         name = cap.param_name(w)
         if name is not None:
             return Writer(leaf.name, "embedding", _own_name(cap, cap.owner(leaf), name), None, "rows", cap.owner(leaf))
-    lin = _linear_of(cap, leaf) if op == "linear" else None
+    lin = _linear_of(cap, leaf) if op in ("linear", "matmul") else None
     if lin is not None and lin[1] is not None:
         return Writer(leaf.name, "linear", _own_name(cap, lin[4], lin[1]), _own_name(cap, lin[4], lin[2]), lin[3],
                       lin[4])
-    what = op or _fn_name(leaf) or leaf.op
-    return f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding"
+    if op == "mul":
+        return _scaled_writer(cap, leaf, axis)
+    if op == "layer_norm":
+        return _norm_writer(cap, leaf, axis)
+    name = _fn_name(leaf)
+    if name in _CATS:
+        return _HIDDEN_CAT.format(where=cap.describe(leaf))
+    if name in _VIEWS | _SWAPS | {"permute"} and isinstance(leaf.args[0], fx.Node):
+        # MobileViT's patch unfolding: (B, C, H, W) -> (B*C*h, p, w, p): the hidden axis is merged with others
+        return (f"the stream comes from {cap.describe(leaf)}, a {name} {tuple(cap.shape(leaf.args[0]) or ())} -> "
+                f"{tuple(cap.shape(leaf) or ())} whose input holds the hidden axis merged with other axes (patch "
+                f"unfolding): swap follows only views that keep the hidden axis whole, so it cannot reach the writers")
+    what = op or name or leaf.op
+    return (f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding (nor a conv or a "
+            f"parameter): it has no weights that center its output")
+
+
+def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
+    """y = lambda * w(x), lambda a constant per-feature scale (layer scale)  =>  the writer w with lambda folded in:
+    C (diag(lambda) W) centers the product; lambda becomes ones (the model keeps its structure)."""
+    out = cap.shape(leaf) or ()
+    for x, lam in (leaf.args[:2], leaf.args[1::-1]) if len(leaf.args) == 2 else ():
+        pname = cap.param_name(lam)
+        shape = cap.shape(lam)
+        if pname is None or shape is None or not isinstance(x, fx.Node) or cap.shape(x) != out:
+            continue
+        j = axis - (len(out) - len(shape))  # broadcast from the right: lambda's axis under the hidden one
+        if j < 0 or shape[j] != out[axis] or _prod(shape) != out[axis]:
+            continue
+        src, path, inner_axis = _source(cap, x, axis)
+        inner = _writer(cap, src, inner_axis)
+        if isinstance(inner, str):
+            return inner
+        if inner.scale is not None or inner.kind == "norm":
+            return f"stream writer {cap.describe(leaf)} scales {cap.describe(src)}, which is not a linear layer, " \
+                   f"conv, embedding or parameter"
+        chain = [src] + list(reversed(path)) + [leaf]
+        for a, b in zip(chain, chain[1:]):
+            if [u.name for u in _live_users(cap, a)] != [b.name]:
+                other = next(u for u in _live_users(cap, a) if u is not b)
+                return f"the output of stream writer {cap.describe(src)} is also read by {cap.describe(other)}"
+        return replace(inner, scale=_own_name(cap, cap.owner(leaf), pname),
+                       via=tuple(n.name for n in path) + (leaf.name,))
+    a, b = (list(leaf.args) + [None, None])[:2]
+    return (f"stream writer {cap.describe(leaf)} multiplies {_what(cap, a)} by {_what(cap, b)}, computed from the "
+            f"input and varying along the hidden axis (a gate): no weights-only rewrite makes it zero-mean")
+
+
+def _what(cap: Captured, v: Any) -> str:
+    return cap.describe(v) if isinstance(v, fx.Node) else repr(v)
+
+
+def _norm_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
+    """LayerNorm y = g * n + b writing the stream: mean(y) = mean(g * n) + mean(b), and mean(g * n) depends on the
+    input unless g is constant; then centering b is the whole rewrite."""
+    where = cap.describe(leaf)
+    if leaf.op == "call_module":
+        mod, path = cap.modules[leaf.target], leaf.target
+        shape = tuple(mod.normalized_shape)
+        g = mod.weight if mod.elementwise_affine else None
+        b = f"{path}.bias" if getattr(mod, "bias", None) is not None else None
+    else:
+        args, path = list(leaf.args) + [None] * 4, cap.owner(leaf)
+        shape = tuple(args[1] or ())
+        g = cap.tensor(cap.param_name(args[2])) if cap.param_name(args[2]) else None
+        b = _own_name(cap, path, cap.param_name(args[3])) if args[3] is not None else None
+        if (args[2] is not None and g is None) or (args[3] is not None and b is None):
+            return f"stream writer {where} (layer_norm) computes its weight or bias instead of reading a parameter"
+    if len(shape) != 1 or axis != _last(cap, leaf):
+        return f"stream writer {where} (layer_norm) normalizes other dims than the stream's hidden axis"
+    if g is not None and not bool((g.detach() == g.detach().flatten()[0]).all()):
+        lo, hi = float(g.detach().min()), float(g.detach().max())
+        return (f"stream writer {where} is a LayerNorm whose scale g varies ({lo:.3g}..{hi:.3g}): mean(g * n) "
+                f"depends on the input unless g is constant, so no weights-only rewrite makes it zero-mean")
+    return Writer(leaf.name, "norm", b, None, "rows", path, 0)
 
 
 def _conv_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
@@ -436,7 +633,7 @@ def _streams(cap, sites, walks, readers, to) -> list[Stream]:
     for i, (values, leaves) in enumerate(walks):
         ws = [_writer(cap, leaf, axis) for leaf, _, axis in leaves]
         leaf_writers.append(ws)
-        keys: list[Any] = list(values) + [id(cap.tensor(w.weight)) for w in ws if isinstance(w, Writer)]
+        keys: list[Any] = list(values) + [id(cap.tensor(w.weight)) for w in ws if isinstance(w, Writer) and w.weight]
         for key in keys:
             if key in owner_of:
                 parent[find(i)] = find(owner_of[key])
@@ -474,6 +671,8 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
     d = hidden.pop()
     problems = []
     for w in st.writers.values():
+        if w.kind == "norm" and w.weight is None:  # a constant-scale LayerNorm without bias: zero-mean as it is
+            continue
         t = cap.tensor(w.weight)
         dim = w.axis
         if t is None or t.dim() <= dim or (t.dim() != 2 and w.kind in ("linear", "embedding")) or t.shape[dim] != d:
@@ -492,18 +691,22 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
     for leaf, path in chains:
         chain = [leaf] + list(reversed(path))
         for a, b in zip(chain, chain[1:]):
-            if [u.name for u in cap.users(a)] != [b.name]:
-                other = next(u for u in cap.users(a) if u is not b)
+            if [u.name for u in _live_users(cap, a)] != [b.name]:
+                other = next(u for u in _live_users(cap, a) if u is not b)
                 problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by "
                                 f"{cap.describe(other)}")
-        for u in cap.users(chain[-1]):
+        for u in _live_users(cap, chain[-1]):
             if u.name not in allowed:
                 problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by {cap.describe(u)}")
     # each writer's parameters are read by the writers only (or by another name: a tie we can clone away)
     # a parameter writer is read by the pass-through ops that carry it into the stream (class_token.expand)
-    writer_nodes = set(st.writers).union(st.values, *({n.name for n in path} for _, path in chains))
+    writer_nodes = set(st.writers).union(st.values, *({n.name for n in path} for _, path in chains),
+                                         *(w.via for w in st.writers.values()))
+    scales = [id(cap.tensor(w.scale)) for w in st.writers.values() if w.scale]
+    if len(scales) != len(set(scales)):  # folded into two writers, it could not become ones for both
+        problems.append("one layer-scale parameter scales two stream writers")
     for w in st.writers.values():
-        for pname in (w.weight, w.bias):
+        for pname in (w.weight, w.bias, w.scale):
             t = cap.tensor(pname) if pname else None
             if t is None:
                 continue
@@ -524,13 +727,18 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
 
 def _writer_mean(cap: Captured, w: Writer) -> float | None:
     """Largest |mean over the hidden dim| of a writer's weight / bias, or None when it is zero-mean."""
+    if w.weight is None:  # a constant-scale LayerNorm without bias
+        return None
     t = cap.tensor(w.weight).detach()
     dim = w.axis
+    if w.scale:  # lambda * (W x + b): the product's mean
+        t = t.double() * _along(cap.tensor(w.scale).detach().double(), t.dim(), dim)
     # float64 one slice at a time (each slice holds whole reductions: the same means, not 2x the weight in float64)
     worst = max(float(s.double().mean(dim).abs().max()) for s in _slices(t, dim))
     scale = float(t.abs().max())
     if w.bias:
-        b = cap.tensor(w.bias).detach().double()
+        b = cap.tensor(w.bias).detach().double() * (cap.tensor(w.scale).detach().double().reshape(-1)
+                                                     if w.scale else 1)
         worst = max(worst, abs(float(b.mean())))
         scale = max(scale, float(b.abs().max()))
     return worst if worst > _ZERO_MEAN_RTOL * max(scale, 1e-30) else None
@@ -542,11 +750,40 @@ def _check_readers(cap: Captured, st: Stream, sites) -> list[str]:
     for i in st.sites:
         allowed.update(sites[i].nodes)
     for name in sorted(st.values):
-        for u in cap.users(cap.nodes[name]):
+        for u in _live_users(cap, cap.nodes[name]):
             if u.name not in allowed:
-                return [f"stream value {name} is also read by {cap.describe(u)}, which is not a LayerNorm "
+                end = _stream_end(cap, u)
+                if _fn_name(end) in _CATS and _cat_on_last(cap, end):  # Swin's patch merging, named as such
+                    return [_HIDDEN_CAT.format(where=cap.describe(end))]
+                past = f" (the stream flows on through {u.name})" if end is not u else ""
+                return [f"stream value {name} is also read by {_reader(cap, end)}{past}, which is not a LayerNorm "
                         f"(centering the stream would change it)"]
     return []
+
+
+def _stream_end(cap: Captured, node: fx.Node) -> fx.Node:
+    """Past the last swapped norm the stream may go on (adds, views): the first node that really reads it."""
+    seen, stack = set(), [node]
+    while stack:
+        v = stack.pop()
+        if v.name in seen:
+            continue
+        seen.add(v.name)
+        if not (cap.op(v) == "add" or _passes_through(cap, v)):
+            return v
+        stack.extend(reversed(_live_users(cap, v)))
+    return node
+
+
+def _cat_on_last(cap: Captured, node: fx.Node) -> bool:
+    """A cat joining along its last axis (where a stream keeps its hidden features)."""
+    rank = len(cap.shape(node) or ())
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return bool(rank) and isinstance(dim, int) and dim % rank == rank - 1
+
+
+def _reader(cap: Captured, node: fx.Node) -> str:
+    return "the model's output" if node.op == "output" else cap.describe(node)
 
 
 def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str) -> None:
@@ -600,9 +837,12 @@ def _beta_consumers(cap: Captured, p: SitePlan, readers) -> tuple[list[Consumer]
             if _passes_through(cap, u) and u.args[0] is v:
                 stack.append(u)
                 continue
-            lin = _linear_of(cap, u) if cap.op(u) == "linear" else None
+            lin = _linear_of(cap, u) if cap.op(u) in ("linear", "matmul") else None
             if lin is None or lin[0] is not v or lin[1] is None:
-                return [], f"{cap.describe(u)} reads the norm's output and cannot absorb its bias"
+                if cap.op(u) in ("add", "layer_norm", "rms_norm"):  # BLOOM's embedding LayerNorm
+                    return [], (f"the norm writes the residual stream (read by {cap.describe(u)}), so its bias has "
+                                f"no linear layer to fold into")
+                return [], f"{_reader(cap, u)} reads the norm's output and cannot absorb its bias"
             consumers.append(Consumer(u.name, _own_name(cap, lin[4], lin[1]), _own_name(cap, lin[4], lin[2]),
                                       lin[3], lin[4]))
     mine = {c.node for c in consumers}
@@ -616,6 +856,8 @@ def _beta_consumers(cap: Captured, p: SitePlan, readers) -> tuple[list[Consumer]
             lin_mod = cap.modules.get(c.module)
             if not (isinstance(lin_mod, nn.Linear) and c.weight == f"{c.module}.weight"):
                 return [], f"{c.node} has no bias parameter to absorb the norm's bias"
+            if lin_mod.bias is not None:  # x @ W.T + b written out: b is not read by the matmul
+                return [], f"{c.module} adds its bias outside its matmul, so the norm's bias cannot be folded into it"
             foreign = [n for n in readers.get(id(lin_mod.weight), []) if n not in mine
                        and _owns(cap, n, lin_mod.weight) == c.module]
         if foreign:
@@ -766,6 +1008,8 @@ class SwapPass:
             _untie_config(model, self.notes)
         done: set[int] = set()
         for w in st.writers.values():
+            if w.scale:
+                _fold_scale(model, cap, w)
             # embedding (V, D)  =>  each row minus its mean;  linear  =>  W - mean over output rows, b - mean(b)
             for pname, dim in ((w.weight, w.axis), (w.bias, 0)):
                 t = cap.tensor(pname) if pname else None
@@ -817,6 +1061,24 @@ class SwapPass:
                 new.weight.data.copy_(weight.detach())
         new.train(old.training)
         return new
+
+
+def _along(v: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
+    """A vector shaped to broadcast along axis ``dim`` of a rank-``rank`` tensor."""
+    shape = [1] * rank
+    shape[dim] = -1
+    return v.reshape(shape)
+
+
+def _fold_scale(model: nn.Module, cap: Captured, w: Writer) -> None:
+    """lambda * (W x + b)  =>  (diag(lambda) W) x + lambda b, lambda <- ones: the same output, centered next."""
+    lam = owned(model, cap.tensor(w.scale))
+    vec = lam.detach().double().reshape(-1)
+    for pname, dim in ((w.weight, w.axis), (w.bias, 0)):
+        if pname:
+            t = owned(model, cap.tensor(pname))
+            t.data.copy_((t.detach().double() * _along(vec, t.dim(), dim)).to(t.dtype))
+    lam.data.fill_(1)
 
 
 def _untie_config(model: nn.Module, notes: list[str]) -> None:

@@ -132,3 +132,47 @@ def tiny_gpt_neox():
 
 # more pre-LN decoders with LayerNorm, for swap
 TINY_PRE_LN = {"opt": tiny_opt, "gpt_neo": tiny_gpt_neo, "gpt_neox": tiny_gpt_neox}
+
+
+def tiny_falcon():
+    """Falcon: parallel attention, `mlp_out += attn_out` (an in-place add), FalconLinear computes x @ W.T."""
+    from transformers import FalconConfig, FalconModel
+
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, use_cache=False)
+    return _build(FalconModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_olmo():
+    """OLMo: a weight-free LayerNorm module written as F.layer_norm in float32, cast back."""
+    from transformers import OlmoConfig, OlmoModel
+
+    cfg = OlmoConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, use_cache=False)
+    return _build(OlmoModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_bloom():
+    """BLOOM: a LayerNorm right after the word embeddings writes the residual stream."""
+    from transformers import BloomConfig, BloomModel
+
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, use_cache=False)
+    return _build(BloomModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_mbart():
+    """MBart with scale_embedding: the token embedding times sqrt(d_model) (a Python float) writes the stream."""
+    from transformers import MBartConfig, MBartModel
+
+    cfg = MBartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                      scale_embedding=True, use_cache=False)
+    return _build(MBartModel, cfg), Inputs((), {"input_ids": _ids(), "decoder_input_ids": _ids(seq=8, seed=1)})
+
+
+def tiny_dinov2():
+    """DINOv2: layer scale (a per-channel Parameter lambda multiplied after each sublayer's output projection)."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=32,
+                       patch_size=8)
+    return _build(Dinov2Model, cfg), Inputs((_image(),))

@@ -170,7 +170,7 @@ class _Stack(nn.Module):
 @pytest.mark.parametrize("kwargs,why", [
     (dict(kind="relu_writer"), "not a linear layer or an embedding"),
     (dict(kind="relu_consumer"), "cannot absorb its bias"),
-    (dict(return_stream=True), "also read by output"),
+    (dict(return_stream=True), "also read by the model.s output"),
 ])
 def test_structural_refusals_name_the_site_and_reason(kwargs, why):
     model = _randomize_norms(_Stack(**kwargs).eval())

@@ -1,6 +1,9 @@
 """Exact LN -> RMSNorm past writers that are not Linear / Embedding: a parameter added to the stream (position
 embedding, class token joined with cat), a conv patch embedding reached through flatten / transpose, an in-place
-add_; and refusals that name the op when no weights-only rewrite exists (grouped conv)."""
+add_, a layer scale (lambda * W x), a scalar multiplication, a constant-scale LayerNorm writing the stream, a norm
+module whose forward is one functional norm (OLMo), MobileViT's patch unfolding; and refusals that name the op when
+no weights-only rewrite exists (grouped conv, a gate, a LayerNorm writer with a varying scale, Swin's patch-merging
+cat, the stream returned as an output)."""
 
 from __future__ import annotations
 
@@ -26,44 +29,73 @@ def _randomize(model, seed=0):
 
 
 class Block(nn.Module):
-    def __init__(self, inplace=False):
+    """scale: None | "layer" (lambda * W x, DINOv2 / BEiT layer scale) | "gate" (sigmoid(W' x) * W x: no rewrite)."""
+
+    def __init__(self, inplace=False, scale=None):
         super().__init__()
-        self.inplace = inplace
+        self.inplace, self.scale = inplace, scale
         self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
         self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
         self.fc1, self.fc2 = nn.Linear(D, 64), nn.Linear(64, D)
+        self.lambda1, self.lambda2 = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(1, 1, D))
+        self.gate = nn.Linear(D, D)
 
     def forward(self, x):
         b, n, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).reshape(b, n, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, D)
-        x = x + self.proj(a)
-        h = self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        a = self.proj(a)
+        if self.scale == "layer":
+            a = a * self.lambda1
+        x = x + a
+        h = self.ln2(x)
+        g = torch.sigmoid(self.gate(h))
+        h = self.fc2(F.gelu(self.fc1(h)))
+        if self.scale == "layer":
+            h = self.lambda2 * F.dropout(h, 0.1, self.training)  # the scale on the left, through a dropout
+        elif self.scale == "gate":
+            h = g * h
         return x.add_(h) if self.inplace else x + h
 
 
 class ViT(nn.Module):
-    """Pre-LN ViT: conv patches -> flatten/transpose, class token by cat, learned position embedding (Parameters)."""
+    """Pre-LN ViT: conv patches -> flatten/transpose, class token by cat, learned position embedding (Parameters).
+    embed_scale multiplies the patches by a number; emb_norm puts a LayerNorm between the embeddings and the blocks."""
 
-    def __init__(self, groups=1, inplace=False):
+    def __init__(self, groups=1, inplace=False, scale=None, embed_scale=None, emb_norm=False):
         super().__init__()
         self.patch = nn.Conv2d(4, D, 8, 8, groups=groups)
         self.cls = nn.Parameter(torch.randn(1, 1, D))
         self.pos = nn.Parameter(torch.randn(1, 17, D))
-        self.blocks = nn.Sequential(Block(inplace), Block(inplace))
+        self.embed_scale = embed_scale
+        self.register_buffer("temperature", torch.tensor([0.5]))  # a one-element buffer, also a scalar
+        self.emb_norm = nn.LayerNorm(D) if emb_norm else None
+        self.blocks = nn.Sequential(Block(inplace, scale), Block(inplace, scale))
         self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, 10)
 
     def forward(self, x):
         x = self.patch(x).flatten(2).transpose(1, 2)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale / self.temperature
         x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        if self.emb_norm is not None:
+            x = self.emb_norm(x)
         return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+def _main(out):
+    for key in ("logits", "last_hidden_state"):
+        if hasattr(out, key):
+            return getattr(out, key)
+    return out
 
 
 def _exact(model, x, x2):
     new, report = normconv.swap(model, x)
     assert not any(isinstance(m, nn.LayerNorm) for m in new.modules())
-    ref, out = run(model, Inputs((x2,))), run(new, Inputs((x2,)))  # a second batch size, checked here
-    ref, out = getattr(ref, "logits", ref), getattr(out, "logits", out)
+    assert any(isinstance(m, nn.RMSNorm) for m in new.modules())
+    ref, out = run(model, Inputs((x2,))), run(new, Inputs((x2,)))  # a second batch size / length, checked here
+    ref, out = _main(ref), _main(out)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
     return new
@@ -103,3 +135,188 @@ def tiny_hf_vit() -> nn.Module:
 
 def test_hf_vit_swaps_exactly():
     _exact(tiny_hf_vit(), torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# multiplications on the stream path: layer scale folded, scalars passed through, a gate refused
+
+
+def test_layer_scale_is_folded_into_its_writer():
+    torch.manual_seed(0)
+    model = _randomize(ViT(scale="layer")).eval()
+    new = _exact(model, torch.randn(2, 4, 32, 32), torch.randn(5, 4, 32, 32))
+    blk, old = new.blocks[0], model.blocks[0]
+    # lambda * (W x + b) = (diag(lambda) W) x + lambda b, centered; lambda becomes ones (same structure, loadable)
+    assert torch.equal(blk.lambda1, torch.ones(D)) and torch.equal(blk.lambda2, torch.ones(1, 1, D))
+    want = old.lambda1.detach().double()[:, None] * old.proj.weight.detach().double()
+    torch.testing.assert_close(blk.proj.weight.double(), want - want.mean(0), atol=1e-6, rtol=1e-5)
+    lost = set(model.state_dict()) - set(new.state_dict())
+    assert lost and all(k.endswith("bias") and ("ln" in k or "norm" in k) for k in lost)  # only the norms' biases
+    assert not torch.equal(model.blocks[0].lambda1, torch.ones(D))  # the user's model is untouched
+
+
+def test_scalar_multiplications_pass_through():
+    torch.manual_seed(0)
+    model = _randomize(ViT(embed_scale=D ** 0.5)).eval()
+    _exact(model, torch.randn(2, 4, 32, 32), torch.randn(5, 4, 32, 32))
+
+
+def test_gate_on_the_stream_is_refused_by_name():
+    torch.manual_seed(0)
+    model = ViT(scale="gate").eval()
+    with pytest.raises(NormconvError, match=r"multiplies .* computed from the input and varying along the hidden "
+                                            r"axis \(a gate\)"):
+        normconv.swap(model, torch.randn(2, 4, 32, 32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a LayerNorm writing the stream: exact when its scale is constant, refused in words otherwise
+
+
+def test_layernorm_writer_with_constant_scale_swaps_exactly():
+    torch.manual_seed(0)
+    model = _randomize(ViT(emb_norm=True)).eval()
+    with torch.no_grad():
+        model.emb_norm.weight.fill_(1.7)
+        model.emb_norm.bias.zero_()
+    _exact(model, torch.randn(2, 4, 32, 32), torch.randn(5, 4, 32, 32))
+
+
+def test_layernorm_writer_with_varying_scale_is_refused_in_words():
+    torch.manual_seed(0)
+    model = _randomize(ViT(emb_norm=True)).eval()
+    x = torch.randn(2, 4, 32, 32)
+    with pytest.raises(NormconvError, match=r"emb_norm: the norm writes the residual stream \(read by blocks.0.ln1\), "
+                                            r"so its bias has no linear layer to fold into"):
+        normconv.swap(model, x)
+    with torch.no_grad():
+        model.emb_norm.bias.zero_()
+    with pytest.raises(NormconvError, match=r"emb_norm is a LayerNorm whose scale g varies .*: mean\(g \* n\) "
+                                            r"depends on the input unless g is constant, so no weights-only rewrite"):
+        normconv.swap(model, x)
+
+
+class RawStream(nn.Module):
+    """Returns the residual stream itself next to the normed output (a base model's hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block, self.norm = nn.Embedding(50, D), Block(), nn.LayerNorm(D)
+
+    def forward(self, ids):
+        x = self.block(self.emb(ids))
+        return x, self.norm(x.mean(1))  # the pooled norm reads the stream through a mean over tokens
+
+
+def test_stream_returned_as_output_is_refused_by_name():
+    with pytest.raises(NormconvError, match="is also read by the model's output, which is not a LayerNorm"):
+        normconv.swap(RawStream().eval(), torch.randint(0, 50, (2, 8)))
+
+
+class Unfold(nn.Module):
+    """MobileViT's patch unfolding: conv -> bilinear resize -> (B, C, H, W) -> (B*C*h, p, w, p) -> ... ->
+    (B*p*p, N, C): the hidden (channel) axis is merged with others on the way and split out again."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.block, self.norm, self.head = nn.Conv2d(4, D, 3, padding=1), Block(), nn.LayerNorm(D), \
+            nn.Linear(D, 10)
+
+    def forward(self, x):
+        x = F.interpolate(self.conv(x), size=(8, 8), mode="bilinear", align_corners=False)
+        b, c, h, w = x.shape
+        x = x.reshape(b * c * 4, 2, 4, 2).transpose(1, 2).reshape(b, c, 16, 4).transpose(1, 3).reshape(b * 4, 16, c)
+        return self.head(self.norm(self.block(x)).mean(1))  # the final norm's bias folds through the mean
+
+
+def test_patch_unfolding_reshapes_are_followed():
+    torch.manual_seed(0)
+    model = _randomize(Unfold()).eval()
+    new = _exact(model, torch.randn(2, 4, 6, 6), torch.randn(3, 4, 10, 10))
+    assert new.conv.weight.double().mean(0).abs().max() < 1e-6
+
+
+class PatchMerge(nn.Module):
+    """Swin's patch merging: four strided C-wide slices of the stream joined into one 4C row, then LayerNorm(4C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block = nn.Linear(4, D), Block()
+        self.norm, self.reduce = nn.LayerNorm(4 * D), nn.Linear(4 * D, 10)
+
+    def forward(self, x):  # x: (B, 16, 4) tokens of a 4 x 4 grid
+        x = self.block(self.emb(x)).view(x.shape[0], 4, 4, D)
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+        return self.reduce(self.norm(x.view(x.shape[0], -1, 4 * D)))
+
+
+def test_patch_merging_cat_along_the_hidden_axis_is_refused_by_name():
+    with pytest.raises(NormconvError, match=r"the stream is joined along its hidden axis by cat \(patch merging"):
+        normconv.swap(PatchMerge().eval(), torch.randn(2, 16, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face models the coverage sweep refused
+
+
+def _hf(builder, randomize=()):
+    pytest.importorskip("transformers")
+    from tests import hf_tiny
+
+    model, inputs = getattr(hf_tiny, builder)()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in randomize):  # norms and scales away from their 1 / 0 initialization
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if p.dim() and "bias" not in name else 0.0))
+    return model, inputs
+
+
+def _hf_exact(model, inputs, **second):
+    new, report = normconv.swap(model, inputs)
+    assert not any(isinstance(m, nn.LayerNorm) for m in new.modules())
+    assert any(isinstance(m, nn.RMSNorm) for m in new.modules())
+    x2 = {k: (v[:, :12] if k in second.get("cut", ()) else v) for k, v in inputs.kwargs.items()}
+    args2 = tuple(torch.cat([a, a[:1]]) for a in inputs.args)  # a second batch size
+    ref, out = run(model, Inputs(args2, x2)), run(new, Inputs(args2, x2))
+    torch.testing.assert_close(_main(out), _main(ref), atol=1e-5, rtol=1e-4)
+    return new, report
+
+
+def test_hf_dinov2_layer_scale_swaps_exactly():
+    model, inputs = _hf("tiny_dinov2", ("lambda1", "norm1", "norm2"))
+    new, _ = _hf_exact(model, inputs)
+    assert torch.equal(new.encoder.layer[0].layer_scale1.lambda1, torch.ones(32))
+
+
+def test_hf_falcon_inplace_add_and_matmul_linears_swap_exactly():
+    model, inputs = _hf("tiny_falcon", ("input_layernorm",))
+    new, report = _hf_exact(model, inputs, cut=("input_ids",))
+    # the LayerNorm biases went into the FalconLinears (x @ W.T) after them, as new bias parameters
+    assert new.h[0].self_attention.query_key_value.bias is not None
+
+
+def test_hf_olmo_inline_layernorm_module_is_swapped():
+    model, inputs = _hf("tiny_olmo")
+    new, report = _hf_exact(model, inputs, cut=("input_ids",))
+    assert not any(type(m).__name__ == "OlmoLayerNorm" for m in new.modules())
+
+
+def test_hf_mbart_scaled_embedding_swaps_exactly():
+    model, inputs = _hf("tiny_mbart", ("layers.0.self_attn_layer_norm", "layers.0.final_layer_norm"))
+    _hf_exact(model, inputs, cut=("input_ids",))
+
+
+def test_hf_bloom_embedding_layernorm():
+    # at initialization (scale ones, bias zeros) the embedding LayerNorm is a zero-mean writer: exact
+    model, inputs = _hf("tiny_bloom")
+    _hf_exact(model, inputs, cut=("input_ids",))
+    # trained, its scale varies: refused in words (h.0.input_layernorm is the first site reading the stream)
+    model, inputs = _hf("tiny_bloom", ("word_embeddings_layernorm.weight",))
+    with pytest.raises(NormconvError, match="h.0.input_layernorm: stream writer word_embeddings_layernorm is a "
+                                            "LayerNorm whose scale g varies .*unless g is constant"):
+        normconv.swap(model, inputs)
+    # and its bias cannot go anywhere but the stream
+    model, inputs = _hf("tiny_bloom", ("word_embeddings_layernorm",))
+    with pytest.raises(NormconvError, match=r"word_embeddings_layernorm: the norm writes the residual stream"):
+        normconv.swap(model, inputs)

@@ -20,9 +20,9 @@ aten = torch.ops.aten
 
 # canonical name -> callables / method names / aten overload packets that mean it
 _OPS: dict[str, tuple[list[Callable], list[str], list[Any]]] = {
-    "add": ([operator.add, operator.iadd, torch.add], ["add", "add_"], [aten.add]),
+    "add": ([operator.add, operator.iadd, torch.add], ["add", "add_"], [aten.add, aten.add_]),
     "sub": ([operator.sub, operator.isub, torch.sub], ["sub", "sub_"], [aten.sub]),
-    "mul": ([operator.mul, operator.imul, torch.mul], ["mul", "mul_"], [aten.mul]),
+    "mul": ([operator.mul, operator.imul, torch.mul], ["mul", "mul_"], [aten.mul, aten.mul_]),
     "div": ([operator.truediv, operator.itruediv, torch.div, torch.true_divide], ["div", "div_"], [aten.div]),
     "pow": ([operator.pow, torch.pow], ["pow"], [aten.pow]),
     "square": ([torch.square], ["square"], [aten.square]),
