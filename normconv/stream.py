@@ -55,14 +55,25 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 
 
 def _header(path: Path) -> dict[str, Any]:
-    """A safetensors file's header: {name: {dtype, shape, data_offsets}, "__metadata__": {...}}."""
+    """A safetensors file's header: {name: {dtype, shape, data_offsets}, "__metadata__": {...}}, plus
+    "__start__": where its data begins."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+        header = json.loads(f.read(n))
+    header["__start__"] = 8 + n
+    return header
+
+
+def _entries(header: dict[str, Any]) -> list[str]:
+    return [k for k in header if k not in ("__metadata__", "__start__")]
 
 
 class Checkpoint:
-    """The tensors of a Hugging Face folder's safetensors shards, read one at a time (never all at once)."""
+    """The tensors of a Hugging Face folder's safetensors shards, read one at a time (never all at once).
+
+    Each tensor is read into a buffer of its own: ``safe_open(...).get_tensor`` returns tensors backed by the file's
+    mapping, cached per handle (an edit in place shows in the next read of the same name: a norm bias zeroed before
+    its consumer's bias was computed read back as zeros), and every mapped page it touched counts in the RSS."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -72,7 +83,7 @@ class Checkpoint:
             self.weight_map: dict[str, str] = index["weight_map"]
         elif (folder / SINGLE).exists():
             self.index_metadata = None
-            self.weight_map = {k: SINGLE for k in _header(folder / SINGLE) if k != "__metadata__"}
+            self.weight_map = {k: SINGLE for k in _entries(_header(folder / SINGLE))}
         else:
             raise NormconvError(f"{folder} has no safetensors weights ({SINGLE} or {INDEX}): --stream reads "
                                 f"safetensors checkpoints only")
@@ -81,7 +92,6 @@ class Checkpoint:
             if not (folder / shard).exists():
                 raise NormconvError(f"{folder}/{INDEX} names {shard}, which is missing")
             self.shards[shard] = _header(folder / shard)
-        self._open: tuple[str, Any] | None = None
         self.key = {k: k for k in self.weight_map}  # model's state_dict name -> checkpoint key
         self.name = dict(self.key)  # checkpoint key -> model's state_dict name
 
@@ -110,20 +120,22 @@ class Checkpoint:
     def names(self, shard: str) -> list[str]:
         """The shard's tensors in file order."""
         h = self.shards[shard]
-        return sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+        return sorted(_entries(h), key=lambda k: h[k]["data_offsets"][0])
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, read from its shard (one shard kept open: its mapping is dropped when the next opens)."""
-        from safetensors import safe_open
-
+        """One tensor, read from its shard into a new buffer (positioned read, no mapping)."""
         shard = self.weight_map[name]
-        if self._open is None or self._open[0] != shard:
-            self._open = None
-            self._open = (shard, safe_open(str(self.folder / shard), framework="pt"))
-        return self._open[1].get_tensor(name)
-
-    def close(self) -> None:
-        self._open = None
+        h = self.shards[shard]
+        e = h[name]
+        t = torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
+        start, end = e["data_offsets"]
+        if end > start:
+            buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            with open(self.folder / shard, "rb") as f:
+                f.seek(h["__start__"] + start)
+                if f.readinto(buf) != end - start or buf.nbytes != end - start:
+                    raise NormconvError(f"{self.folder / shard}: tensor {name} is truncated")
+        return t
 
 
 class ShardWriter:
@@ -209,8 +221,9 @@ def _float_dtype(ckpt: Checkpoint) -> torch.dtype:
     """The dtype most of the checkpoint's floating tensors have (the model is built in it)."""
     count: dict[torch.dtype, int] = {}
     for h in ckpt.shards.values():
-        for k, v in h.items():
-            if k != "__metadata__" and _DTYPES[v["dtype"]].is_floating_point:
+        for k in _entries(h):
+            v = h[k]
+            if _DTYPES[v["dtype"]].is_floating_point:
                 count[_DTYPES[v["dtype"]]] = count.get(_DTYPES[v["dtype"]], 0) + torch.Size(v["shape"]).numel()
     return max(count, key=count.get) if count else torch.float32
 
@@ -317,7 +330,6 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
             writer.check()
         finally:
             writer.f.close()
-    ckpt.close()
     return weight_map, any(copies.values()), len({f.norm for f in plan.folds} - kept)
 
 
@@ -353,7 +365,7 @@ def _copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, s
 def _data_bytes(path: Path) -> int:
     """Bytes of tensor data in a safetensors file."""
     h = _header(path)
-    return max((v["data_offsets"][1] for k, v in h.items() if k != "__metadata__"), default=0)
+    return max((h[k]["data_offsets"][1] for k in _entries(h)), default=0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -441,7 +453,6 @@ class _OnDemand:
         finally:
             self._restore(self._saved + saved)
             self._saved = []
-            self.ckpt.close()
         return out, self.outputs
 
 

@@ -223,3 +223,30 @@ def test_a_folder_without_safetensors_is_refused(tmp_path):
         f.unlink()
     with pytest.raises(NormconvError, match="no safetensors weights"):
         stream.swap(src, tmp_path / "out")
+
+
+def test_the_order_of_tensors_in_the_shards_does_not_matter(tmp_path):
+    """A norm's bias stored before the linear that absorbs it (module order, one unindexed file) gives the same
+    bytes as stored after it (save_pretrained's order), and the input files are left byte-identical."""
+    import hashlib
+    import shutil
+
+    first, second = tmp_path / "sorted", tmp_path / "module_order"
+    model = _saved(_gpt2, first)
+    second.mkdir()
+    shutil.copy(first / "config.json", second / "config.json")
+    params = dict(model.named_parameters())  # tied head once, in module order: ln_1.bias before attn.c_attn.bias
+    writer = stream.ShardWriter(second / "model.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in params.items()],
+                                {"format": "pt"})
+    for n, t in params.items():
+        writer.write(n, t.detach())
+    writer.check()
+    writer.f.close()
+    digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.rglob("*.safetensors"))}
+    stream.swap(first, tmp_path / "out1")
+    stream.swap(second, tmp_path / "out2")
+    assert digest == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digest}
+    a, b = _streamed_tensors(tmp_path / "out1", model), _streamed_tensors(tmp_path / "out2", model)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert not (tmp_path / "out2" / "model.safetensors.index.json").exists()  # one file in, one file out
