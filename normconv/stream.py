@@ -408,10 +408,7 @@ class _OnDemand:
         self._saved: list = []
         self.blocks = len(blocks)
         self.rest = _slots(model, skip={id(m) for b in blocks for m in b.modules()})
-        for i, block in enumerate(blocks):
-            slots = _slots(block, f"{prefix}.{i}")
-            block.register_forward_pre_hook(lambda m, a, slots=slots: self._load(slots))
-            block.register_forward_hook(lambda m, a, out: self._drop(out))
+        self.block_slots = [(block, _slots(block, f"{prefix}.{i}")) for i, block in enumerate(blocks)]
 
     def _fill(self, slots) -> list:
         """Load ``slots`` from the checkpoint; returns what to put back."""
@@ -446,11 +443,18 @@ class _OnDemand:
     def run(self, inputs: Inputs) -> tuple[Any, list[torch.Tensor]]:
         """The model's outputs on ``inputs`` and each block's output, in call order."""
         self.outputs = []
-        saved = self._fill(self.rest)
+        hooks = []
+        for block, slots in self.block_slots:  # hooks for this forward only (a model runs at several shapes)
+            hooks.append(block.register_forward_pre_hook(lambda m, a, slots=slots: self._load(slots)))
+            hooks.append(block.register_forward_hook(lambda m, a, out: self._drop(out)))
+        saved = []
         try:
+            saved = self._fill(self.rest)
             with torch.no_grad():
                 out = self.model(*inputs.args, **inputs.kwargs)
         finally:
+            for h in hooks:
+                h.remove()
             self._restore(self._saved + saved)
             self._saved = []
         return out, self.outputs

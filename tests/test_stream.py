@@ -250,3 +250,18 @@ def test_the_order_of_tensors_in_the_shards_does_not_matter(tmp_path):
     assert sorted(a) == sorted(b)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     assert not (tmp_path / "out2" / "model.safetensors.index.json").exists()  # one file in, one file out
+
+
+def test_block_by_block_runs_leave_every_parameter_on_meta(tmp_path):
+    """Each verification forward loads a block's weights for that block only and leaves nothing loaded, however
+    many times (shapes) and through however many loaders the same model runs."""
+    src = tmp_path / "in"
+    model = _saved(_gpt2, src)
+    cls, config = stream._model_class(src)
+    meta = stream._build(cls, config, torch.float32)
+    for inputs in _shapes(model):
+        loader = stream._OnDemand(meta, stream.Checkpoint(src).rename_for(meta), src)
+        out, blocks = loader.run(inputs)
+        assert len(blocks) == 3
+        assert torch.allclose(out.logits, model(**inputs.kwargs).logits, atol=1e-6)
+        assert {p.device.type for p in meta.parameters()} == {"meta"}
