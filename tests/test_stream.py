@@ -265,3 +265,16 @@ def test_block_by_block_runs_leave_every_parameter_on_meta(tmp_path):
         assert len(blocks) == 3
         assert torch.allclose(out.logits, model(**inputs.kwargs).logits, atol=1e-6)
         assert {p.device.type for p in meta.parameters()} == {"meta"}
+
+
+def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    model = _saved(lambda: _opt().to(torch.bfloat16), src)
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed and all(v.atol == 5e-2 for v in report.validation)  # bf16 tolerance, not fp32's
+    written = _streamed_tensors(out, model)
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    original = model.state_dict()
+    for name, t in written.items():  # centered writers: zero mean along the hidden axis, up to bf16 rounding
+        if name.endswith("embed_tokens.weight"):
+            assert t.double().mean(-1).abs().max() < 1e-3 < original[name].double().mean(-1).abs().max()
