@@ -483,9 +483,12 @@ def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float |
         where = inputs.describe()
         for i, (r, c) in enumerate(zip(ref_blocks, new_blocks)):
             # a block's output is the residual stream, which the rewrite makes zero-mean: it must equal the
-            # original stream minus its mean over the hidden axis (what every LayerNorm reads)
+            # original stream minus its mean over the hidden axis (what every LayerNorm reads), within the
+            # tolerance scaled by the stream's largest value (its scale grows with depth; an element near zero
+            # of a large stream carries the rounding of the large terms that summed to it)
             r64 = r.double()
-            v = compare(r64 - r64.mean(-1, keepdim=True), c.double(), atol, rtol, label=f"block {i} ({where})")
+            r64 = r64 - r64.mean(-1, keepdim=True)
+            v = compare(r64, c.double(), atol + rtol * float(r64.abs().max()), 0.0, label=f"block {i} ({where})")
             blocks.append({"block": i, "inputs": where, "max_abs_error": v.max_abs_error, "passed": v.passed})
             if not v.passed:
                 validations.append(v)
