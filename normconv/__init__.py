@@ -3,6 +3,7 @@
     import normconv
     folded, report = normconv.fold(model, example_inputs)
     swapped, report = normconv.swap(model, example_inputs, to="rmsnorm")
+    report = normconv.stream_swap("hf_folder", "out_folder")   # larger than RAM: tensor by tensor
     new, report = normconv.canonicalize(model, example_inputs)
     rotated, report = normconv.rotate(model, example_inputs)
     new, report = normconv.deepnorm(model, example_inputs)
@@ -19,7 +20,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+local"
 
-_API = ("fold", "canonicalize", "swap", "rotate", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
+_API = ("fold", "canonicalize", "swap", "stream_swap", "rotate", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
         "VerificationError")
 
 

@@ -68,6 +68,15 @@ def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate
     return new, report
 
 
+def stream_swap(folder: str, output: str, *, atol: float | None = None, rtol: float | None = None) -> Report:
+    """The exact LayerNorm -> RMSNorm swap of a Hugging Face folder (safetensors), streamed tensor by tensor and
+    verified block by block without ever holding the model; writes ``output`` (a new folder: the same architecture
+    with rewritten weights). Returns the report (per-block errors in ``report.extra["blocks"]``)."""
+    from normconv import stream
+
+    return stream.swap(folder, output, atol=atol, rtol=rtol)
+
+
 def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", seed: int = 0, *,
            atol: float | None = None, rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
     """Exact swap (pre-LN) -> norm scales folded into the linears -> residual stream rotated by an orthogonal Q

@@ -471,7 +471,7 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
     except ImportError:
         raise NormconvError(f"{spec} is a Hugging Face folder: pip install transformers") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    remote = _remote_code(path / "config.json")
+    remote = remote_code(path / "config.json")
     if remote and not trust_remote_code:
         # transformers would ask [y/N] on a terminal, and 'y' runs the folder's code: never prompt, refuse
         raise NormconvError(f"{spec} ships its own model code (config.json auto_map: {remote}); normconv does not "
@@ -501,7 +501,7 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
     return Loaded(model.eval(), hf_example_inputs(model), spec, "hf", path)
 
 
-def _remote_code(config_json: Path) -> str | None:
+def remote_code(config_json: Path) -> str | None:
     """The code a Hugging Face config asks to import (``auto_map``), or None."""
     import json
 

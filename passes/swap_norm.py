@@ -23,7 +23,7 @@ Approximate (opt-in): a site that cannot be made exact is replaced as is (RMSNor
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -539,7 +539,12 @@ def _hidden(site: NormSite) -> int | None:
 # analysis (what plan shows and what the pass applies)
 
 
-def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm") -> Analysis:
+def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
+            read: Callable[[str], torch.Tensor] | None = None) -> Analysis:
+    """Plan the swap from the graph and shapes. The values it needs (is a norm's bias zero? is a writer already
+    zero-mean?) come through ``read(state_dict name)``, by default the captured model's tensors: a plan made on
+    the meta device reads them from the checkpoint instead (normconv.stream)."""
+    read = read or (lambda name: cap.tensor(name))
     if to not in SOURCE_KIND:
         raise ValueError(f"unknown target norm {to!r}")
     kind = SOURCE_KIND[to]
@@ -547,11 +552,11 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm") -> An
     readers = _param_readers(cap)
     plans = [SitePlan(s, _norm_module(cap, s), False, "") for s in sites]
     walks = [_walk(cap, s) for s in sites]
-    streams = _streams(cap, sites, walks, readers, to)
+    streams = _streams(cap, sites, walks, readers, to, read)
     for i, p in enumerate(plans):
         p.stream = next((k for k, st in enumerate(streams) if i in st.sites), None)
     for p in plans:
-        _decide(cap, p, streams, readers, to)
+        _decide(cap, p, streams, readers, to, read)
     # a norm module called at several sites is swapped at all of them or none
     by_module: dict[str, list[SitePlan]] = {}
     for p in plans:
@@ -618,7 +623,7 @@ def _cat_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[fx.Node] 
     return list(parts)
 
 
-def _streams(cap, sites, walks, readers, to) -> list[Stream]:
+def _streams(cap, sites, walks, readers, to, read) -> list[Stream]:
     """Group sites whose sum trees share a value or a writer parameter; check each group once."""
     parent = list(range(len(sites)))
 
@@ -656,7 +661,7 @@ def _streams(cap, sites, walks, readers, to) -> list[Stream]:
                     st.writers[w.node] = w
                     chains.append((leaf, path))
         if not problems:
-            problems += _check_writers(cap, st, chains, readers, sites, to)
+            problems += _check_writers(cap, st, chains, readers, sites, to, read)
         if not problems and to == "rmsnorm":
             problems += _check_readers(cap, st, sites)
         st.problem = problems[0] if problems else None
@@ -664,7 +669,7 @@ def _streams(cap, sites, walks, readers, to) -> list[Stream]:
     return streams
 
 
-def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
+def _check_writers(cap, st: Stream, chains, readers, sites, to, read) -> list[str]:
     hidden = {_hidden(sites[i]) for i in st.sites}
     if len(hidden) != 1 or None in hidden:
         return ["the norm normalizes more than one dim (or streams of different widths meet)"]
@@ -681,7 +686,7 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
         # RMSNorm -> LayerNorm edits no writer: it is exact only if they are zero-mean already
         for w in st.writers.values():
             if not problems:
-                m = _writer_mean(cap, w)
+                m = _writer_mean(w, read)
                 if m is not None:
                     problems.append(f"stream writer {w.module or w.node} is not zero-mean (|mean| up to {m:.2g}), "
                                     f"so RMSNorm and LayerNorm differ on this stream")
@@ -725,20 +730,19 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to) -> list[str]:
     return problems
 
 
-def _writer_mean(cap: Captured, w: Writer) -> float | None:
+def _writer_mean(w: Writer, read) -> float | None:
     """Largest |mean over the hidden dim| of a writer's weight / bias, or None when it is zero-mean."""
     if w.weight is None:  # a constant-scale LayerNorm without bias
         return None
-    t = cap.tensor(w.weight).detach()
+    t = read(w.weight).detach()
     dim = w.axis
     if w.scale:  # lambda * (W x + b): the product's mean
-        t = t.double() * _along(cap.tensor(w.scale).detach().double(), t.dim(), dim)
+        t = t.double() * _along(read(w.scale).detach().double(), t.dim(), dim)
     # float64 one slice at a time (each slice holds whole reductions: the same means, not 2x the weight in float64)
     worst = max(float(s.double().mean(dim).abs().max()) for s in _slices(t, dim))
     scale = float(t.abs().max())
     if w.bias:
-        b = cap.tensor(w.bias).detach().double() * (cap.tensor(w.scale).detach().double().reshape(-1)
-                                                     if w.scale else 1)
+        b = read(w.bias).detach().double() * (read(w.scale).detach().double().reshape(-1) if w.scale else 1)
         worst = max(worst, abs(float(b.mean())))
         scale = max(scale, float(b.abs().max()))
     return worst if worst > _ZERO_MEAN_RTOL * max(scale, 1e-30) else None
@@ -786,7 +790,7 @@ def _reader(cap: Captured, node: fx.Node) -> str:
     return "the model's output" if node.op == "output" else cap.describe(node)
 
 
-def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str) -> None:
+def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str, read) -> None:
     site = p.site
     if p.module is None:
         p.reason = (f"{site.source} norm written inline in {site.owner or 'forward'}: swap replaces norm modules"
@@ -799,11 +803,11 @@ def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str)
         p.reason = ("post-LN: the residual stream is re-normalized (with its bias) after every sublayer, so it is "
                     "not zero-mean; only --approximate (drift measured)")
         if to == "rmsnorm":
-            p.consumers, p.beta_problem = _beta_consumers(cap, p, readers)
+            p.consumers, p.beta_problem = _beta_consumers(cap, p, readers, read)
         return
     st = streams[p.stream] if p.stream is not None else None
     if to == "rmsnorm":
-        p.consumers, p.beta_problem = _beta_consumers(cap, p, readers)
+        p.consumers, p.beta_problem = _beta_consumers(cap, p, readers, read)
     if st is not None and st.problem:
         p.reason = st.problem + "; only --approximate (drift measured)"
         return
@@ -819,10 +823,10 @@ def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str)
         p.reason = f"to LayerNorm(eps={site.eps:g}, no bias), exact: the stream's writers are zero-mean"
 
 
-def _beta_consumers(cap: Captured, p: SitePlan, readers) -> tuple[list[Consumer], str | None]:
+def _beta_consumers(cap: Captured, p: SitePlan, readers, read) -> tuple[list[Consumer], str | None]:
     """The linears a LayerNorm's bias b folds into, or why it cannot fold (b == 0 needs none)."""
     mod = cap.modules.get(p.module) if p.module else None
-    beta = getattr(mod, "bias", None)
+    beta = read(f"{p.module}.bias") if getattr(mod, "bias", None) is not None else None
     if beta is None or not bool(torch.count_nonzero(beta.detach())):
         return [], None
     consumers: list[Consumer] = []
@@ -864,6 +868,105 @@ def _beta_consumers(cap: Captured, p: SitePlan, readers) -> tuple[list[Consumer]
             return [], (f"{c.bias or c.module} is also used by {cap.describe(cap.nodes[foreign[0]])}, so the norm's "
                         f"bias cannot be folded into it")
     return consumers, None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the edits as data: what the in-memory pass and the streaming writer (normconv.stream) both apply
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A norm's bias b folded into a consumer linear: bias <- bias + W b (bias None: one is added)."""
+
+    beta: str  # the norm's bias (state_dict name)
+    norm: str  # the norm module
+    weight: str
+    bias: str | None
+    layout: str
+    module: str
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A layer scale lambda folded into its writer before centering: W <- diag(lambda) W, b <- lambda b, lambda <- 1."""
+
+    scale: str
+    weight: str | None
+    axis: int
+    bias: str | None
+
+
+@dataclass
+class Edits:
+    """The swap's weight edits, by state_dict name, in the order they apply: untie, scale, center, fold."""
+
+    untie: dict[str, str] = field(default_factory=dict)  # centered embedding module -> its weight's name
+    scales: list[Scale] = field(default_factory=list)
+    center: dict[str, int] = field(default_factory=dict)  # writer weight / bias -> the axis centered along
+    folds: list[Fold] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # approximate: "norm (why its bias could not fold)"
+
+    def fold_into(self) -> dict[str, list[Fold]]:
+        """consumer bias name -> the folds that add to it."""
+        out: dict[str, list[Fold]] = {}
+        for f in self.folds:
+            if f.bias is not None:
+                out.setdefault(f.bias, []).append(f)
+        return out
+
+
+def edits(cap: Captured, a: Analysis, approximate: bool = False,
+          read: Callable[[str], torch.Tensor] | None = None) -> Edits:
+    """The weight edits ``a`` plans (exact sites; every swappable site with ``approximate``); norm bias values
+    are read through ``read`` (default: the captured model's tensors) to skip zero biases."""
+    read = read or (lambda name: cap.tensor(name))
+    out = Edits()
+    if a.to != "rmsnorm":
+        return out  # RMSNorm -> LayerNorm edits no weight: its writers are zero-mean already
+    done: set[int] = set()
+    for st in a.streams:
+        if st.problem is not None:
+            continue
+        for path in st.unties:
+            out.untie[path] = f"{path}.weight"
+        for w in st.writers.values():
+            if w.scale:  # layer scale: folded into the writer first, so the product is what gets centered
+                out.scales.append(Scale(w.scale, w.weight, w.axis, w.bias))
+            # embedding (V, D)  =>  each row minus its mean;  linear  =>  W - mean over output rows, b - mean(b)
+            for pname, dim in ((w.weight, w.axis), (w.bias, 0)):
+                t = cap.tensor(pname) if pname else None
+                if t is not None and id(t) not in done:
+                    done.add(id(t))
+                    out.center[pname] = dim
+    folded: set[int] = set()
+    for p in a.plans:
+        if p.module is None or not (p.exact or approximate):
+            continue
+        if getattr(cap.modules[p.module], "bias", None) is None:
+            continue
+        beta = f"{p.module}.bias"
+        if not bool(torch.count_nonzero(read(beta).detach())):
+            continue  # b = 0: nothing to fold
+        if p.beta_problem:
+            out.dropped.append(f"{p.module} ({p.beta_problem})")
+            continue
+        for c in p.consumers:
+            w = cap.tensor(c.weight)
+            if id(w) not in folded:  # a consumer shared by two norms reads the same b once
+                folded.add(id(w))
+                out.folds.append(Fold(beta, p.module, c.weight, c.bias, c.layout, c.module))
+    return out
+
+
+def refusal(a: Analysis) -> str | None:
+    """Why the swap cannot be exact (the first refused site, post-LN first), or None."""
+    refused = sorted((p for p in a.plans if not p.exact), key=lambda p: not p.reason.startswith("post-LN"))
+    if not refused:
+        return None
+    p = refused[0]
+    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    return (f"swap: {len(refused)} of {len(a.plans)} {SOURCE_KIND[a.to]} sites cannot be swapped exactly; "
+            f"{p.site.target}: {p.reason.removesuffix('; only --approximate (drift measured)')}{more}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -914,12 +1017,27 @@ def _dim(layout: str) -> int:
     return {"rows": 1, "out_in": 0, "in_out": 1}[layout]
 
 
-def _center(model: nn.Module, t: torch.Tensor, dim: int) -> None:
-    """t <- t - mean(t, dim), computed in float64, into the rewrite's own copy of t (ties kept)."""
-    t = owned(model, t)
-    for s in _slices(t.detach(), dim):  # float64 one slice at a time: peak memory of a slice, not of the weight
+def center_(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t <- t - mean(t, dim) in place, computed in float64 one slice at a time (peak: a slice, not the weight)."""
+    for s in _slices(t.detach(), dim):
         s64 = s.double()
         s.copy_(s64.sub_(s64.mean(dim, keepdim=True)))  # in place: one float64 slice alive, rounded by copy_
+    return t
+
+
+def bias_delta(w: torch.Tensor, beta: torch.Tensor, layout: str) -> torch.Tensor:
+    """W b in float64, a slice of output features at a time (each output is one whole dot product):
+    W (out, D) [out_in]: W @ b;  HF Conv1D W (D, out) [in_out]: b @ W."""
+    b64 = beta.detach().double()
+    if layout == "out_in":
+        return torch.cat([s.double() @ b64 for s in _slices(w.detach(), 1)])
+    return torch.cat([b64 @ s.double() for s in _slices(w.detach(), 0)])
+
+
+def add_(b: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """b <- b + delta in place, summed in float64."""
+    b.data.copy_((b.detach().double() + delta).to(b.dtype))
+    return b
 
 
 _SLICE_ELEMENTS = 1 << 22  # float64 working set per slice: 32 MB
@@ -966,38 +1084,43 @@ class SwapPass:
             return PassResult(model, False, ())
         if not a.plans:
             raise NormconvError(f"swap: {type(model).__name__} has no {kind} to swap to {self.to}")
-        refused = sorted((p for p in a.plans if not p.exact), key=lambda p: not p.reason.startswith("post-LN"))
-        if refused and not self.approximate:
-            p = refused[0]
-            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-            raise NormconvError(
-                f"swap: {len(refused)} of {len(a.plans)} {kind} sites cannot be swapped exactly; "
-                f"{p.site.target}: {p.reason.removesuffix('; only --approximate (drift measured)')}{more}. "
-                f"Pass --approximate to swap anyway and measure the drift (normconv inspect lists every site)")
+        why = refusal(a)
+        if why and not self.approximate:
+            raise NormconvError(f"{why}. Pass --approximate to swap anyway and measure the drift "
+                                f"(normconv inspect lists every site)")
+        plan = edits(cap, a, self.approximate)
         with torch.no_grad():
-            if self.to == "rmsnorm":
-                for st in a.streams:
-                    if st.problem is None:
-                        self._center_stream(model, cap, st)
+            self._untie(model, cap, plan)
+            for sc in plan.scales:
+                _fold_scale(model, cap, sc)
+            for name, dim in plan.center.items():
+                center_(owned(model, cap.tensor(name)), dim)
+            for f in plan.folds:
+                # linear after the norm: c <- c + W b
+                delta = bias_delta(cap.tensor(f.weight), getattr(cap.modules[f.norm], "bias"), f.layout)
+                if f.bias is None:
+                    w = cap.tensor(f.weight)
+                    cap.modules[f.module].bias = nn.Parameter(delta.to(w.dtype), requires_grad=w.requires_grad)
+                    self.notes.append(f"added a bias to {f.module} to carry the bias of {f.norm}")
+                else:
+                    add_(owned(model, cap.tensor(f.bias)), delta)
             replaced: set[str] = set()
-            folded: set[int] = set()
             for p in a.plans:
                 if p.module is None or not (p.exact or self.approximate):
                     continue
                 self.exact = self.exact and p.exact
-                if self.to == "rmsnorm":
-                    self._fold_beta(model, cap, p, folded)
                 if p.module not in replaced:
                     replaced.add(p.module)
                     replace_module(model, p.module, self._replacement(cap, p))
+        self.dropped = plan.dropped
         if self.dropped:
             self.notes.append(f"bias dropped at {len(self.dropped)} norm(s), e.g. {self.dropped[0]}")
         return PassResult(model, bool(replaced), tuple(a.sites(self.approximate)))
 
     # -- edits ---------------------------------------------------------------------------------------------
-    def _center_stream(self, model: nn.Module, cap: Captured, st: Stream) -> None:
+    def _untie(self, model: nn.Module, cap: Captured, plan: Edits) -> None:
         # tied embedding -> clone it first  =>  the other user keeps the original rows
-        for path in st.unties:
+        for path in plan.untie:
             emb = cap.modules[path]
             old = emb.weight
             others = [n for n, t in model.named_parameters(remove_duplicate=False) if t is old and n != f"{path}.weight"]
@@ -1006,42 +1129,6 @@ class SwapPass:
             self.notes.append(f"untied {path}.weight from {', '.join(others)}: the embedding is centered, "
                               f"{', '.join(others)} keeps the original values")
             _untie_config(model, self.notes)
-        done: set[int] = set()
-        for w in st.writers.values():
-            if w.scale:
-                _fold_scale(model, cap, w)
-            # embedding (V, D)  =>  each row minus its mean;  linear  =>  W - mean over output rows, b - mean(b)
-            for pname, dim in ((w.weight, w.axis), (w.bias, 0)):
-                t = cap.tensor(pname) if pname else None
-                if t is not None and id(t) not in done:
-                    done.add(id(t))
-                    _center(model, t, dim)
-
-    def _fold_beta(self, model: nn.Module, cap: Captured, p: SitePlan, folded: set[int]) -> None:
-        beta = getattr(cap.modules[p.module], "bias", None)
-        if beta is None or not bool(torch.count_nonzero(beta)):
-            return
-        if p.beta_problem:
-            self.dropped.append(f"{p.module} ({p.beta_problem})")
-            return
-        b64 = beta.detach().double()
-        for c in p.consumers:
-            w = cap.tensor(c.weight)
-            if id(w) in folded:
-                continue
-            folded.add(id(w))
-            # linear after the norm: c <- c + W b  (W (out, D): W @ b;  HF Conv1D W (D, out): b @ W)
-            # in float64 a slice of output features at a time (each output is one whole dot product)
-            if c.layout == "out_in":
-                delta = torch.cat([s.double() @ b64 for s in _slices(w.detach(), 1)])
-            else:
-                delta = torch.cat([b64 @ s.double() for s in _slices(w.detach(), 0)])
-            if c.bias is None:
-                cap.modules[c.module].bias = nn.Parameter(delta.to(w.dtype), requires_grad=w.requires_grad)
-                self.notes.append(f"added a bias to {c.module} to carry the bias of {p.module}")
-            else:
-                b = owned(model, cap.tensor(c.bias))
-                b.data.copy_((b.detach().double() + delta).to(b.dtype))
 
     def _replacement(self, cap: Captured, p: SitePlan) -> nn.Module:
         from normconv.nn.rmsnorm import make_rmsnorm
@@ -1070,7 +1157,7 @@ def _along(v: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
     return v.reshape(shape)
 
 
-def _fold_scale(model: nn.Module, cap: Captured, w: Writer) -> None:
+def _fold_scale(model: nn.Module, cap: Captured, w: Scale) -> None:
     """lambda * (W x + b)  =>  (diag(lambda) W) x + lambda b, lambda <- ones: the same output, centered next."""
     lam = owned(model, cap.tensor(w.scale))
     vec = lam.detach().double().reshape(-1)

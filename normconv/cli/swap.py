@@ -24,6 +24,10 @@ def register(app: typer.Typer) -> None:
             "--no-canonicalize", help="do not convert hand-written norms to native modules first")] = False,
         fold_scales: Annotated[bool, typer.Option(
             "--fold-scales", help="then fold each RMSNorm's scale into the linears reading it")] = False,
+        stream: Annotated[bool, typer.Option(
+            "--stream", help="Hugging Face folder with safetensors weights: rewrite it tensor by tensor, never "
+                             "holding the model (larger than RAM); writes the same architecture with rewritten "
+                             "weights, verified block by block")] = False,
         weights: WeightsOpt = None,
         input_shape: InputShapeOpt = None,
         trust_pickle: TrustOpt = False,
@@ -43,6 +47,24 @@ def register(app: typer.Typer) -> None:
 
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
+        if stream:
+            from normconv import stream as streaming
+
+            unsupported = [flag for flag, on in (("--to layernorm", to != "rmsnorm"), ("--approximate", approximate),
+                                                 ("--fold-scales", fold_scales), ("--weights", weights is not None),
+                                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
+                                                 ("--in-place", in_place), ("--bench", bench),
+                                                 ("--no-canonicalize", no_canonicalize),
+                                                 ("--normconv-modules", normconv_modules),
+                                                 ("--trust-pickle", trust_pickle),
+                                                 ("--trust-remote-code", trust_remote_code)) if on]
+            if unsupported:
+                raise NormconvError(f"--stream rewrites an exact LayerNorm -> RMSNorm swap of a Hugging Face folder "
+                                    f"only: {', '.join(unsupported)} is not supported with it")
+            if output is None:
+                raise NormconvError("--stream writes a new folder: give it with -o")
+            emit(streaming.swap(model, output, atol=atol, rtol=rtol), as_json)
+            return
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
                               canonicalize=not no_canonicalize, bench=bench, fold_scales_=fold_scales,

@@ -1,0 +1,175 @@
+"""Benchmark: ``normconv swap --stream`` against the floor of reading and writing the same bytes, on a ladder of
+pre-LN checkpoints with random weights saved sharded (GPT-2 124M fp32, OPT-style 1.3B and 2.7B bf16, ...).
+
+Each rung's checkpoint is generated shard by shard (the model is never built with real weights: its names and
+shapes come from the config on the meta device), so the generator itself needs no more than one shard of memory.
+Then, side by side in the same run, each as its own process (peak RSS from ``os.wait4``):
+  floor    every tensor read with safetensors.safe_open and written back, a tensor at a time, into shards of the
+           same names (normconv.stream.ShardWriter): the I/O any streaming rewrite has to do
+  floor-pread  the same with normconv's reader (a positioned read per tensor into its own buffer, no mapping)
+  normconv ``python -m normconv.cli swap IN --to rmsnorm --stream -o OUT``: plan on meta, rewrite, then verify
+           block by block (which reads the input and the output once more per input shape)
+The folders are deleted after each rung.
+
+    python benchmarks/bench_stream.py [--rungs 124m,1.3b] [--root DIR] [--out benchmarks/results/stream.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# name -> (transformers class, config kwargs, dtype)
+RUNGS = {
+    "124m": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=768, n_layer=12, n_head=12), torch.float32),
+    "1.3b": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
+                                                 num_attention_heads=32, word_embed_proj_dim=2048), torch.bfloat16),
+    "2.7b": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=2560, num_hidden_layers=32, ffn_dim=10240,
+                                                 num_attention_heads=32, word_embed_proj_dim=2560), torch.bfloat16),
+    "6.7b": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=4096, num_hidden_layers=32, ffn_dim=16384,
+                                                 num_attention_heads=32, word_embed_proj_dim=4096), torch.bfloat16),
+}
+SHARD_BYTES = 1 << 30  # 1 GiB shards
+
+
+def make_checkpoint(rung: str, folder: Path) -> tuple[int, int]:
+    """A sharded safetensors folder with random weights for ``rung``; returns (parameters, bytes)."""
+    import transformers
+
+    from normconv.stream import INDEX, ShardWriter
+
+    cls_name, cfg_name, kwargs, dtype = RUNGS[rung]
+    config = getattr(transformers, cfg_name)(vocab_size=50272, max_position_embeddings=2048, use_cache=False,
+                                             **kwargs)
+    config.architectures = [cls_name]
+    config.dtype = str(dtype).removeprefix("torch.")
+    with torch.device("meta"):
+        model = getattr(transformers, cls_name)(config)
+    seen, entries = set(), []
+    for name, t in model.named_parameters():  # tied weights once (as save_pretrained writes them)
+        if id(t) not in seen:
+            seen.add(id(t))
+            entries.append((name, dtype, tuple(t.shape)))
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    shards, cur, size = [], [], 0
+    for e in entries:
+        nbytes = torch.Size(e[2]).numel() * dtype.itemsize
+        if cur and size + nbytes > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += nbytes
+    shards.append(cur)
+    g = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        w = ShardWriter(folder / fname, shard, {"format": "pt"})
+        for name, dt, shape in shard:
+            if name.endswith("norm.weight") or ".ln_" in name and name.endswith(".weight") or "layer_norm.weight" in name:
+                t = 1 + 0.1 * torch.randn(shape, generator=g)  # norm gains around 1
+            else:
+                t = 0.02 * torch.randn(shape, generator=g)  # weights, biases, norm biases: all nonzero
+            w.write(name, t.to(dt))
+            weight_map[name] = fname
+            total += t.numel() * dt.itemsize
+            del t
+        w.check()
+        w.f.close()
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return sum(torch.Size(e[2]).numel() for e in entries), total
+
+
+FLOOR = r"""
+import sys, json
+from pathlib import Path
+from safetensors import safe_open
+from normconv.stream import ShardWriter, Checkpoint, _DTYPES
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir()
+ckpt = Checkpoint(src)
+for shard, header in ckpt.shards.items():
+    names = ckpt.names(shard)
+    w = ShardWriter(out / shard, [(n, _DTYPES[header[n]["dtype"]], tuple(header[n]["shape"])) for n in names],
+                    header.get("__metadata__"))
+    if sys.argv[3] == "safe_open":
+        with safe_open(str(src / shard), framework="pt") as f:
+            for n in names:
+                w.write(n, f.get_tensor(n))
+    else:
+        for n in names:
+            w.write(n, ckpt.get(n))
+    w.check()
+    w.f.close()
+"""
+
+
+def measure(cmd: list[str]) -> tuple[float, float, int]:
+    """(wall seconds, peak RSS GB, exit code) of one process."""
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    out, err = p.stdout.read(), p.stderr.read()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.stderr.write(err.decode()[-2000:])
+    p.stdout.close()
+    p.stderr.close()
+    return wall, usage.ru_maxrss / 1e6, code
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rungs", default="124m,1.3b,2.7b")
+    ap.add_argument("--root", default=None, help="folder for the checkpoints (default: a temp folder)")
+    ap.add_argument("--out", default="benchmarks/results/stream.md")
+    args = ap.parse_args()
+    root = Path(args.root or tempfile.mkdtemp(prefix="normconv-bench-stream-"))
+    rows = ["| model | params | dtype | on disk | floor: safe_open + write | floor: pread + write | "
+            "normconv swap --stream | time / floor | memory / floor | memory / pread floor |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    details = []
+    for rung in args.rungs.split(","):
+        folder = root / rung
+        t = time.perf_counter()
+        params, nbytes = make_checkpoint(rung, folder)
+        made = time.perf_counter() - t
+        floor_w, floor_m, fc = measure([sys.executable, "-c", FLOOR, str(folder), str(root / f"{rung}-floor"),
+                                        "safe_open"])
+        shutil.rmtree(root / f"{rung}-floor", ignore_errors=True)
+        pread_w, pread_m, pc = measure([sys.executable, "-c", FLOOR, str(folder), str(root / f"{rung}-floor"),
+                                        "pread"])
+        shutil.rmtree(root / f"{rung}-floor", ignore_errors=True)
+        nc_w, nc_m, nc = measure([sys.executable, "-m", "normconv.cli", "swap", str(folder), "--to", "rmsnorm",
+                                  "--stream", "-o", str(root / f"{rung}-out"), "--json"])
+        report_ok = nc == 0 and (root / f"{rung}-out").exists()
+        shutil.rmtree(root / f"{rung}-out", ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        dtype = str(RUNGS[rung][3]).removeprefix("torch.")
+        rows.append(f"| {rung} ({RUNGS[rung][0]}) | {params / 1e9:.2f} B | {dtype} | {nbytes / 1e9:.2f} GB | "
+                    f"{floor_w:.1f} s, {floor_m:.2f} GB | {pread_w:.1f} s, {pread_m:.2f} GB | {nc_w:.1f} s, {nc_m:.2f} GB"
+                    f"{'' if report_ok else f' (exit {nc})'} | {nc_w / floor_w:.1f}x | {nc_m / floor_m:.2f}x | "
+                    f"{nc_m / pread_m:.2f}x |")
+        details.append(f"{rung}: generated in {made:.1f} s; floor exits {fc}, {pc}; normconv exit {nc}")
+        print(rows[-1], flush=True)
+        Path(args.out).write_text("\n".join(rows + [""] + details) + "\n")  # each rung as soon as it is measured
+    text = "\n".join([f"machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs), "
+                      f"torch {torch.__version__}", ""] + rows + [""] + details) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""swap --stream: a sharded Hugging Face folder rewritten tensor by tensor, byte-compared with the in-memory swap,
+loaded back with from_pretrained, refused (exit 2) where the swap is not exact, and leaving nothing on a failure."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import normconv
+from normconv import stream
+from normconv.errors import NormconvError, VerificationError
+from normconv.io import hf_example_inputs
+from tests.hf_tiny import VOCAB
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0))
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, ffn_dim=64,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                                    use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=1))
+
+
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    # parallel residual, untied head stored as embed_out (transformers renames it lm_head on load)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+                                            num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                            use_cache=False, bos_token_id=0, eos_token_id=0))
+
+
+def _bert():
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64, max_position_embeddings=64))
+
+
+FAMILIES = {"gpt2": _gpt2, "opt": _opt, "neox": _neox}
+
+
+def _saved(build, folder, shard="20KB"):
+    """A model with random LayerNorm gains and biases (a fresh one has 1 and 0: nothing to fold), saved sharded."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = build().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.normal_(1.0, 0.2)
+                m.bias.normal_(0.0, 0.2)
+    model.save_pretrained(folder, max_shard_size=shard)
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')  # a file besides the weights: copied as is
+    return model
+
+
+def _streamed_tensors(folder, model):
+    """model state_dict name -> tensor, read shard by shard from a written folder."""
+    ckpt = stream.Checkpoint(folder).rename_for(model)
+    return {ckpt.name[k]: ckpt.get(k) for k in ckpt.weight_map}
+
+
+def _shapes(model):
+    return [hf_example_inputs(model), hf_example_inputs(model, 1, 11)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_stream_equals_the_in_memory_swap_and_loads(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    model = _saved(FAMILIES[family], src)
+    assert len(list(src.glob("*.safetensors"))) >= 4  # really sharded
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed and report.output == str(out)
+    blocks = report.extra["blocks"]
+    assert len(blocks) == 2 * 3 and all(b["passed"] for b in blocks)  # every block at both shapes
+    assert not list(tmp_path.glob(".*normconv-tmp"))
+
+    # the in-memory swap of the same model: every tensor both have is byte-identical
+    swapped, mem = normconv.swap(model, hf_example_inputs(model))
+    assert mem.extra["exact"]
+    mem_sd = swapped.state_dict()
+    streamed = _streamed_tensors(out, swapped)
+    common = sorted(set(mem_sd) & set(streamed))
+    assert len(common) >= len(mem_sd) - 1
+    different = [k for k in common if not torch.equal(mem_sd[k], streamed[k])]
+    assert not different, different
+    # what only one side has: the LayerNorm biases (0 once folded; a final norm feeding a bias-free head keeps
+    # its bias, where the in-memory swap adds that head a bias W b instead)
+    for k in sorted(set(streamed) - set(mem_sd)):
+        assert k.endswith(".bias"), k
+        head = [h for h in set(mem_sd) - set(streamed)]
+        if bool(streamed[k].count_nonzero()):
+            assert torch.equal(streamed[k], model.state_dict()[k]) and len(head) == 1
+            w = mem_sd[head[0].replace(".bias", ".weight")]
+            assert torch.allclose(mem_sd[head[0]], (w.double() @ streamed[k].double()).float(), atol=1e-6)
+    assert json.loads((out / "tokenizer.json").read_text()) == {"version": "1.0"}
+
+    # from_pretrained loads it, outputs equal the original's at two shapes
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert not any("rmsnorm" in type(m).__name__.lower() for m in loaded.modules())
+    for inputs in _shapes(model):
+        with torch.no_grad():
+            ref = model(**inputs.kwargs).logits
+            got = loaded(**inputs.kwargs).logits
+        assert torch.allclose(ref, got, atol=1e-5, rtol=1e-5), (ref - got).abs().max()
+    # ... and the module swap README shows (LayerNorm with zero bias -> nn.RMSNorm, same weight) keeps them
+    n = _rms_swap(loaded)
+    assert n >= 6
+    with torch.no_grad():
+        for inputs in _shapes(model):
+            assert torch.allclose(model(**inputs.kwargs).logits, loaded(**inputs.kwargs).logits, atol=1e-5)
+
+
+def _rms_swap(model: nn.Module) -> int:
+    """The README's recipe: each LayerNorm whose bias is zero becomes nn.RMSNorm with the same weight and eps."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.LayerNorm) and not bool(child.bias.count_nonzero()):
+                rms = nn.RMSNorm(child.normalized_shape, eps=child.eps)
+                rms.weight.data.copy_(child.weight.data)
+                setattr(parent, name, rms)
+                n += 1
+    return n
+
+
+def test_cli_stream_writes_a_verified_folder(tmp_path, cli):
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(_gpt2, src)
+    code, stdout, stderr = cli("swap", str(src), "--to", "rmsnorm", "--stream", "-o", str(out), "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["passed"] and report["extra"]["streamed"]
+    labels = [v["label"] for v in report["validation"]]
+    assert any("final outputs" in x for x in labels) and any("second shape" in x for x in labels)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False  # the centered embedding and the head are two tensors now
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" in index["weight_map"]
+
+
+def test_post_ln_model_is_refused_and_nothing_written(tmp_path, cli):
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(_bert, src)
+    code, _, stderr = cli("swap", str(src), "--stream", "-o", str(out))
+    assert code == 2
+    assert "post-LN" in stderr and "cannot be swapped exactly" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_output_over_or_inside_the_input_is_refused(tmp_path, cli, where):
+    src = tmp_path / "in"
+    _saved(_gpt2, src)
+    before = sorted(p.name for p in src.iterdir())
+    code, _, stderr = cli("swap", str(src), "--stream", "-o", str(src if where == "same" else src / "sub"))
+    assert code == 2 and "input folder" in stderr
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_stream_flags_it_cannot_honour_are_refused(tmp_path, cli):
+    src = tmp_path / "in"
+    _saved(_gpt2, src)
+    code, _, stderr = cli("swap", str(src), "--stream", "--approximate", "-o", str(tmp_path / "out"))
+    assert code == 2 and "--approximate is not supported" in stderr
+    code, _, stderr = cli("swap", str(src), "--stream")
+    assert code == 2 and "-o" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def _corrupt(folder):
+    """Add 0.5 to one writer bias in the written shards (what a wrong rewrite would do)."""
+    ckpt = stream.Checkpoint(folder)
+    name = next(k for k in ckpt.weight_map if k.endswith("mlp.c_proj.bias"))
+    shard = ckpt.weight_map[name]
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / shard))
+    tensors[name] = tensors[name] + 0.5
+    save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+
+
+def test_failed_verification_leaves_nothing(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(_gpt2, src)
+    with pytest.raises(VerificationError, match="block .*nothing written") as exc:
+        stream.swap(src, out, after_rewrite=_corrupt)
+    assert not exc.value.report.passed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_interrupt_leaves_nothing(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(_gpt2, src)
+
+    def interrupt(folder):
+        assert any(folder.glob("*.safetensors"))  # the rewrite had written its shards
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        stream.swap(src, out, after_rewrite=interrupt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_folder_without_safetensors_is_refused(tmp_path):
+    src = tmp_path / "in"
+    _saved(_gpt2, src)
+    for f in src.glob("*.safetensors*"):
+        f.unlink()
+    with pytest.raises(NormconvError, match="no safetensors weights"):
+        stream.swap(src, tmp_path / "out")
+
+
+def test_the_order_of_tensors_in_the_shards_does_not_matter(tmp_path):
+    """A norm's bias stored before the linear that absorbs it (module order, one unindexed file) gives the same
+    bytes as stored after it (save_pretrained's order), and the input files are left byte-identical."""
+    import hashlib
+    import shutil
+
+    first, second = tmp_path / "sorted", tmp_path / "module_order"
+    model = _saved(_gpt2, first)
+    second.mkdir()
+    shutil.copy(first / "config.json", second / "config.json")
+    params = dict(model.named_parameters())  # tied head once, in module order: ln_1.bias before attn.c_attn.bias
+    writer = stream.ShardWriter(second / "model.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in params.items()],
+                                {"format": "pt"})
+    for n, t in params.items():
+        writer.write(n, t.detach())
+    writer.check()
+    writer.f.close()
+    digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.rglob("*.safetensors"))}
+    stream.swap(first, tmp_path / "out1")
+    stream.swap(second, tmp_path / "out2")
+    assert digest == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digest}
+    a, b = _streamed_tensors(tmp_path / "out1", model), _streamed_tensors(tmp_path / "out2", model)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert not (tmp_path / "out2" / "model.safetensors.index.json").exists()  # one file in, one file out
+
+
+def test_block_by_block_runs_leave_every_parameter_on_meta(tmp_path):
+    """Each verification forward loads a block's weights for that block only and leaves nothing loaded, however
+    many times (shapes) and through however many loaders the same model runs."""
+    src = tmp_path / "in"
+    model = _saved(_gpt2, src)
+    cls, config = stream._model_class(src)
+    meta = stream._build(cls, config, torch.float32)
+    for inputs in _shapes(model):
+        loader = stream._OnDemand(meta, stream.Checkpoint(src).rename_for(meta), src)
+        out, blocks = loader.run(inputs)
+        assert len(blocks) == 3
+        assert torch.allclose(out.logits, model(**inputs.kwargs).logits, atol=1e-6)
+        assert {p.device.type for p in meta.parameters()} == {"meta"}
+
+
+def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    model = _saved(lambda: _opt().to(torch.bfloat16), src)
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed and all(v.atol == 5e-2 for v in report.validation)  # bf16 tolerance, not fp32's
+    written = _streamed_tensors(out, model)
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    original = model.state_dict()
+    for name, t in written.items():  # centered writers: zero mean along the hidden axis, up to bf16 rounding
+        if name.endswith("embed_tokens.weight"):
+            assert t.double().mean(-1).abs().max() < 1e-3 < original[name].double().mean(-1).abs().max()
