@@ -386,7 +386,7 @@ def _linear_of(cap: Captured, node: fx.Node) -> tuple[Any, str | None, str | Non
     return None
 
 
-def _writer(cap: Captured, leaf: Any, axis: int | None = None) -> Writer | str:
+def _writer(cap: Captured, leaf: Any, axis: int | None = None, read=None) -> Writer | str:
     """The writer at a leaf of the stream's sum tree, or why it cannot be made zero-mean."""
     if not isinstance(leaf, fx.Node):
         return f"a constant ({leaf!r}) is added to the stream"
@@ -416,9 +416,9 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None) -> Writer | str:
         return Writer(leaf.name, "linear", _own_name(cap, lin[4], lin[1]), _own_name(cap, lin[4], lin[2]), lin[3],
                       lin[4])
     if op == "mul":
-        return _scaled_writer(cap, leaf, axis)
+        return _scaled_writer(cap, leaf, axis, read)
     if op == "layer_norm":
-        return _norm_writer(cap, leaf, axis)
+        return _norm_writer(cap, leaf, axis, read)
     name = _fn_name(leaf)
     if name in _CATS:
         return _HIDDEN_CAT.format(where=cap.describe(leaf))
@@ -432,7 +432,7 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None) -> Writer | str:
             f"parameter): it has no weights that center its output")
 
 
-def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
+def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int, read=None) -> Writer | str:
     """y = lambda * w(x), lambda a constant per-feature scale (layer scale)  =>  the writer w with lambda folded in:
     C (diag(lambda) W) centers the product; lambda becomes ones (the model keeps its structure)."""
     out = cap.shape(leaf) or ()
@@ -445,7 +445,7 @@ def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
         if j < 0 or shape[j] != out[axis] or _prod(shape) != out[axis]:
             continue
         src, path, inner_axis = _source(cap, x, axis)
-        inner = _writer(cap, src, inner_axis)
+        inner = _writer(cap, src, inner_axis, read)
         if isinstance(inner, str):
             return inner
         if inner.scale is not None or inner.kind == "norm":
@@ -467,19 +467,21 @@ def _what(cap: Captured, v: Any) -> str:
     return cap.describe(v) if isinstance(v, fx.Node) else repr(v)
 
 
-def _norm_writer(cap: Captured, leaf: fx.Node, axis: int) -> Writer | str:
+def _norm_writer(cap: Captured, leaf: fx.Node, axis: int, read=None) -> Writer | str:
     """LayerNorm y = g * n + b writing the stream: mean(y) = mean(g * n) + mean(b), and mean(g * n) depends on the
-    input unless g is constant; then centering b is the whole rewrite."""
+    input unless g is constant; then centering b is the whole rewrite. ``read``: where g's values come from
+    (default the captured model; a meta-device plan reads the checkpoint)."""
+    read = read or cap.tensor
     where = cap.describe(leaf)
     if leaf.op == "call_module":
         mod, path = cap.modules[leaf.target], leaf.target
         shape = tuple(mod.normalized_shape)
-        g = mod.weight if mod.elementwise_affine else None
+        g = read(f"{path}.weight") if mod.elementwise_affine and mod.weight is not None else None
         b = f"{path}.bias" if getattr(mod, "bias", None) is not None else None
     else:
         args, path = list(leaf.args) + [None] * 4, cap.owner(leaf)
         shape = tuple(args[1] or ())
-        g = cap.tensor(cap.param_name(args[2])) if cap.param_name(args[2]) else None
+        g = read(cap.param_name(args[2])) if cap.param_name(args[2]) else None
         b = _own_name(cap, path, cap.param_name(args[3])) if args[3] is not None else None
         if (args[2] is not None and g is None) or (args[3] is not None and b is None):
             return f"stream writer {where} (layer_norm) computes its weight or bias instead of reading a parameter"
@@ -636,7 +638,7 @@ def _streams(cap, sites, walks, readers, to, read) -> list[Stream]:
     owner_of: dict[Any, int] = {}
     leaf_writers: list[list[Writer | str]] = []
     for i, (values, leaves) in enumerate(walks):
-        ws = [_writer(cap, leaf, axis) for leaf, _, axis in leaves]
+        ws = [_writer(cap, leaf, axis, read) for leaf, _, axis in leaves]
         leaf_writers.append(ws)
         keys: list[Any] = list(values) + [id(cap.tensor(w.weight)) for w in ws if isinstance(w, Writer) and w.weight]
         for key in keys:
