@@ -193,6 +193,24 @@ def test_unexportable_model_is_a_clear_error(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class NoOnnxFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):  # torch.export traces it; the ONNX exporter has no function for aten.linalg_qr
+        return torch.linalg.qr(self.ln(x))[0]
+
+
+def test_conversion_error_names_the_op_the_exporter_lacks(tmp_path):
+    # the exporter's own message ("Failed to convert ... step 3/3") names nothing; the cause it chains does
+    with pytest.raises(NormconvError, match=r"ConversionError: .*\(cause: DispatchError: No ONNX function found for "
+                                            r"<OpOverload\(op='aten.linalg_qr'") as e:
+        export(NoOnnxFunction().eval(), Inputs((torch.randn(2, 3, 8),)), tmp_path, "ort", 20)
+    assert "\n" not in str(e.value) and "Next steps" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_failing_validation_exits_1_and_writes_nothing(cli, tmp_path):
     out = tmp_path / "m.onnx"
     code, stdout, stderr = cli("export", "zoo:gpt", "-o", out, "--atol", "0", "--rtol", "0", "--no-baseline")

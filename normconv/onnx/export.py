@@ -115,11 +115,21 @@ def _quiet():
 
 
 def _one_line(exc: BaseException) -> str:
+    """The exception's first line, and its innermost cause's: the exporter's own message ("Failed to convert the
+    exported program ... step 3/3") names no op, the cause it chains does."""
     import re
 
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # the exporter colours its messages
-    lines = [l for l in text.strip().splitlines() if l.strip()]
-    return f"{type(exc).__name__}: {lines[0][:240]}" if lines else type(exc).__name__
+    def first(e: BaseException, width: int) -> str:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # the exporter colours its messages
+        lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+        line = re.sub(r"\s*Next steps:$", "", lines[0]) if lines else ""  # the exporter's list follows it
+        return f"{type(e).__name__}: {line[:width]}" if line else type(e).__name__
+
+    root, seen = exc, {id(exc)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
+        root = root.__cause__
+        seen.add(id(root))
+    return first(exc, 240) + (f" (cause: {first(root, 240)})" if root is not exc else "")
 
 
 def dynamic_shapes(model: nn.Module, inputs) -> dict[str, Any] | None:
