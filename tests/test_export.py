@@ -18,7 +18,7 @@ from normconv.api import export as export_onnx
 from normconv.models import ZOO
 from normconv.verify import Inputs
 
-from hf_tiny import TINY
+from hf_tiny import TINY, tiny_mamba
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
 COMBOS = [(t, o) for o in (17, 18, 20, 23) for t in ("onnx", "ort")]  # 20: the default
@@ -95,6 +95,39 @@ def test_hf_tiny_models(tmp_path, name, target, opset):
     check_fused(report, tmp_path / "m.onnx", name)
     if target == "ort":
         assert report.extra["skip_fused"] == 4  # the residual adds of 2 layers; the embedding LN has a broadcast add
+
+
+class _HandRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, h):
+        h32 = h.to(torch.float32)
+        return self.weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype)
+
+
+class _CastsBeforeItsNorm(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.proj = _HandRMSNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):  # Mamba's block: the cast is the caller's, the norm module is still the whole norm
+        return x + self.proj(self.norm(x.to(dtype=self.norm.weight.dtype)))
+
+
+@pytest.mark.parametrize("opset", [17, 20, 23])
+@pytest.mark.parametrize("name", ["module", "mamba"])
+def test_norm_module_called_on_a_cast_its_caller_makes_exports_fused(tmp_path, name, opset):
+    if name == "mamba":
+        model, inputs = tiny_mamba()
+        assert sum(1 for m in model.modules() if type(m).__name__ == "MambaRMSNorm") == 3
+    else:
+        # a block in a model (the cast is the block's, not the root's), captured by torch.export (keyword input)
+        model, inputs = nn.Sequential(_CastsBeforeItsNorm()).eval(), Inputs((), {"input": torch.randn(2, 5, 8)})
+    report = export(model, inputs, tmp_path, "ort", opset)
+    assert report.extra["norm_sites"] == {"rmsnorm": 3 if name == "mamba" else 1}
+    check_fused(report, tmp_path / "m.onnx", name)
 
 
 @pytest.mark.parametrize("target,opset", [("onnx", 17), ("ort", 20)])
