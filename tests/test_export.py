@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from normconv.errors import NormconvError
+from normconv.errors import NormconvError, VerificationError
 from normconv.api import export as export_onnx
 from normconv.models import ZOO
 from normconv.verify import Inputs
@@ -241,6 +241,28 @@ def test_conversion_error_names_the_op_the_exporter_lacks(tmp_path):
                                             r"<OpOverload\(op='aten.linalg_qr'") as e:
         export(NoOnnxFunction().eval(), Inputs((torch.randn(2, 3, 8),)), tmp_path, "ort", 20)
     assert "\n" not in str(e.value) and "Next steps" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+class TracedDiffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x, mask):
+        # transformers' way (Aimv2's text model): an all-ones mask is dropped in eager, so the causal mask built
+        # from it applies only when traced
+        scores = self.ln(x) @ self.ln(x).transpose(-1, -2)
+        if torch.compiler.is_exporting() or not bool(mask.all()):
+            scores = scores + torch.triu(torch.full_like(scores, -1e4), 1)
+        return scores.softmax(-1) @ x
+
+
+def test_ort_mismatch_says_when_the_traced_program_already_differs(tmp_path):
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(VerificationError, match=r"differs from torch beyond tolerance .*torch.export's program of the "
+                                                r"model already differs from its eager forward \(max abs error "):
+        export(TracedDiffers().eval(), Inputs((), {"x": x, "mask": torch.ones(2, 5)}), tmp_path, "ort", 20)
     assert list(tmp_path.iterdir()) == []
 
 

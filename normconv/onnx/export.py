@@ -332,7 +332,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
             raise VerificationError(
                 f"export: {bad.validation.label} differs from torch beyond tolerance (max abs error "
                 f"{bad.validation.max_abs_error:.3g}, atol {bad.validation.atol:g}, rtol {bad.validation.rtol:g}; "
-                f"smallest passing atol {bad.min_atol:.3g}); nothing written", report)
+                f"smallest passing atol {bad.min_atol:.3g}){_traced_differs(exported, inputs, reference)}; "
+                f"nothing written", report)
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
         for f in tmpdir.iterdir():
@@ -353,6 +354,27 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
     return report
+
+
+def _traced_differs(exported: Any, inputs, reference: Any) -> str:
+    """Why onnxruntime may differ when the cause is not ONNX: the torch.export program the exporter converts already
+    computes something else than the eager forward (Python that branches on tensor values, e.g. transformers drops
+    an all-ones attention mask in eager but keeps the causal mask it builds from it when traced). '' otherwise."""
+    from normconv.verify import compare
+
+    if exported is None:
+        return ""
+    try:
+        with torch.no_grad():
+            traced = exported.module()(*inputs.args, **inputs.kwargs)
+        check = compare(reference, traced, label="torch.export program")
+    except Exception:  # noqa: BLE001 - a diagnosis only
+        return ""
+    if check.passed:
+        return ""
+    return (f"; torch.export's program of the model already differs from its eager forward (max abs error "
+            f"{check.max_abs_error:.3g}): the forward computes something else when traced (Python branching on "
+            f"tensor values), so any ONNX export of it differs")
 
 
 def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, report: Report) -> None:
