@@ -494,13 +494,11 @@ def _ort_matches(path: str, kw: dict, ref) -> tuple[bool, str]:
 def fused_vs_sites(path: str, sites: list[dict] | None) -> tuple[bool, str]:
     """Fused norm ops in the ONNX graph against inspect's sites: one per non-batchnorm site, at most one per
     batchnorm (the others folded)."""
-    import onnx
+    import onnx_ir as ir
 
-    from normconv.onnx.ops import FUSED_NORM_OPS
+    from normconv.onnx.export import fused_norms
 
-    m = onnx.load(path, load_external_data=False)
-    fused = Counter(FUSED_NORM_OPS.get(("" if n.domain == "ai.onnx" else n.domain, n.op_type)) for n in m.graph.node)
-    fused.pop(None, None)
+    fused = Counter(fused_norms(ir.load(path)))
     if sites is None:
         return True, f"fused {sum(fused.values())} (inspect gave no sites)"
     kinds = Counter(s["kind"] for s in sites)
