@@ -14,7 +14,10 @@ through ``normconv.*``. The verdicts are computed here, outside the passes:
   covers torch's own), innermost ones only; a hooked module inspect does not name is *missed*, a module site
   inspect names that no hook saw is *false*;
 - rewrites: the returned model against the original on fresh inputs of a second shape (batch 1, shorter sequence);
-- export: the ONNX in onnxruntime (CPU) against the original torch model on the example inputs.
+- export, at each of opsets 17, 20 and 23: the ONNX in onnxruntime (CPU) against the original torch model on the
+  example inputs, and one fused norm op in the graph per site inspect reports (batchnorms may fold away); where
+  normconv fails otherwise, plain ``torch.onnx.export(dynamo=True)`` of the same model and inputs runs too: if it
+  fails as well (or its onnxruntime output differs from torch), that opset is n/a, not normconv's failure.
 
 Results go to benchmarks/results/coverage.jsonl (one JSON object per model type; a type already there is skipped
 unless --rerun) and COVERAGE.md at the repo root is rewritten from the whole cache after each type.
@@ -40,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "benchmarks" / "results" / "coverage.jsonl"
 OUT_MD = ROOT / "COVERAGE.md"
 COMMANDS = ("inspect", "fold", "swap", "canonicalize", "deepnorm", "export")
-OPSET = 20
+EXPORT_OPSETS = (17, 20, 23)  # export is ok only if ok at each: normconv's lowest and highest opsets, and the default
 
 # common architectures first, so a partial sweep is a diverse one; the rest follow alphabetically
 PRIORITY = ["bert", "gpt2", "llama", "t5", "vit", "resnet", "whisper", "wav2vec2", "opt", "mistral", "convnext",
@@ -377,6 +380,7 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     rec: dict = {"type": mtype, "built": False}
+    sites = None  # inspect's, when it runs
     t0 = time.time()
     signal.signal(signal.SIGALRM, _alarm)
 
@@ -468,32 +472,10 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
     res["canonicalize"] = rewrite("canonicalize", lambda: normconv.canonicalize(model, x1))
     res["deepnorm"] = deepnorm_verdict(normconv, model, x1, x2, ref2, limited)
 
-    # export, then onnxruntime here against torch
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "m.onnx")
-        try:
-            rep = limited(lambda: normconv.export(model, x1, path, opset=OPSET, baseline=False, repeats=1))
-            import onnxruntime as ort
-
-            sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-            feeds = {}
-            for i in sess.get_inputs():
-                if i.name in x1:
-                    feeds[i.name] = x1[i.name].numpy()
-                elif "mask" in i.name and "input_ids" in x1:
-                    feeds[i.name] = torch.ones_like(x1["input_ids"]).numpy()
-                else:
-                    raise RuntimeError(f"ONNX input {i.name} not among the example inputs")
-            outs = limited(lambda: sess.run(None, feeds))
-            n = min(len(outs), len(ref1))
-            ok, err = close(ref1[:n], [torch.from_numpy(o) for o in outs[:n]], atol=1e-3, rtol=1e-3)
-            fused = rep.extra.get("fused") if isinstance(rep.extra, dict) else None
-            if not ok:
-                res["export"] = ("failed", f"onnxruntime differs from torch (max abs {err:.3g})")
-            else:
-                res["export"] = ("ok", f"{n} outputs match" + (f", fused {fused}" if fused is not None else ""))
-        except Exception as exc:  # noqa: BLE001
-            res["export"] = classify(exc)
+    # export at each opset, then onnxruntime here against torch; fused norm ops counted against inspect's sites
+    per_opset = export_verdicts(model, x1, ref1, sites, limited)
+    rec["export_opsets"] = {str(o): list(v) for o, v in per_opset.items()}
+    res["export"] = export_verdict(per_opset)
     rec["results"] = {k: list(v) for k, v in res.items()}
     rec["commit"] = _commit()
     rec["seconds"] = round(time.time() - t0, 1)
@@ -528,6 +510,115 @@ def _commit() -> str:
                               text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "?"
+def _export_inputs(model, kw: dict) -> dict:
+    """The inputs normconv's export takes: token ids get an all-ones attention_mask where the forward has one."""
+    import torch
+
+    from normconv.io import forward_params
+
+    if "input_ids" in kw and "attention_mask" in forward_params(model) and "attention_mask" not in kw:
+        return {**kw, "attention_mask": torch.ones_like(kw["input_ids"])}
+    return kw
+
+
+def _ort_matches(path: str, kw: dict, ref) -> tuple[bool, str]:
+    """(ok, detail): onnxruntime CPU on the file against torch's outputs ``ref``."""
+    import onnxruntime as ort
+    import torch
+
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    missing = [i.name for i in sess.get_inputs() if i.name not in kw]
+    if missing:
+        return False, f"ONNX input {missing[0]} not among the example inputs"
+    outs = sess.run(None, {i.name: kw[i.name].numpy() for i in sess.get_inputs()})
+    n = min(len(outs), len(ref))
+    ok, err = close(ref[:n], [torch.from_numpy(o) for o in outs[:n]], atol=1e-3, rtol=1e-3)
+    return ok, (f"{n} outputs match" if ok else f"onnxruntime differs from torch (max abs {err:.3g})")
+
+
+def fused_vs_sites(path: str, sites: list[dict] | None) -> tuple[bool, str]:
+    """Fused norm ops in the ONNX graph against inspect's sites: one per non-batchnorm site, at most one per
+    batchnorm (the others folded)."""
+    import onnx_ir as ir
+
+    from normconv.onnx.export import fused_norms
+
+    fused = Counter(fused_norms(ir.load(path)))
+    if sites is None:
+        return True, f"fused {sum(fused.values())} (inspect gave no sites)"
+    kinds = Counter(s["kind"] for s in sites)
+    want = sum(v for k, v in kinds.items() if k != "batchnorm")
+    got = sum(v for k, v in fused.items() if k != "batchnorm")
+    ok = got == want and fused["batchnorm"] <= kinds["batchnorm"]
+    return ok, f"fused {got} of {want} norm sites" + (f" (+{fused['batchnorm']} BatchNormalization)"
+                                                       if fused["batchnorm"] else "")
+
+
+def plain_export_fails(model, kw: dict, opset: int, limited) -> str | None:
+    """Why plain ``torch.onnx.export(model, dynamo=True, opset_version=opset)`` of the same model and inputs fails
+    (an export error, or onnxruntime differing from torch), or None if it works."""
+    import torch
+
+    from normconv.onnx.export import _one_line
+
+    kw = _export_inputs(model, kw)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plain.onnx")
+
+        def run():
+            with torch.no_grad():
+                prog = torch.onnx.export(model, (), kwargs=kw, dynamo=True, opset_version=opset,
+                                         external_data=False, verbose=False)
+            prog.save(path)
+
+        try:
+            limited(run)
+            ok, why = limited(lambda: _ort_matches(path, kw, forward(model, kw)))
+        except Timeout:
+            return "timeout"
+        except Exception as exc:  # noqa: BLE001 - the reason is the verdict
+            return _one_line(exc)
+    return None if ok else why
+
+
+def export_verdicts(model, kw: dict, ref, sites: list[dict] | None, limited) -> dict[int, tuple[str, str]]:
+    """opset -> (status, detail): normconv.export, onnxruntime against torch, fused ops against sites; where
+    normconv fails, plain torch.onnx.export decides whether the failure is normconv's (failed) or not (n/a)."""
+    import normconv
+
+    out: dict[int, tuple[str, str]] = {}
+    for opset in EXPORT_OPSETS:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "m.onnx")
+            try:
+                limited(lambda: normconv.export(model, kw, path, opset=opset, baseline=False, repeats=1))
+                ok, why = limited(lambda: _ort_matches(path, _export_inputs(model, kw), ref))
+                if ok:
+                    fused_ok, fused = fused_vs_sites(path, sites)
+                    ok, why = fused_ok, (f"{why}, {fused}" if fused_ok else fused)
+                v = ("ok", why) if ok else ("failed", why)
+            except Exception as exc:  # noqa: BLE001
+                v = classify(exc)
+        # an unfused site is normconv's failure whatever plain export does; any other failure is excused only
+        # when plain export fails too
+        if v[0] != "ok" and not v[1].startswith("fused "):
+            plain = plain_export_fails(model, kw, opset, limited)
+            if plain is not None:
+                v = ("n/a", f"plain torch.onnx.export fails too ({plain})")
+        out[opset] = v
+    return out
+
+
+def export_verdict(per_opset: dict[int, tuple[str, str]]) -> tuple[str, str]:
+    """One verdict from the opsets': the worst of failed > refused > n/a > ok, with the opsets it holds at."""
+    order = ("failed", "refused", "n/a", "ok")
+    worst = min((v[0] for v in per_opset.values()), key=order.index)
+    if worst == "ok":
+        return "ok", "opsets " + "/".join(map(str, per_opset)) + ": " + "; ".join(sorted({v[1] for v in
+                                                                                         per_opset.values()}))
+    bad = [f"opset {o}: {v[1]}" for o, v in per_opset.items() if v[0] == worst]
+    good = [str(o) for o, v in per_opset.items() if v[0] == "ok"]
+    return worst, "; ".join(bad) + (f" (ok at {'/'.join(good)})" if good else "")
 
 
 def run_in_child(mtype: str, maps, timeout: float) -> dict:
@@ -627,7 +718,8 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
     order = ordered_types(recs)
     built = [recs[t] for t in order if recs[t].get("built") and "results" in recs[t]]
     lines = ["# Coverage: transformers' model types through normconv", "",
-             f"Generated by `benchmarks/coverage.py` (transformers {transformers.__version__}, ONNX opset {OPSET}, "
+             f"Generated by `benchmarks/coverage.py` (transformers {transformers.__version__}, ONNX opsets "
+             f"{', '.join(map(str, EXPORT_OPSETS))}, "
              f"CPU, random weights, tiny configs: hidden <= {HIDDEN}, {LAYERS} layers, {HEADS} heads, vocab "
              f"{VOCAB}, 32 px images).", "",
              f"**Swept {len(recs)} of the {total_types} model types** in the auto-model mappings; "

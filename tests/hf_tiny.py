@@ -74,6 +74,14 @@ def tiny_bart():
     return _build(BartModel, cfg), Inputs((), {"input_ids": ids, "decoder_input_ids": ids[:, :8]})
 
 
+def tiny_mamba():
+    """Mamba: each block calls its hand-written RMSNorm on a cast it makes itself (norm(h.to(w.dtype)))."""
+    from transformers import MambaConfig, MambaModel
+
+    cfg = MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, use_cache=False)
+    return _build(MambaModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
 TINY = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama, "t5": tiny_t5, "gemma": tiny_gemma}
 
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from normconv.errors import NormconvError
+from normconv.errors import NormconvError, VerificationError
 from normconv.api import export as export_onnx
 from normconv.models import ZOO
 from normconv.verify import Inputs
 
-from hf_tiny import TINY
+from hf_tiny import TINY, tiny_mamba
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
 COMBOS = [(t, o) for o in (17, 18, 20, 23) for t in ("onnx", "ort")]  # 20: the default
@@ -95,6 +95,39 @@ def test_hf_tiny_models(tmp_path, name, target, opset):
     check_fused(report, tmp_path / "m.onnx", name)
     if target == "ort":
         assert report.extra["skip_fused"] == 4  # the residual adds of 2 layers; the embedding LN has a broadcast add
+
+
+class _HandRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, h):
+        h32 = h.to(torch.float32)
+        return self.weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype)
+
+
+class _CastsBeforeItsNorm(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.proj = _HandRMSNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):  # Mamba's block: the cast is the caller's, the norm module is still the whole norm
+        return x + self.proj(self.norm(x.to(dtype=self.norm.weight.dtype)))
+
+
+@pytest.mark.parametrize("opset", [17, 20, 23])
+@pytest.mark.parametrize("name", ["module", "mamba"])
+def test_norm_module_called_on_a_cast_its_caller_makes_exports_fused(tmp_path, name, opset):
+    if name == "mamba":
+        model, inputs = tiny_mamba()
+        assert sum(1 for m in model.modules() if type(m).__name__ == "MambaRMSNorm") == 3
+    else:
+        # a block in a model (the cast is the block's, not the root's), captured by torch.export (keyword input)
+        model, inputs = nn.Sequential(_CastsBeforeItsNorm()).eval(), Inputs((), {"input": torch.randn(2, 5, 8)})
+    report = export(model, inputs, tmp_path, "ort", opset)
+    assert report.extra["norm_sites"] == {"rmsnorm": 3 if name == "mamba" else 1}
+    check_fused(report, tmp_path / "m.onnx", name)
 
 
 @pytest.mark.parametrize("target,opset", [("onnx", 17), ("ort", 20)])
@@ -190,6 +223,46 @@ def test_unexportable_model_is_a_clear_error(tmp_path):
     with pytest.raises(NormconvError, match="cannot export NotExportable to ONNX at opset 18: TorchExportError") as e:
         export(NotExportable(), Inputs((torch.randn(2, 3),)), tmp_path, "onnx", 18)
     assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+class NoOnnxFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):  # torch.export traces it; the ONNX exporter has no function for aten.linalg_qr
+        return torch.linalg.qr(self.ln(x))[0]
+
+
+def test_conversion_error_names_the_op_the_exporter_lacks(tmp_path):
+    # the exporter's own message ("Failed to convert ... step 3/3") names nothing; the cause it chains does
+    with pytest.raises(NormconvError, match=r"ConversionError: .*\(cause: DispatchError: No ONNX function found for "
+                                            r"<OpOverload\(op='aten.linalg_qr'") as e:
+        export(NoOnnxFunction().eval(), Inputs((torch.randn(2, 3, 8),)), tmp_path, "ort", 20)
+    assert "\n" not in str(e.value) and "Next steps" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+class TracedDiffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x, mask):
+        # transformers' way (Aimv2's text model): an all-ones mask is dropped in eager, so the causal mask built
+        # from it applies only when traced
+        scores = self.ln(x) @ self.ln(x).transpose(-1, -2)
+        if torch.compiler.is_exporting() or not bool(mask.all()):
+            scores = scores + torch.triu(torch.full_like(scores, -1e4), 1)
+        return scores.softmax(-1) @ x
+
+
+def test_ort_mismatch_says_when_the_traced_program_already_differs(tmp_path):
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(VerificationError, match=r"differs from torch beyond tolerance .*torch.export's program of the "
+                                                r"model already differs from its eager forward \(max abs error "):
+        export(TracedDiffers().eval(), Inputs((), {"x": x, "mask": torch.ones(2, 5)}), tmp_path, "ort", 20)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -546,10 +546,9 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
     if offset:
         notes.append("scale applied as (1 + weight) (Gemma style)")
     acc.discard(x.name)
+    x = _caller_casts_out(cap, x, acc)
     aliases = aliases_of(cap, x)
-    # a cast of the input made by the caller (Mamba: norm(x.to(norm.weight.dtype))) does not say who owns the norm
-    core = {n for n in acc if not _leading_cast(cap, cap.nodes[n], x)} or acc
-    owners = {cap.owner(cap.nodes[n]) for n in core}
+    owners = {cap.owner(cap.nodes[n]) for n in acc}
     owner = owners.pop() if len(owners) == 1 else _common_prefix(owners | {""})
     self_contained = all(all(u.name in acc for u in cap.users(cap.nodes[n])) for n in acc
                          if n != out.name and n not in aliases)
@@ -569,13 +568,6 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
     )
 
 
-def _leading_cast(cap: Captured, node: fx.Node, x: fx.Node) -> bool:
-    """``node`` is a chain of casts / identities of ``x`` and nothing else."""
-    while node is not x and cap.op(node) in TRANSPARENT and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node is x
-
-
 def _common_prefix(paths: set[str]) -> str:
     parts = [p.split(".") for p in paths if p]
     if not parts:
@@ -586,6 +578,25 @@ def _common_prefix(paths: set[str]) -> str:
             break
         prefix.append(items[0])
     return ".".join(prefix)
+
+
+def _caller_casts_out(cap: Captured, x: fx.Node, acc: set[str]) -> fx.Node:
+    """The site's input once the casts its caller applies before calling the norm module leave the site:
+    ``self.norm(h.to(w.dtype))`` (Mamba) casts in the block, so counting that cast would make the block the owner and
+    the norm module an inline norm. Returns the new input (the last such cast) and drops those casts from ``acc``."""
+    core = [cap.owner(cap.nodes[n]) for n in acc if cap.op(cap.nodes[n]) != "cast"]
+    inner = _common_prefix(set(core) | {""}) if len(set(core)) > 1 else (core[0] if core else "")
+    while inner:
+        # x -> cast (in an enclosing module, its only use) -> the norm  =>  the cast is the caller's
+        lead = [u for u in cap.users(x) if u.name in acc and cap.op(u) == "cast"]
+        if len(lead) != 1:
+            break
+        c = lead[0]
+        if inner in cap.owner_stack(c) or not all(u.name in acc for u in cap.users(c)):
+            break
+        acc.discard(c.name)
+        x = c
+    return x
 
 
 def _owns_only(cap: Captured, owner: str, acc: set[str]) -> bool:

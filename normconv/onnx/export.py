@@ -115,11 +115,21 @@ def _quiet():
 
 
 def _one_line(exc: BaseException) -> str:
+    """The exception's first line, and its innermost cause's: the exporter's own message ("Failed to convert the
+    exported program ... step 3/3") names no op, the cause it chains does."""
     import re
 
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # the exporter colours its messages
-    lines = [l for l in text.strip().splitlines() if l.strip()]
-    return f"{type(exc).__name__}: {lines[0][:240]}" if lines else type(exc).__name__
+    def first(e: BaseException, width: int) -> str:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # the exporter colours its messages
+        lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+        line = re.sub(r"\s*Next steps:$", "", lines[0]) if lines else ""  # the exporter's list follows it
+        return f"{type(e).__name__}: {line[:width]}" if line else type(e).__name__
+
+    root, seen = exc, {id(exc)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
+        root = root.__cause__
+        seen.add(id(root))
+    return first(exc, 240) + (f" (cause: {first(root, 240)})" if root is not exc else "")
 
 
 def dynamic_shapes(model: nn.Module, inputs) -> dict[str, Any] | None:
@@ -322,7 +332,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
             raise VerificationError(
                 f"export: {bad.validation.label} differs from torch beyond tolerance (max abs error "
                 f"{bad.validation.max_abs_error:.3g}, atol {bad.validation.atol:g}, rtol {bad.validation.rtol:g}; "
-                f"smallest passing atol {bad.min_atol:.3g}); nothing written", report)
+                f"smallest passing atol {bad.min_atol:.3g}){_traced_differs(exported, inputs, reference)}; "
+                f"nothing written", report)
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
         for f in tmpdir.iterdir():
@@ -343,6 +354,27 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
     return report
+
+
+def _traced_differs(exported: Any, inputs, reference: Any) -> str:
+    """Why onnxruntime may differ when the cause is not ONNX: the torch.export program the exporter converts already
+    computes something else than the eager forward (Python that branches on tensor values, e.g. transformers drops
+    an all-ones attention mask in eager but keeps the causal mask it builds from it when traced). '' otherwise."""
+    from normconv.verify import compare
+
+    if exported is None:
+        return ""
+    try:
+        with torch.no_grad():
+            traced = exported.module()(*inputs.args, **inputs.kwargs)
+        check = compare(reference, traced, label="torch.export program")
+    except Exception:  # noqa: BLE001 - a diagnosis only
+        return ""
+    if check.passed:
+        return ""
+    return (f"; torch.export's program of the model already differs from its eager forward (max abs error "
+            f"{check.max_abs_error:.3g}): the forward computes something else when traced (Python branching on "
+            f"tensor values), so any ONNX export of it differs")
 
 
 def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, report: Report) -> None:
