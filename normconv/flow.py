@@ -260,6 +260,13 @@ def fold(loaded: Loaded, *, eval_mode: bool = False, atol: float | None = None, 
     return report, model
 
 
+def _looked(passes: Sequence[PassFn], sites: Sequence[Site]) -> list[str]:
+    """The passes that had a site to decide on (a weight-standardization fold on a model without any is not named),
+    all of them when none had."""
+    named = {s.pass_name for s in sites}
+    return [p.name for p in passes if p.name in named] or [p.name for p in passes]
+
+
 def _fold_headroom(loaded: Loaded, half: torch.dtype, method: str) -> tuple[list, dict[str, str]]:
     """Each site's headroom in ``half``, measured on the float32 model, and BatchNorm -> the layer it folds into."""
     from normconv.graph.headroom import measure
@@ -565,7 +572,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     if passes:
         check = compare(reference32 if half is not None else reference, run(prepared, src_inputs),
                         None if half is not None else atol, None if half is not None else rtol,
-                        label="torch, after " + " + ".join(p.name for p in passes) +
+                        label="torch, after " + " + ".join(_looked(passes, pass_sites)) +
                               (" (float32)" if half is not None else ""))
         report.validation.append(check)
         if not check.passed:
