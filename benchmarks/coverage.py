@@ -765,6 +765,12 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
               f"Types that did not build / had no inputs / failed their own forward: "
               f"{sum(1 for r in recs.values() if not r.get('built'))} / "
               f"{sum(1 for r in recs.values() if r.get('built') and 'forward_error' in r)}.", ""]
+    stale = [r["type"] for r in built if _stale(r)]
+    commits = Counter(r.get("commit", "?") for r in built if not _stale(r))
+    lines += [f"Records by the commit they were swept with: {', '.join(f'{c} ({n})' for c, n in commits.most_common())}"
+              + (f"; {len(stale)} older records lack today's columns (deepnorm, per-opset export: `-` in the table; "
+                 f"`--stale` reruns them): {', '.join(stale[:12])}{' ...' if len(stale) > 12 else ''}" if stale else "")
+              + ".", ""]
     lines += ["## Failures grouped by cause", ""]
     for c in COMMANDS:
         groups = defaultdict(list)
