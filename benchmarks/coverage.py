@@ -476,8 +476,10 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
     # norms with equal parameters (a fresh init: ones / zeros) on one input are one op to the ONNX optimizer, which
     # merges them (GPT-NeoX's parallel attention / MLP norms): each norm gets its own values before export
     emodel = distinct_norms(model)
-    per_opset = export_verdicts(emodel, x1, limited(lambda: forward(emodel, x1)) if emodel is not model else ref1,
-                                sites, limited)
+    eref = limited(lambda: forward(emodel, x1)) if emodel is not model else ref1
+    if not all(bool(torch.isfinite(t).all()) for t in eref if t.is_floating_point()):
+        emodel, eref = model, ref1  # the perturbation overflowed an untrained model (ALIGN's EfficientNet): as built
+    per_opset = export_verdicts(emodel, x1, eref, sites, limited)
     rec["export_opsets"] = {str(o): list(v) for o, v in per_opset.items()}
     res["export"] = export_verdict(per_opset)
     rec["results"] = {k: list(v) for k, v in res.items()}
