@@ -450,7 +450,7 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
     def rewrite(name, fn):
         try:
             new, rep = limited(fn)
-            applied = sum(1 for s in rep.sites if getattr(s, "applied", False))
+            applied = _applied(rep)
             ok, err = close(ref2, limited(lambda: forward(new, x2)))
             if not ok:
                 return "failed", f"second shape differs (max abs {err:.3g})"
@@ -488,15 +488,20 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
     return rec
 
 
+def _applied(rep) -> int:
+    """Sites a rewrite's report says it applied."""
+    return sum(1 for s in rep.sites if getattr(s, "applied", False))
+
+
 def deepnorm_verdict(normconv, model, x1, x2, ref2, limited) -> tuple[str, str]:
     """DeepNorm changes what the model computes, so the verdict outside the pass is its identity instance:
     alpha = 1 with no beta must leave the model equal to the original on the second shape, at the same sites
     the default (the paper's alpha, beta on init) rewrites; the default run must pass normconv's own check."""
     try:
         _, rep = limited(lambda: normconv.deepnorm(model, x1))
-        applied = sum(1 for s in rep.sites if getattr(s, "applied", False))
+        applied = _applied(rep)
         same, rep1 = limited(lambda: normconv.deepnorm(model, x1, alpha=1.0, beta_mode="none"))
-        applied1 = sum(1 for s in rep1.sites if getattr(s, "applied", False))
+        applied1 = _applied(rep1)
         if applied1 != applied:
             return "failed", f"alpha=1 rewrote {applied1} sites, the default {applied}"
         ok, err = close(ref2, limited(lambda: forward(same, x2)))

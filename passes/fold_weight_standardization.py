@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.graph.capture import Captured
-from normconv.graph.detect import NormSite, WeightStandardization, find_weight_standardizations
+from normconv.graph.detect import NormSite, WeightStandardization, find_weight_standardizations, weight_reader
 from normconv.report import PassResult, Site
 
 from .base import replace_module
@@ -32,16 +32,8 @@ _CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 def _conv_node(cap: Captured, ws: WeightStandardization) -> fx.Node | None:
     """The conv whose weight argument the standardization computes (through views and casts)."""
-    node = cap.nodes[ws.site.node]
-    for _ in range(16):
-        users = cap.users(node)
-        if len(users) != 1:
-            return None
-        u = users[0]
-        if cap.op(u) == "conv":
-            return u if len(u.args) > 1 and u.args[1] is node else None
-        node = u
-    return None
+    layer = weight_reader(cap, cap.nodes[ws.site.node])
+    return layer if layer is not None and cap.op(layer) == "conv" and len(layer.args) > 1 else None
 
 
 def _weight_nodes(conv: fx.Node) -> list[fx.Node]:

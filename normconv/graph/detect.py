@@ -147,19 +147,25 @@ def _constant_input(cap: Captured, site: NormSite) -> str | None:
 
 def _weight_consumer(cap: Captured, node: fx.Node) -> str:
     """The conv / linear that takes ``node`` (through reshapes and casts) as its weight."""
+    layer = weight_reader(cap, node)
+    return cap.describe(layer) if layer is not None else ""
+
+
+def weight_reader(cap: Captured, node: fx.Node) -> fx.Node | None:
+    """The conv / linear call that takes ``node`` (through reshapes and casts, its only user each) as its weight."""
     for _ in range(16):
         users = cap.users(node)
         if len(users) != 1:
-            return ""
+            return None
         u = users[0]
         if cap.op(u) in ("conv", "conv_transpose", "linear"):
-            return cap.describe(u) if (u.args[1:2] and u.args[1] is node) or u.kwargs.get("weight") is node else ""
+            return u if (u.args[1:2] and u.args[1] is node) or u.kwargs.get("weight") is node else None
         name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "").split(".")[0]
         if cap.op(u) != "cast" and name not in ("view", "reshape", "reshape_as", "view_as", "_unsafe_view",
                                                 "contiguous", "squeeze", "unsqueeze"):
-            return ""
+            return None
         node = u
-    return ""
+    return None
 
 
 def _raw_sites(cap: Captured) -> list[NormSite]:
