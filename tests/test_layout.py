@@ -142,3 +142,25 @@ def test_readme_python_api_block_runs(tmp_path, monkeypatch):
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
     assert (tmp_path / "resnet.onnx").is_file()
+
+
+def test_wheel_ships_every_package():
+    """A non-editable install ships only the packages pyproject lists: every folder with an __init__.py must be
+    there (normconv.cli, .graph, .onnx and .nn were missing, so `pip install .` gave a tool that could not start)."""
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = conf.get("package-dir", {})
+
+    def folder(name: str) -> pathlib.Path:
+        for prefix in sorted(dirs, key=len, reverse=True):  # longest mapped prefix wins, as in setuptools
+            if name == prefix or name.startswith(prefix + "."):
+                return root / dirs[prefix] / name[len(prefix):].lstrip(".").replace(".", "/")
+        return root / name.replace(".", "/")
+
+    listed = {folder(n).resolve() for n in conf["packages"]}
+    found = {p.parent.resolve() for top in {folder(n) for n in conf["packages"]} for p in top.rglob("__init__.py")
+             if "__pycache__" not in p.parts}
+    assert found - listed == set(), f"packages missing from pyproject: {sorted(map(str, found - listed))}"
+    assert all((d / "__init__.py").exists() for d in listed)
