@@ -102,15 +102,15 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
 def export(model: nn.Module, example_inputs: Any, path: str, target: str = "ort", opset: int | None = None, *,
            dynamic: bool = False, fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
-           skip_fusion: bool = False, dim_names: dict[str, str] | None = None, dtype: torch.dtype | None = None,
-           keep_fp32: str = "auto") -> Report:
+           skip_fusion: bool | None = None, dim_names: dict[str, str] | None = None, dtype: torch.dtype | None = None,
+           keep_fp32: str = "auto", device: str = "cpu") -> Report:
     """ONNX at ``path`` with one fused op per norm, validated in onnxruntime. Returns the report. ``dtype``
     (torch.float16 / bfloat16): exported in it, validated against ``model``; ``keep_fp32``: auto | none | all norm
     sites in float32 between Casts."""
     return flow.export(_loaded(model, example_inputs), str(path), target, opset, dynamic=dynamic, fold=fold,
                        canonicalize=canonicalize, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
                        repeats=repeats, skip_fusion=skip_fusion,
-                       dim_names=dim_names, dtype=dtype, keep_fp32=keep_fp32)
+                       dim_names=dim_names, dtype=dtype, keep_fp32=keep_fp32, device=device)
 
 
 def inspect(model: nn.Module, example_inputs: Any, method: str = "auto") -> Report:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -501,14 +502,20 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
 def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None = None, *, dynamic: bool = False,
            fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
-           skip_fusion: bool = False, method: str = "auto", dim_names: dict[str, str] | None = None,
-           keep_fp32: str = "auto", dtype: torch.dtype | None = None) -> Report:
+           skip_fusion: bool | None = None, method: str = "auto", dim_names: dict[str, str] | None = None,
+           keep_fp32: str = "auto", dtype: torch.dtype | None = None, device: str = "cpu") -> Report:
     """``normconv export``: the exact passes (canonicalize, fold) through ``apply_passes``, verified against the
     original in torch, then ONNX with one fused op per norm, validated in onnxruntime (normconv.onnx.export).
     ``dtype`` (float16 / bfloat16) exports a float32 model in that dtype, validated against the model as given; a
     model given in half is validated against its float32 upcast. ``keep_fp32`` (auto | none | all) says which norm
-    sites run in float32 between Casts (auto: those the measured headroom says need it, ``headroom.precision``)."""
+    sites run in float32 between Casts (auto: those the measured headroom says need it, ``headroom.precision``).
+    ``device`` (cpu | cuda) is the onnxruntime provider deployed to; it picks ``skip_fusion`` when that is None."""
     from normconv.onnx import export as onnx_export
+
+    if device not in onnx_export.DEVICES:
+        raise NormconvError(f"unknown --device {device!r}; choose {' or '.join(onnx_export.DEVICES)}")
+    if skip_fusion is None:  # measured: fused residual add + norm is faster on CUDA, slower on CPU (BENCHMARKS.md)
+        skip_fusion = device == "cuda"
 
     if keep_fp32 not in KEEP_FP32:
         raise NormconvError(f"unknown --keep-fp32 {keep_fp32!r}; choose {', '.join(KEEP_FP32)}")
@@ -592,7 +599,9 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
         prepared.eval()
         last = []  # the capture was of the float32 copy: the half model is exported afresh
         rewritten_half = run(prepared, inputs)
+        reference = _cast_like(reference32, rewritten_half)  # ONNX outputs keep each output's own dtype (Mamba: fp32)
         label = str(half).removeprefix("torch.")
+        user_tolerance = atol is not None or rtol is not None
         atol = default_tolerance(half)[0] if atol is None else atol  # tolerances follow the target dtype
         rtol = default_tolerance(half)[1] if rtol is None else rtol
         plain = compare(reference32, _cast_floats(half_torch, torch.float32), atol, rtol,
@@ -601,6 +610,16 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
                        label=f"torch {label} after normconv vs float32 model")
         ours_vs_half = compare(half_torch, rewritten_half, atol, rtol,
                                label=f"torch {label} after normconv vs {label} model as given")
+        if not ours.passed and not user_tolerance and _rounding_limited(ours, plain, half):
+            # a deep model's half-precision rounding alone exceeds the elementwise default: the budget becomes
+            # what the cast itself costs, and the ONNX file is held to the same budget
+            atol = HALF_SLACK * max(ours.max_abs_error, plain.max_abs_error)
+            report.notes.append(
+                f"{label}: the model cast to {label} is itself {plain.max_abs_error:.3g} from float32 (cosine "
+                f"{plain.cosine:.6f}), beyond the default atol {default_tolerance(half)[0]:g}; normconv's is "
+                f"{ours.max_abs_error:.3g} (cosine {ours.cosine:.6f}), no worse, so the checks use atol {atol:.3g} "
+                f"({HALF_SLACK:g}x the cast's error); --atol/--rtol set them yourself")
+            ours = dataclasses.replace(ours, passed=True, atol=atol)
         report.validation.append(ours)  # the given half model's own error is information (extra), not a check
         report.extra["half_precision"] = {
             "dtype": label, "reference": ("float32 model (the given half weights, upcast)" if given_half else
@@ -623,6 +642,17 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
 
 
 KEEP_FP32 = ("auto", "none", "all")
+HALF_SLACK = 1.5  # a half export may be this much further from float32 than the plain cast of the model
+HALF_MIN_COSINE = {torch.float16: 0.9999, torch.bfloat16: 0.999}  # below: not rounding (overflow, a wrong op)
+
+
+def _rounding_limited(ours: Validation, plain: Validation, half: torch.dtype) -> bool:
+    """normconv's half model misses the elementwise tolerance only as the plain cast does: finite, its error no
+    larger than HALF_SLACK x the cast's, and every output still aligned with float32's (cosine). An overflowing
+    model (zoo:fp16_overflow without its float32 norms: cosine -0.17) is refused."""
+    finite = all(math.isfinite(o.max_abs_error) for o in ours.outputs) and math.isfinite(ours.max_abs_error)
+    return (finite and ours.max_abs_error <= HALF_SLACK * plain.max_abs_error
+            and ours.cosine >= HALF_MIN_COSINE.get(half, 0.9999))
 
 
 def _precisions(cap: Captured, norms: list[NormSite], half: torch.dtype, mode: str,
@@ -668,6 +698,19 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def _cast_like(value: Any, like: Any) -> Any:
+    """Each floating tensor of ``value`` in the dtype of the matching tensor of ``like`` (same structure)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(value)
+    others, _ = tree_flatten(like)
+    if len(others) != len(leaves):
+        return value
+    return tree_unflatten([a.to(b.dtype) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                           and a.is_floating_point() and b.is_floating_point() else a
+                           for a, b in zip(leaves, others)], spec)
 
 
 def _with_attention_mask(model: nn.Module, inputs: Inputs, report: Report) -> Inputs:

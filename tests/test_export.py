@@ -314,6 +314,78 @@ def test_cuda_validation(tmp_path):
     assert {r["provider"] for r in report.extra["ort"]} == {"cpu", "cuda"} and report.passed
 
 
+def test_cuda_validation_is_float32_exact_and_reports_tf32(tmp_path):
+    """onnxruntime's CUDA provider runs float32 MatMul in TF32 by default (1e-3 off on an H100, which no float32
+    tolerance passes): validation turns it off and reports the TF32 error beside it."""
+    model, inputs = zoo_inputs("gpt")
+    report = export(model, inputs, tmp_path, "ort", 20, validate=("cpu", "cuda"))
+    if not HAS_CUDA:
+        pytest.skip("CUDAExecutionProvider and a CUDA device are not available")
+    assert all(r["passed"] and r["max_abs_error"] < 1e-4 for r in report.extra["ort"] if r["provider"] == "cuda")
+    assert any(n.startswith("cuda: validated with TF32 off") for n in report.notes)
+
+
+@pytest.mark.parametrize("opset", [17, 20, 23])
+@pytest.mark.parametrize("target", ["onnx", "ort"])
+def test_half_export_of_a_norm_reading_a_float32_stream(tmp_path, target, opset):
+    """Mamba's fp16 model keeps its residual stream in float32 (residual_in_fp32) and norms it with a float16
+    weight: torch computes in the input's dtype, onnxruntime's norm ops type Y as the scale, so the scale is cast
+    like the input (the file failed to load before), and the float32 output stays float32 in the ONNX file."""
+
+    class Fp32Stream(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.norm = nn.RMSNorm(16, eps=1e-6)
+
+        def forward(self, x):
+            return self.norm(x.float() + self.lin(x).float())
+
+    torch.manual_seed(0)
+    report = export(Fp32Stream().eval(), Inputs((torch.randn(2, 5, 16),)), tmp_path, target, opset,
+                    dtype=torch.float16)
+    m = onnx.load(tmp_path / "m.onnx")
+    assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert report.passed and report.extra["fused_norm_ops"] == {"rmsnorm": 1}
+    assert {r["provider"] for r in report.extra["ort"]} == {"cpu"}
+
+
+def test_opset17_reductions_lose_opset18_attributes(tmp_path):
+    """T5's fp16 clamp (isinf(x).any()) came down to opset 17 as ReduceMax with opset 18's noop_with_empty_axes:
+    the checker rejected it and onnxruntime refused to load it. Reduce* at 17 take axes as an attribute only."""
+
+    class AnyInf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            big = torch.where(torch.isinf(x).any(), torch.tensor(0.5), torch.tensor(1.0))
+            return self.norm(x * big) + x.amax(dim=-1, keepdim=True)
+
+    export(AnyInf().eval(), Inputs((torch.randn(2, 3, 8),)), tmp_path, "onnx", 17)
+    m = onnx.load(tmp_path / "m.onnx")
+    onnx.checker.check_model(m, full_check=True)
+    reduces = [n for n in m.graph.node if n.op_type in ("ReduceMax", "ReduceMin", "ReduceMean")]
+    assert reduces and all(a.name != "noop_with_empty_axes" for n in reduces for a in n.attribute)
+    assert all(len(n.input) == 1 for n in reduces)
+
+
+def test_device_cuda_fuses_residual_add_and_norm(cli, tmp_path):
+    """Measured on an H100: Skip*LayerNormalization is 1.64x faster than Add + norm (fp16), so --device cuda fuses
+    them; --no-skip-fusion overrides; an unknown device is refused before the model loads."""
+    out = tmp_path / "m.onnx"
+    code, stdout, stderr = cli("export", "zoo:bert", "-o", out, "--device", "cuda", "--json")
+    assert code == 0, stderr
+    d = json.loads(stdout)
+    assert d["after"].get("com.microsoft.SkipLayerNormalization") == 4 and d["after"].get("LayerNormalization") == 1
+    code, stdout, stderr = cli("export", "zoo:bert", "-o", tmp_path / "n.onnx", "--device", "cuda",
+                               "--no-skip-fusion", "--json")
+    assert code == 0 and json.loads(stdout)["after"].get("LayerNormalization") == 5
+    code, stdout, stderr = cli("export", "zoo:nope", "-o", tmp_path / "x.onnx", "--device", "tpu")
+    assert code == 2 and "unknown --device 'tpu'" in stderr and not (tmp_path / "x.onnx").exists()
+
+
 def test_skip_fusion_is_opt_in(tmp_path):
     """Measured slower on onnxruntime CPU, so --target ort leaves Add + norm unless --skip-fusion asks."""
     model, inputs = zoo_inputs("bert")

@@ -9,7 +9,7 @@ import typer
 from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, load_half_target, user_errors)
 from normconv.errors import NormconvError
-from normconv.onnx.export import DEFAULT_OPSET
+from normconv.onnx.export import DEFAULT_OPSET, DEVICES
 from normconv.report import Report, console, render_headroom, render_sites, render_validation, table
 
 
@@ -33,9 +33,13 @@ def register(app: typer.Typer) -> None:
         baseline: Annotated[bool, typer.Option(help="also export with plain torch.onnx.export and compare op "
                                                     "counts and latency (a second export: opt-in)")] = False,
         repeats: Annotated[int, typer.Option(help="timed onnxruntime runs per provider (0: no timing)")] = 10,
-        skip_fusion: Annotated[bool, typer.Option(
-            "--skip-fusion", help="with --target ort: fuse residual add + norm into Skip*LayerNormalization "
-                                  "(onnxruntime's GPU kernels; measured slower on onnxruntime CPU)")] = False,
+        device: Annotated[str, typer.Option(
+            help="the onnxruntime provider you deploy to, cpu or cuda: picks the fusions measured faster there "
+                 "(cuda: residual add + norm as one Skip*LayerNormalization)")] = "cpu",
+        skip_fusion: Annotated[Optional[bool], typer.Option(
+            "--skip-fusion/--no-skip-fusion", help="with --target ort: fuse residual add + norm into "
+                                                   "Skip*LayerNormalization, or not (default: what --device says; "
+                                                   "measured faster on CUDA, slower on onnxruntime CPU)")] = None,
         dim_name: Annotated[Optional[list[str]], typer.Option(
             "--dim-name", help="with --dynamic: your name for a dynamic dimension, e.g. batch=N or sequence=T "
                                "(repeatable; defaults batch, sequence, decoder_sequence)")] = None,
@@ -66,10 +70,12 @@ def register(app: typer.Typer) -> None:
                                     f"decoder_sequence=NAME with NAME an identifier")
             dim_names[key] = value
         check_args(output, target, opset)  # bad flags fail before loading the model
+        if device not in DEVICES:
+            raise NormconvError(f"unknown --device {device!r}; choose {' or '.join(DEVICES)}")
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report = flow.export(loaded, output, target, opset, dynamic=dynamic, fold=not no_fold,
                              canonicalize=not no_canonicalize, validate=providers, atol=atol, rtol=rtol,
-                             baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
+                             baseline=baseline, repeats=repeats, skip_fusion=skip_fusion, device=device,
                              dim_names=dim_names, keep_fp32=keep_fp32, dtype=half)
         emit(report, as_json, print_export)
 

@@ -80,6 +80,16 @@ def _const(fill: float, shape: list[int], like: Any):
     return op.Constant(value=ir.tensor(np.full(shape, fill, dtype=dtype.numpy())))
 
 
+def _like(param: Any, input: Any):
+    """A norm's scale or shift in the input's dtype: torch computes rms_norm(x float32, w float16) in x's dtype
+    (Mamba's fp16 model does, on its float32 residual stream), while onnxruntime's norm ops give Y the scale's type."""
+    from onnxscript import opset18 as op
+
+    if param.dtype is None or input.dtype is None or param.dtype == input.dtype:
+        return param
+    return op.CastLike(param, input)
+
+
 def _ones(shape: list[int], like: Any):
     return _const(1.0, shape, like)
 
@@ -99,7 +109,7 @@ def translation_table() -> dict:
         shape = [int(d) for d in normalized_shape]
         if eps is None:  # torch's default: finfo(x.dtype).eps
             eps = _EPS_BY_DTYPE.get(input.dtype, _EPS_BY_DTYPE[ir.DataType.FLOAT])
-        scale = weight if weight is not None else _ones(shape, input)
+        scale = _like(weight, input) if weight is not None else _ones(shape, input)
         return rms_op(input, scale, axes=list(range(-len(shape), 0)), epsilon=float(eps))
 
     def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
@@ -107,8 +117,8 @@ def translation_table() -> dict:
         channels = input.shape[1] if input.shape is not None else None
         if (weight is None or bias is None) and not isinstance(channels, int):
             raise ValueError("group_norm without affine needs a static channel count")
-        scale = weight if weight is not None else _ones([channels], input)
-        shift = bias if bias is not None else _zeros([channels], input)
+        scale = _like(weight, input) if weight is not None else _ones([channels], input)
+        shift = _like(bias, input) if bias is not None else _zeros([channels], input)
         return gn_op(input, scale, shift, num_groups=int(num_groups), epsilon=float(eps))
 
     return {torch.ops.aten.rms_norm.default: rms_norm, torch.ops.aten.group_norm.default: group_norm}
@@ -248,16 +258,38 @@ def _group_norm_function(opset: int) -> onnx.FunctionProto:
                                 doc_string="GroupNorm with per-channel scale and bias (GroupNormalization-21 semantics)")
 
 
+# reductions that took ``axes`` as an input (and gained ``noop_with_empty_axes``) at opset 18
+_REDUCE_18 = ("ReduceMax", "ReduceMin", "ReduceMean", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+              "ReduceLogSumExp", "ReduceSumSquare")
+
+
 def repair_downconverted(model: ir.Model) -> list[str]:
-    """Fix what torch's down-conversion to opset 17 leaves behind: Split with opset 18's ``num_outputs``.
+    """Fix what torch's down-conversion to opset 17 leaves behind.
 
     Split-13 takes the sizes as an input; with a static axis length they are known:
       Split(x; num_outputs=n)  =>  Split(x, [ceil(L/n)] * (n-1) + [rest])
+    Reduce*-13 (but ReduceSum) take ``axes`` as an attribute and have no ``noop_with_empty_axes`` (T5's fp16
+    ``isinf(x).any()`` came down as ReduceMax with it):
+      ReduceX(x, [axes]; noop_with_empty_axes=0)  =>  ReduceX(x; axes=axes)      (no axes: every axis, as before)
     """
     fixed = []
     if model.opset_imports.get("", 18) >= 18:
         return fixed
     for node in list(model.graph):
+        if node.op_type in _REDUCE_18 and node.domain in ("", "ai.onnx") and (
+                "noop_with_empty_axes" in node.attributes or len(node.inputs) > 1):
+            noop = int(node.attributes["noop_with_empty_axes"].value) if "noop_with_empty_axes" in node.attributes else 0
+            axes = node.inputs[1] if len(node.inputs) > 1 else None
+            if axes is not None and axes.const_value is None:
+                continue  # dynamic axes have no opset-13 form; the checker reports it
+            if noop and axes is None:
+                continue  # an identity by definition; left for the checker
+            node.attributes.pop("noop_with_empty_axes", None)
+            if axes is not None:
+                node.attributes["axes"] = ir.AttrInt64s("axes", [int(a) for a in axes.const_value.numpy().ravel()])
+                node.resize_inputs(1)
+            fixed.append(node.name)
+            continue
         if node.op_type != "Split" or node.domain not in ("", "ai.onnx") or "num_outputs" not in node.attributes:
             continue
         n = int(node.attributes["num_outputs"].value)
