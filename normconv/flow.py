@@ -644,7 +644,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
 
 KEEP_FP32 = ("auto", "none", "all")
 HALF_SLACK = 1.5  # a half export may be this much further from float32 than the plain cast of the model
-HALF_MIN_COSINE = {torch.float16: 0.9999, torch.bfloat16: 0.999}  # below: not rounding (overflow, a wrong op)
+HALF_MIN_COSINE = {torch.float16: 0.999, torch.bfloat16: 0.99}  # ~4.5% / 14% relative RMS error; below: not rounding
 
 
 def _rounding_limited(ours: Validation, plain: Validation, half: torch.dtype) -> bool:
@@ -653,7 +653,7 @@ def _rounding_limited(ours: Validation, plain: Validation, half: torch.dtype) ->
     model (zoo:fp16_overflow without its float32 norms: cosine -0.17) is refused."""
     finite = all(math.isfinite(o.max_abs_error) for o in ours.outputs) and math.isfinite(ours.max_abs_error)
     return (finite and ours.max_abs_error <= HALF_SLACK * plain.max_abs_error
-            and ours.cosine >= HALF_MIN_COSINE.get(half, 0.9999))
+            and ours.cosine >= HALF_MIN_COSINE.get(half, 0.999))
 
 
 def _precisions(cap: Captured, norms: list[NormSite], half: torch.dtype, mode: str,
