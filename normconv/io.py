@@ -12,6 +12,7 @@ Example inputs come from the zoo, the .pt2, the Hugging Face config, or ``--inpu
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import importlib
 import inspect
@@ -225,6 +226,9 @@ def _torch_load_safely(path: Path, spec: str) -> Any:
         raise NormconvError(f"{spec} is empty")
     if zipfile.is_zipfile(path) is False and _looks_truncated_zip(path):
         raise NormconvError(f"{spec} is truncated or corrupt (its zip archive has no end record)")
+    if not zipfile.is_zipfile(path) and not _starts_like_a_pickle(path):  # every torch.save writes one of the two
+        hint = "; it is text: for a model defined in Python, pass package.module:factory" if _is_text(path) else ""
+        raise NormconvError(f"{spec} is not a model file normconv can read (neither a zip archive nor a pickle{hint})")
     if _is_torchscript(path):
         raise NormconvError(f"{spec} is a TorchScript archive (torch.jit.save): normconv rewrites nn.Modules; load "
                             f"the original module, or save it with torch.save(model) or torch.export")
@@ -232,9 +236,6 @@ def _torch_load_safely(path: Path, spec: str) -> Any:
         with quiet_loaders():
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        if not zipfile.is_zipfile(path) and not _starts_like_a_pickle(path):
-            raise NormconvError(f"{spec} is not a model file normconv can read (neither a zip archive nor a "
-                                f"pickle)") from None
         if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
             raise _NeedsTrust(_unsafe_globals(path)) from None
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
@@ -245,6 +246,17 @@ def _torch_load_safely(path: Path, spec: str) -> Any:
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
     except (EOFError, OSError, ValueError, KeyError) as exc:
         raise NormconvError(f"{spec} is not a model file normconv can read ({_why(exc)})") from None
+
+
+def _is_text(path: Path) -> bool:
+    """The first KB decodes as UTF-8 with no control bytes but whitespace (a script, JSON, YAML, a README)."""
+    with open(path, "rb") as f:
+        head = f.read(1024)
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a cut last character is fine
+    except UnicodeDecodeError:
+        return False
+    return all(c.isprintable() or c in "\n\r\t" for c in text)
 
 
 def _starts_like_a_pickle(path: Path) -> bool:

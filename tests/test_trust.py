@@ -122,10 +122,15 @@ class _UserClass(nn.Module):
         return self.lin(x)
 
 
-def test_a_text_file_is_not_called_a_pickle(cli, tmp_path):
+@pytest.mark.parametrize("text", ["garbage, not a model\n", "hello world\n", '{"a": 1}\n', "import torch\n" * 200,
+                                  "température é\n" * 100])
+def test_a_text_file_is_not_called_a_pickle(cli, tmp_path, text):
+    """Text of any kind (a script, JSON, notes) is named as text before torch.load sees it: a file starting with
+    'e' used to end in "KeyError: 101" (pickle's opcode table)."""
     path = tmp_path / "notes.pt"
-    path.write_text("garbage, not a model\n")
-    _one_line_error(cli, "fold", path, "-o", tmp_path / "out.pt", match="neither a zip archive nor a pickle")
+    path.write_text(text, encoding="utf-8")
+    line = _one_line_error(cli, "fold", path, "-o", tmp_path / "out.pt", match="neither a zip archive nor a pickle")
+    assert "it is text" in line and "package.module:factory" in line and "Error" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.pt"]
 
 
