@@ -24,6 +24,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -466,6 +467,64 @@ class _OnDemand:
             self._saved = []
         return out, self.outputs
 
+    def run_many(self, shapes: list[Inputs]) -> list[tuple[Any, list[torch.Tensor]]]:
+        """``run`` for several inputs at once, in lockstep: one thread per input, meeting at every block, so each
+        block is read from the checkpoint once for all of them (verification at two shapes read it twice)."""
+        if len(shapes) == 1:
+            return [self.run(shapes[0])]
+        barrier = threading.Barrier(len(shapes))
+        mine = threading.local()
+        results: list[Any] = [None] * len(shapes)
+        errors: list[BaseException | None] = [None] * len(shapes)
+
+        def before(slots):
+            if barrier.wait() == 0:  # one thread loads the block for all
+                self._saved = self._fill(slots)
+            barrier.wait()
+
+        def after(out):
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            mine.outputs.append(first.detach())
+            if barrier.wait() == 0:  # every thread is done with the block: one drops it
+                self._restore(self._saved)
+                self._saved = []
+            barrier.wait()
+
+        def work(k: int) -> None:
+            mine.outputs = []
+            try:
+                with torch.no_grad():  # grad mode is per thread
+                    results[k] = (self.model(*shapes[k].args, **shapes[k].kwargs), mine.outputs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                errors[k] = exc
+            finally:
+                barrier.abort()  # a thread still waiting now would wait forever: its forward ran other blocks
+
+        hooks = []
+        for block, slots in self.block_slots:
+            hooks.append(block.register_forward_pre_hook(lambda m, a, slots=slots: before(slots)))
+            hooks.append(block.register_forward_hook(lambda m, a, out: after(out)))
+        saved = []
+        try:
+            saved = self._fill(self.rest)
+            threads = [threading.Thread(target=work, args=(k,), name=f"normconv-verify-{k}")
+                       for k in range(len(shapes))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for h in hooks:
+                h.remove()
+            self._restore(self._saved + saved)
+            self._saved = []
+        real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+        if real:
+            raise real[0]
+        if any(e is not None for e in errors):  # the inputs made the model call its blocks differently
+            return [self.run(inputs) for inputs in shapes]
+        return results
+
 
 def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float | None, rtol: float | None,
             out_config) -> tuple[list[Validation], list[dict[str, Any]]]:
@@ -482,9 +541,9 @@ def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float |
     atol, rtol = (d_atol if atol is None else atol), (d_rtol if rtol is None else rtol)
     how = "" if compute == dtype else f", {str(dtype).removeprefix('torch.')} weights computed in float32"
     validations, blocks = [], []
-    for k, inputs in enumerate(shapes):
-        ref, ref_blocks = _OnDemand(original, Checkpoint(src).rename_for(original), src, compute).run(inputs)
-        new, new_blocks = _OnDemand(rewritten, Checkpoint(tmp).rename_for(rewritten), tmp, compute).run(inputs)
+    refs = _OnDemand(original, Checkpoint(src).rename_for(original), src, compute).run_many(shapes)
+    news = _OnDemand(rewritten, Checkpoint(tmp).rename_for(rewritten), tmp, compute).run_many(shapes)
+    for k, (inputs, (ref, ref_blocks), (new, new_blocks)) in enumerate(zip(shapes, refs, news)):
         where = inputs.describe()
         for i, (r, c) in enumerate(zip(ref_blocks, new_blocks)):
             # a block's output is the residual stream, which the rewrite makes zero-mean: it must equal the

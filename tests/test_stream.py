@@ -278,3 +278,32 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
     for name, t in written.items():  # centered writers: zero mean along the hidden axis, up to bf16 rounding
         if name.endswith("embed_tokens.weight"):
             assert t.double().mean(-1).abs().max() < 1e-3 < original[name].double().mean(-1).abs().max()
+
+
+def test_verification_reads_each_block_once_for_both_shapes(tmp_path, monkeypatch):
+    """The two verification shapes run in lockstep (a thread each, meeting at every block): each tensor of the
+    rewritten folder is read once, not once per shape, and the lockstep results equal the one-at-a-time ones."""
+    src, out = tmp_path / "in", tmp_path / "out"
+    model = _saved(_gpt2, src)
+    reads: dict[tuple[str, str], int] = {}
+    get = stream.Checkpoint.get
+
+    def counted(self, name):
+        key = (self.folder.name, name)
+        reads[key] = reads.get(key, 0) + 1
+        return get(self, name)
+
+    monkeypatch.setattr(stream.Checkpoint, "get", counted)
+    report = stream.swap(src, out)
+    assert report.passed and len(report.extra["blocks"]) == 2 * 3
+    written = {k: n for k, n in reads.items() if k[0] not in ("in", "out")}  # the temp folder: verification only
+    assert written and set(written.values()) == {1}, written
+    cls, config = stream._model_class(src)
+    meta = stream._build(cls, config, torch.float32)
+    loader = stream._OnDemand(meta, stream.Checkpoint(src).rename_for(meta), src)
+    together = loader.run_many(_shapes(model))
+    for inputs, (out_many, blocks_many) in zip(_shapes(model), together):
+        out_one, blocks_one = loader.run(inputs)
+        assert torch.equal(out_many.logits, out_one.logits)
+        assert all(torch.equal(a, b) for a, b in zip(blocks_many, blocks_one)) and len(blocks_many) == 3
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
