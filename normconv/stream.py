@@ -402,6 +402,17 @@ def _slots(module: nn.Module, prefix: str = "", skip: set[int] = frozenset()) ->
     return out
 
 
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc's malloc_trim): each verification thread allocates in its own
+    malloc arena, which otherwise keeps a dropped block's pages resident."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 class _OnDemand:
     """Parameters (and stored buffers) of a meta-parameter model loaded from a checkpoint when needed: each block
     just before it runs (dropped after it), everything else for the whole forward. Records each block's output."""
@@ -445,6 +456,7 @@ class _OnDemand:
     def _drop(self, out: Any) -> None:
         self._restore(self._saved)
         self._saved = []
+        _trim_heap()
         first = out[0] if isinstance(out, (tuple, list)) else out
         self.outputs.append(first.detach())
 
@@ -488,6 +500,7 @@ class _OnDemand:
             if barrier.wait() == 0:  # every thread is done with the block: one drops it
                 self._restore(self._saved)
                 self._saved = []
+                _trim_heap()
             barrier.wait()
 
         def work(k: int) -> None:
