@@ -512,16 +512,13 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     ``device`` (cpu | cuda) is the onnxruntime provider deployed to; it picks ``skip_fusion`` when that is None."""
     from normconv.onnx import export as onnx_export
 
-    if device not in onnx_export.DEVICES:
-        raise NormconvError(f"unknown --device {device!r}; choose {' or '.join(onnx_export.DEVICES)}")
-    if skip_fusion is None:  # measured: fused residual add + norm is faster on CUDA, slower on CPU (BENCHMARKS.md)
-        skip_fusion = device == "cuda"
-
     if keep_fp32 not in KEEP_FP32:
         raise NormconvError(f"unknown --keep-fp32 {keep_fp32!r}; choose {', '.join(KEEP_FP32)}")
 
     opset = onnx_export.DEFAULT_OPSET if opset is None else opset
-    out = onnx_export.check_args(output, target, opset)
+    out = onnx_export.check_args(output, target, opset, device)
+    if skip_fusion is None:  # measured: fused residual add + norm is faster on CUDA, slower on CPU (BENCHMARKS.md)
+        skip_fusion = device == "cuda"
     check_output_path(loaded, out)
     inputs = loaded.require_inputs()
     report = Report(command=onnx_export.NAME, model=loaded.spec)

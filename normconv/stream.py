@@ -421,7 +421,6 @@ class _OnDemand:
         self.model, self.ckpt, self.folder, self.compute = model, ckpt, folder, compute
         self.aliases = _aliases(model)
         prefix, blocks = _blocks(model)
-        self.outputs: list[torch.Tensor] = []
         self._saved: list = []
         self.blocks = len(blocks)
         self.rest = _slots(model, skip={id(m) for b in blocks for m in b.modules()})
@@ -450,40 +449,13 @@ class _OnDemand:
         for table, k, old in reversed(saved):
             table[k] = old  # back to meta: the loaded tensor is freed
 
-    def _load(self, slots) -> None:
-        self._saved = self._fill(slots)
-
-    def _drop(self, out: Any) -> None:
-        self._restore(self._saved)
-        self._saved = []
-        _trim_heap()
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        self.outputs.append(first.detach())
-
     def run(self, inputs: Inputs) -> tuple[Any, list[torch.Tensor]]:
         """The model's outputs on ``inputs`` and each block's output, in call order."""
-        self.outputs = []
-        hooks = []
-        for block, slots in self.block_slots:  # hooks for this forward only (a model runs at several shapes)
-            hooks.append(block.register_forward_pre_hook(lambda m, a, slots=slots: self._load(slots)))
-            hooks.append(block.register_forward_hook(lambda m, a, out: self._drop(out)))
-        saved = []
-        try:
-            saved = self._fill(self.rest)
-            with torch.no_grad():
-                out = self.model(*inputs.args, **inputs.kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-            self._restore(self._saved + saved)
-            self._saved = []
-        return out, self.outputs
+        return self.run_many([inputs])[0]
 
     def run_many(self, shapes: list[Inputs]) -> list[tuple[Any, list[torch.Tensor]]]:
         """``run`` for several inputs at once, in lockstep: one thread per input, meeting at every block, so each
         block is read from the checkpoint once for all of them (verification at two shapes read it twice)."""
-        if len(shapes) == 1:
-            return [self.run(shapes[0])]
         barrier = threading.Barrier(len(shapes))
         mine = threading.local()
         results: list[Any] = [None] * len(shapes)
@@ -514,7 +486,7 @@ class _OnDemand:
                 barrier.abort()  # a thread still waiting now would wait forever: its forward ran other blocks
 
         hooks = []
-        for block, slots in self.block_slots:
+        for block, slots in self.block_slots:  # hooks for these forwards only (a model runs at several shapes)
             hooks.append(block.register_forward_pre_hook(lambda m, a, slots=slots: before(slots)))
             hooks.append(block.register_forward_hook(lambda m, a, out: after(out)))
         saved = []
@@ -534,7 +506,7 @@ class _OnDemand:
         real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
         if real:
             raise real[0]
-        if any(e is not None for e in errors):  # the inputs made the model call its blocks differently
+        if any(e is not None for e in errors):  # the inputs made the model call its blocks differently: one by one
             return [self.run(inputs) for inputs in shapes]
         return results
 

@@ -9,7 +9,7 @@ import typer
 from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, load_half_target, user_errors)
 from normconv.errors import NormconvError
-from normconv.onnx.export import DEFAULT_OPSET, DEVICES
+from normconv.onnx.export import DEFAULT_OPSET
 from normconv.report import Report, console, render_headroom, render_sites, render_validation, table
 
 
@@ -69,9 +69,7 @@ def register(app: typer.Typer) -> None:
                 raise NormconvError(f"bad --dim-name {item!r}: expected batch=NAME, sequence=NAME or "
                                     f"decoder_sequence=NAME with NAME an identifier")
             dim_names[key] = value
-        check_args(output, target, opset)  # bad flags fail before loading the model
-        if device not in DEVICES:
-            raise NormconvError(f"unknown --device {device!r}; choose {' or '.join(DEVICES)}")
+        check_args(output, target, opset, device)  # bad flags fail before loading the model
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report = flow.export(loaded, output, target, opset, dynamic=dynamic, fold=not no_fold,
                              canonicalize=not no_canonicalize, validate=providers, atol=atol, rtol=rtol,

@@ -231,7 +231,9 @@ def _check(path: Path, model) -> str:
     return "passed"
 
 
-def check_args(path: str | os.PathLike, target: str, opset: int) -> Path:
+def check_args(path: str | os.PathLike, target: str, opset: int, device: str = "cpu") -> Path:
+    if device not in DEVICES:
+        raise NormconvError(f"unknown --device {device!r}; choose {' or '.join(DEVICES)}")
     if target not in TARGETS:
         raise NormconvError(f"unknown --target {target!r}; choose onnx or ort")
     if opset not in OPSETS:

@@ -80,7 +80,7 @@ def _const(fill: float, shape: list[int], like: Any):
     return op.Constant(value=ir.tensor(np.full(shape, fill, dtype=dtype.numpy())))
 
 
-def _like(param: Any, input: Any):
+def _in_input_dtype(param: Any, input: Any):
     """A norm's scale or shift in the input's dtype: torch computes rms_norm(x float32, w float16) in x's dtype
     (Mamba's fp16 model does, on its float32 residual stream), while onnxruntime's norm ops give Y the scale's type."""
     from onnxscript import opset18 as op
@@ -109,7 +109,7 @@ def translation_table() -> dict:
         shape = [int(d) for d in normalized_shape]
         if eps is None:  # torch's default: finfo(x.dtype).eps
             eps = _EPS_BY_DTYPE.get(input.dtype, _EPS_BY_DTYPE[ir.DataType.FLOAT])
-        scale = _like(weight, input) if weight is not None else _ones(shape, input)
+        scale = _in_input_dtype(weight, input) if weight is not None else _ones(shape, input)
         return rms_op(input, scale, axes=list(range(-len(shape), 0)), epsilon=float(eps))
 
     def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
@@ -117,8 +117,8 @@ def translation_table() -> dict:
         channels = input.shape[1] if input.shape is not None else None
         if (weight is None or bias is None) and not isinstance(channels, int):
             raise ValueError("group_norm without affine needs a static channel count")
-        scale = _like(weight, input) if weight is not None else _ones([channels], input)
-        shift = _like(bias, input) if bias is not None else _zeros([channels], input)
+        scale = _in_input_dtype(weight, input) if weight is not None else _ones([channels], input)
+        shift = _in_input_dtype(bias, input) if bias is not None else _zeros([channels], input)
         return gn_op(input, scale, shift, num_groups=int(num_groups), epsilon=float(eps))
 
     return {torch.ops.aten.rms_norm.default: rms_norm, torch.ops.aten.group_norm.default: group_norm}
