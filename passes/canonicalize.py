@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.graph.detect import NormSite, _owns_only, find_norms
+from normconv.graph.detect import NormSite, owns_only, find_norms
 from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site
 from normconv.nn.rmsnorm import make_rmsnorm
@@ -171,7 +171,7 @@ def _whole_module(cap: Captured, site: NormSite) -> bool:
     while len(cap.users(v)) == 1 and cap.op(cap.users(v)[0]) == "cast" and cap.owner(cap.users(v)[0]) == site.owner:
         v = cap.users(v)[0]  # .to(input dtype) after it
         acc.add(v.name)
-    return _owns_only(cap, site.owner, acc)
+    return owns_only(cap, site.owner, acc)
 
 
 def _build(site: NormSite, t: dict[str, torch.Tensor | None], shape: tuple[int, ...], in_dtype: torch.dtype,

@@ -30,13 +30,15 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.clone import adopt, owned
-from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.detect import NormSite, find_norms, owns_only
 from normconv.graph.capture import Captured
 from normconv.graph.match import TRANSPARENT
+from normconv.nn.rmsnorm import RMSNorm
 from normconv.report import PassResult, Site
 from .base import replace_module
 
 NAME = "swap"
+_NORM_FORWARDS = (nn.LayerNorm.forward, nn.RMSNorm.forward, RMSNorm.forward)  # forwards that are the norm alone
 
 # --to -> the norm kind it replaces
 SOURCE_KIND = {"rmsnorm": "layernorm", "layernorm": "rmsnorm"}
@@ -526,8 +528,12 @@ def _norm_module(cap: Captured, site: NormSite) -> str | None:
     if site.source == "module":
         return site.target
     mod = cap.modules.get(site.owner)
-    if site.source == "functional" and site.owner and isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) \
-            and not list(mod.children()):
+    if not (site.source == "functional" and site.owner and isinstance(mod, (nn.LayerNorm, nn.RMSNorm))
+            and not list(mod.children())):
+        return None
+    # a norm subclass whose own forward does more (DINOv3 ConvNeXt channels_first: permute, LayerNorm, permute
+    # back) is replaceable only where that forward computed the norm call alone
+    if type(mod).forward in _NORM_FORWARDS or owns_only(cap, site.owner, set(site.nodes)):
         return site.owner
     return None
 
@@ -794,6 +800,11 @@ def _reader(cap: Captured, node: fx.Node) -> str:
 
 def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str, read) -> None:
     site = p.site
+    mod = cap.modules.get(site.owner)
+    if p.module is None and isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):  # a norm subclass, forward overridden
+        p.reason = (f"{site.owner} ({type(mod).__name__}) overrides forward and computes more than the norm there: "
+                    f"swap replaces whole norm modules")
+        return
     if p.module is None:
         p.reason = (f"{site.source} norm written inline in {site.owner or 'forward'}: swap replaces norm modules"
                     + (" (canonicalize could not make it one)" if site.source == "handwritten" else ""))
@@ -929,6 +940,8 @@ def edits(cap: Captured, a: Analysis, approximate: bool = False,
     for st in a.streams:
         if st.problem is not None:
             continue
+        if not any(a.plans[i].module is not None and (a.plans[i].exact or approximate) for i in st.sites):
+            continue  # no norm of this stream is replaced: its writers stay as they are
         for path in st.unties:
             out.untie[path] = f"{path}.weight"
         for w in st.writers.values():

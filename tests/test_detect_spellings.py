@@ -157,3 +157,46 @@ def test_callers_cast_does_not_move_the_norm_to_the_caller(method):
     x = torch.randn(1, 3, 16)
     with torch.no_grad():
         torch.testing.assert_close(new(x), net(x), atol=1e-6, rtol=1e-6)
+
+
+class FactorCastRMSNorm(nn.Module):
+    """DeepSeek-V4's weight-free RMSNorm: the rsqrt factor, computed in float32, is cast back and multiplies the
+    un-cast input (the cast sits between rsqrt and mul, not after the product)."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rmsnorm_with_its_factor_cast_is_detected_and_canonicalized(method):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), FactorCastRMSNorm()).eval()
+    x = torch.randn(2, 3, 8)
+    sites = inspect(model, Inputs((x,)), method=method).sites
+    assert [(s["kind"], s["source"], s["owner"], s["eps"], s["affine"]["weight"]) for s in sites] == \
+        [("rmsnorm", "handwritten", "1", 1e-6, None)]
+    new, report = canonicalize(model, Inputs((x,)))
+    assert report.passed and isinstance(new[1], nn.RMSNorm) and new[1].weight is None
+    x2 = torch.randn(5, 7, 8)
+    with torch.no_grad():
+        assert torch.allclose(new(x2), model(x2), atol=1e-6)
+
+
+class FunctionalThenRootLayerNorm(nn.Module):
+    """An F.layer_norm whose call node is named "layer_norm", and a root module also named layer_norm (DINOv3
+    ConvNeXt): two sites, each called once."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layer_norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.layer_norm(self.proj(F.layer_norm(x, (8,))))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_functional_node_named_like_a_module_is_its_own_site(method):
+    sites = inspect(FunctionalThenRootLayerNorm().eval(), Inputs((torch.randn(2, 8),)), method=method).sites
+    assert sorted((s["source"], s["owner"], s["calls"]) for s in sites) == \
+        [("functional", "", 1), ("module", "layer_norm", 1)]

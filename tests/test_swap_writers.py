@@ -320,3 +320,42 @@ def test_hf_bloom_embedding_layernorm():
     model, inputs = _hf("tiny_bloom", ("word_embeddings_layernorm",))
     with pytest.raises(NormconvError, match=r"word_embeddings_layernorm: the norm writes the residual stream"):
         normconv.swap(model, inputs)
+
+
+
+class DataFormatLayerNorm(nn.LayerNorm):
+    """ConvNeXt / DINOv3-ConvNeXt LayerNorm: an nn.LayerNorm subclass whose forward, for channels_first, permutes
+    NCHW to NHWC and back around the norm (replacing that module whole would drop the permutes)."""
+
+    def __init__(self, d, data_format):
+        super().__init__(d)
+        self.data_format = data_format
+
+    def forward(self, x):
+        if self.data_format == "channels_first":
+            return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return super().forward(x)
+
+
+def test_norm_subclass_computing_only_the_norm_is_swapped():
+    torch.manual_seed(0)
+    model = _randomize(nn.Sequential(nn.Linear(8, 8), DataFormatLayerNorm(8, "channels_last"))).eval()
+    new, report = normconv.swap(model, torch.randn(2, 3, 8))
+    assert report.passed and isinstance(new[1], nn.RMSNorm)
+    x2 = torch.randn(5, 7, 8)
+    with torch.no_grad():
+        assert torch.allclose(new(x2), model(x2), atol=1e-5)
+
+
+def test_norm_subclass_whose_forward_does_more_is_left_with_its_reason():
+    torch.manual_seed(0)
+    model = _randomize(nn.Sequential(nn.Conv2d(8, 8, 1), DataFormatLayerNorm(8, "channels_first"),
+                                     nn.Conv2d(8, 4, 1))).eval()
+    x = torch.randn(2, 8, 6, 6)
+    with pytest.raises(NormconvError, match=r"1 \(DataFormatLayerNorm\) overrides forward and computes more"):
+        normconv.swap(model, x)
+    new, report = normconv.swap(model, x, approximate=True)  # nothing it may replace: the model is unchanged
+    assert isinstance(new[1], DataFormatLayerNorm)
+    x2 = torch.randn(3, 8, 5, 7)
+    with torch.no_grad():
+        assert torch.equal(new(x2), model(x2))

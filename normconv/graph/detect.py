@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import operator
+from collections import Counter
 
 import torch
 import torch.fx as fx
@@ -124,10 +125,17 @@ def find_norms(cap: Captured) -> list[NormSite]:
     order = cap.order
     outputs = frozenset(s.node for s in sites)
     sites = [_with_placement(cap, s, sites, order, outputs) for s in sites]
-    counts: dict[str, int] = {}
-    for s in sites:
-        counts[s.target] = counts.get(s.target, 0) + 1
-    return [replace(s, calls=counts[s.target]) for s in sites]
+    # sites of one module called at several places share its target; a site that is not a module's is its own node
+    # (its target, a node name, may equal a module's path: F.layer_norm's node "layer_norm" vs a root layer_norm)
+    key = [("module", s.target) if _whole_module_call(s) else ("node", s.node) for s in sites]
+    counts = Counter(key)
+    return [replace(s, calls=counts[k]) for s, k in zip(sites, key)]
+
+
+def _whole_module_call(site: NormSite) -> bool:
+    """Whether the site is a whole module's call (a norm module, or a hand-written norm module's forward)."""
+    return site.source == "module" or site.source == "handwritten" and site.module_type is not None \
+        and site.target == site.owner
 
 
 def find_weight_standardizations(cap: Captured) -> list[WeightStandardization]:
@@ -402,16 +410,20 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     else:
         raise _NoMatch
 
-    # numerator: num * rsqrt(...) or num / sqrt(...)
+    # numerator: num * rsqrt(...) or num / sqrt(...), the factor maybe cast first (x * rsqrt(..).to(x.dtype))
+    factor = r
+    while len(cap.users(factor)) == 1 and cap.op(cap.users(factor)[0]) == "cast":
+        factor = cap.users(factor)[0]
+        acc.add(factor.name)
     y = None
-    for u in cap.users(r):
-        if rsqrt and cap.op(u) == "mul" or not rsqrt and cap.op(u) == "div" and u.args[1] is r:
+    for u in cap.users(factor):
+        if rsqrt and cap.op(u) == "mul" or not rsqrt and cap.op(u) == "div" and u.args[1] is factor:
             y = u
             break
     if y is None:
         raise _NoMatch
     acc.add(y.name)
-    num = _strip(cap, _other(y, r), acc)
+    num = _strip(cap, _other(y, factor), acc)
     running_mean = None
     if kind == "batchnorm":
         if not (isinstance(num, fx.Node) and cap.op(num) == "sub"):
@@ -560,7 +572,7 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
                          if n != out.name and n not in aliases)
     target, module_type = out.name, None
     mod = cap.modules.get(owner)
-    if owner and mod is not None and self_contained and _owns_only(cap, owner, acc):
+    if owner and mod is not None and self_contained and owns_only(cap, owner, acc):
         target, module_type = owner, type(mod).__name__  # a hand-written norm module
     elif owner and mod is not None:
         module_type = type(mod).__name__
@@ -605,7 +617,7 @@ def _caller_casts_out(cap: Captured, x: fx.Node, acc: set[str]) -> fx.Node:
     return x
 
 
-def _owns_only(cap: Captured, owner: str, acc: set[str]) -> bool:
+def owns_only(cap: Captured, owner: str, acc: set[str]) -> bool:
     """The module at ``owner`` computes nothing but this site (so the whole module is the norm)."""
     for n in cap.gm.graph.nodes:
         if n.name in acc or n.op in ("placeholder", "get_attr", "output"):
