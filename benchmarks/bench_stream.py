@@ -38,6 +38,9 @@ RUNGS = {
                                                  num_attention_heads=32, word_embed_proj_dim=2560), torch.bfloat16),
     "6.7b": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=4096, num_hidden_layers=32, ffn_dim=16384,
                                                  num_attention_heads=32, word_embed_proj_dim=4096), torch.bfloat16),
+    # larger than this machine's RAM (23 GB): OPT-13B's shape, 25.7 GB of bf16 on disk
+    "13b": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=5120, num_hidden_layers=40, ffn_dim=20480,
+                                                num_attention_heads=40, word_embed_proj_dim=5120), torch.bfloat16),
 }
 SHARD_BYTES = 1 << 30  # 1 GiB shards
 
