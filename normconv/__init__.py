@@ -4,6 +4,7 @@
     folded, report = normconv.fold(model, example_inputs)
     swapped, report = normconv.swap(model, example_inputs, to="rmsnorm")
     report = normconv.stream_swap("hf_folder", "out_folder")   # larger than RAM: tensor by tensor
+    report = normconv.stream_fold("hf_folder", "out_folder")   # BatchNorm folded the same way
     new, report = normconv.canonicalize(model, example_inputs)
     rotated, report = normconv.rotate(model, example_inputs)
     new, report = normconv.deepnorm(model, example_inputs)
@@ -20,7 +21,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+local"
 
-_API = ("fold", "canonicalize", "swap", "stream_swap", "rotate", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
+_API = ("fold", "canonicalize", "swap", "stream_swap", "stream_fold", "rotate", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
         "VerificationError")
 
 

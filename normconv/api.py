@@ -77,6 +77,15 @@ def stream_swap(folder: str, output: str, *, atol: float | None = None, rtol: fl
     return stream.swap(folder, output, atol=atol, rtol=rtol)
 
 
+def stream_fold(folder: str, output: str, *, atol: float | None = None, rtol: float | None = None) -> Report:
+    """BatchNorm folded into the conv / linear before it in a Hugging Face folder (safetensors), streamed tensor
+    by tensor and verified block by block without ever holding the model; writes ``output`` (a new folder: the
+    same architecture, each folded BatchNorm now the identity or a per-channel shift). Returns the report."""
+    from normconv import streamed_fold
+
+    return streamed_fold.fold(folder, output, atol=atol, rtol=rtol)
+
+
 def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", seed: int = 0, *,
            atol: float | None = None, rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
     """Exact swap (pre-LN) -> norm scales folded into the linears -> residual stream rotated by an orthogonal Q

@@ -160,7 +160,7 @@ class ShardWriter:
         n, dtype, shape = self.expected.pop(0)
         if (name, t.dtype, tuple(t.shape)) != (n, dtype, shape):
             raise RuntimeError(f"shard writer expected {n} {dtype} {shape}, got {name} {t.dtype} {tuple(t.shape)}")
-        self.f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        self.f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))  # 0-dim tensors too
 
     def check(self) -> None:
         if self.expected:
@@ -309,6 +309,24 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
                 return swap_norm.center_(t, plan.center[alias])  # writer: minus its mean along the hidden axis
         return t
 
+    def produce(name: str, t: torch.Tensor) -> torch.Tensor:
+        t = edited(name, t)
+        for f in fold_into.get(name, []):
+            # consumer bias <- bias + W b  (W as rewritten: centered first if it is also a writer)
+            t = swap_norm.add_(t, swap_norm.bias_delta(edited(f.weight, ckpt.get(_stored(ckpt, aliases, f.weight))),
+                                                       ckpt.get(_stored(ckpt, aliases, f.beta)), f.layout))
+        return t.zero_() if name in zeroed else t  # a zeroed norm bias now lives in its consumers
+
+    weight_map = write_shards(ckpt, tmp, produce, copies)
+    return weight_map, any(copies.values()), len({f.norm for f in plan.folds} - kept)
+
+
+def write_shards(ckpt: Checkpoint, tmp: Path, produce: Callable[[str, torch.Tensor], torch.Tensor],
+                 copies: dict[str, list[str]] | None = None) -> dict[str, str]:
+    """Every shard of ``ckpt`` written into ``tmp`` under its own name, a tensor at a time: each tensor as
+    ``produce(model name, stored tensor)`` returns it, after the names in ``copies[key]`` (written with the stored
+    values: the untied copies of a rewritten tied weight). Returns the new weight map."""
+    copies = copies or {}
     weight_map: dict[str, str] = {}
     for shard, header in ckpt.shards.items():
         names = ckpt.names(shard)
@@ -323,20 +341,14 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
                 for c in copies.get(n, []):
                     writer.write(c, t)  # the tied name keeps the original rows
                     weight_map[c] = shard
-                t = edited(ckpt.name[n], t)
-                for f in fold_into.get(ckpt.name[n], []):
-                    # consumer bias <- bias + W b  (W as rewritten: centered first if it is also a writer)
-                    t = swap_norm.add_(t, swap_norm.bias_delta(edited(f.weight, ckpt.get(_stored(ckpt, aliases, f.weight))),
-                                                               ckpt.get(_stored(ckpt, aliases, f.beta)), f.layout))
-                if ckpt.name[n] in zeroed:
-                    t = t.zero_()  # the norm's bias now lives in its consumers
+                t = produce(ckpt.name[n], t)
                 writer.write(n, t)
                 weight_map[n] = shard
                 del t
             writer.check()
         finally:
             writer.f.close()
-    return weight_map, any(copies.values()), len({f.norm for f in plan.folds} - kept)
+    return weight_map
 
 
 def _copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, str], untied: bool,
@@ -386,7 +398,7 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda nm: len(nm[1]))
 
 
-def _slots(module: nn.Module, prefix: str = "", skip: set[int] = frozenset()) -> list[tuple[nn.Module, str, str]]:
+def slots(module: nn.Module, prefix: str = "", skip: set[int] = frozenset()) -> list[tuple[nn.Module, str, str]]:
     """(owner, attribute, state_dict name) of every parameter and stored buffer under ``module``, but not under
     the modules in ``skip`` (by id)."""
     out = []
@@ -413,6 +425,27 @@ def _trim_heap() -> None:
         pass
 
 
+def fill(slots: list[tuple[nn.Module, str, str]], ckpt: Checkpoint, aliases: dict[str, list[str]], folder: Path,
+         compute: torch.dtype | None = None) -> list:
+    """Load the (owner, attribute, name) ``slots`` of a meta-parameter model from the checkpoint (floating tensors
+    cast to ``compute``); returns what to put back. A buffer the checkpoint does not store keeps its value."""
+    saved = []
+    for m, k, name in slots:
+        stored = _stored(ckpt, aliases, name)
+        is_param = k in m._parameters
+        if stored is None:
+            if is_param:
+                raise NormconvError(f"{folder}: the checkpoint has no tensor {name}")
+            continue  # a buffer the checkpoint does not store keeps the value the model computed
+        table = m._parameters if is_param else m._buffers
+        saved.append((table, k, table[k]))
+        t = ckpt.get(stored)
+        if compute is not None and t.is_floating_point():
+            t = t.to(compute)
+        table[k] = nn.Parameter(t, requires_grad=False) if is_param else t
+    return saved
+
+
 class _OnDemand:
     """Parameters (and stored buffers) of a meta-parameter model loaded from a checkpoint when needed: each block
     just before it runs (dropped after it), everything else for the whole forward. Records each block's output."""
@@ -423,26 +456,12 @@ class _OnDemand:
         prefix, blocks = _blocks(model)
         self._saved: list = []
         self.blocks = len(blocks)
-        self.rest = _slots(model, skip={id(m) for b in blocks for m in b.modules()})
-        self.block_slots = [(block, _slots(block, f"{prefix}.{i}")) for i, block in enumerate(blocks)]
+        self.rest = slots(model, skip={id(m) for b in blocks for m in b.modules()})
+        self.block_slots = [(block, slots(block, f"{prefix}.{i}")) for i, block in enumerate(blocks)]
 
     def _fill(self, slots) -> list:
         """Load ``slots`` from the checkpoint; returns what to put back."""
-        saved = []
-        for m, k, name in slots:
-            stored = _stored(self.ckpt, self.aliases, name)
-            is_param = k in m._parameters
-            if stored is None:
-                if is_param:
-                    raise NormconvError(f"{self.folder}: the checkpoint has no tensor {name}")
-                continue  # a buffer the checkpoint does not store keeps the value the model computed
-            table = m._parameters if is_param else m._buffers
-            saved.append((table, k, table[k]))
-            t = self.ckpt.get(stored)
-            if self.compute is not None and t.is_floating_point():
-                t = t.to(self.compute)
-            table[k] = nn.Parameter(t, requires_grad=False) if is_param else t
-        return saved
+        return fill(slots, self.ckpt, self.aliases, self.folder, self.compute)
 
     @staticmethod
     def _restore(saved: list) -> None:
@@ -512,8 +531,10 @@ class _OnDemand:
 
 
 def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float | None, rtol: float | None,
-            out_config) -> tuple[list[Validation], list[dict[str, Any]]]:
-    """Per-block and final comparisons of the original and rewritten folders, at two input shapes.
+            out_config, reference: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[Validation],
+                                                                                    list[dict[str, Any]]]:
+    """Per-block and final comparisons of the original and rewritten folders, at two input shapes: each rewritten
+    block's output against ``reference(the original block's output)`` (float64).
 
     A half-precision checkpoint runs in float32 (its tensors cast as they are loaded), at its own dtype's
     tolerance: the check then sees what the rewrite wrote (bf16-rounded centered weights), not bf16 arithmetic
@@ -531,12 +552,10 @@ def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float |
     for k, (inputs, (ref, ref_blocks), (new, new_blocks)) in enumerate(zip(shapes, refs, news)):
         where = inputs.describe()
         for i, (r, c) in enumerate(zip(ref_blocks, new_blocks)):
-            # a block's output is the residual stream, which the rewrite makes zero-mean: it must equal the
-            # original stream minus its mean over the hidden axis (what every LayerNorm reads), within the
-            # tolerance scaled by the stream's largest value (its scale grows with depth; an element near zero
-            # of a large stream carries the rounding of the large terms that summed to it)
-            r64 = r.double()
-            r64 = r64 - r64.mean(-1, keepdim=True)
+            # within the tolerance scaled by the block output's largest value (the stream's scale grows with
+            # depth; an element near zero of a large stream carries the rounding of the large terms that summed
+            # to it)
+            r64 = reference(r.double())
             v = compare(r64, c.double(), atol + rtol * float(r64.abs().max()), 0.0, label=f"block {i} ({where})")
             blocks.append({"block": i, "inputs": where, "max_abs_error": v.max_abs_error, "passed": v.passed})
             if not v.passed:
@@ -553,11 +572,10 @@ def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float |
 # the command
 
 
-def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | None = None,
-         rtol: float | None = None, keep_temp_on_failure: bool = False,
-         after_rewrite: Callable[[Path], None] | None = None) -> Report:
-    """``normconv swap FOLDER --to rmsnorm --stream -o OUT``: see the module docstring. ``after_rewrite`` sees the
-    temp folder before verification (tests use it to corrupt the output)."""
+def open_folder(folder: str | os.PathLike, output: str | os.PathLike) -> tuple[Path, Path, Checkpoint, Any, Any,
+                                                                            torch.dtype]:
+    """(input folder, output folder, its checkpoint, model class, config, float dtype), or NormconvError: not a
+    Hugging Face folder, remote code, an output over / inside the input or already there, unwritable."""
     src = Path(folder)
     if not (src / "config.json").is_file():
         raise NormconvError(f"{src} is not a Hugging Face folder (no config.json): --stream reads Hugging Face "
@@ -577,25 +595,31 @@ def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
         cls, config = _model_class(src)
     except Exception as exc:
         raise NormconvError(f"{src}/config.json is not a readable Hugging Face config ({exc})") from None
-    dtype = _float_dtype(ckpt)
-    analysis, plan, aliases = _plan(src, ckpt, cls, config, dtype)
-    report = Report(command="swap", model=str(src), sites=analysis.sites())
+    return src, out, ckpt, cls, config, _float_dtype(ckpt)
+
+
+def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype, report: Report,
+                   write: Callable[[Path], tuple[dict[str, str], bool]],
+                   reference: Callable[[torch.Tensor], torch.Tensor], atol: float | None, rtol: float | None,
+                   keep_temp_on_failure: bool = False, after_rewrite: Callable[[Path], None] | None = None) -> None:
+    """``write(temp folder)`` the rewritten shards (returns the weight map and whether it untied a weight), copy
+    the folder's other files, verify block by block against ``reference(original block output)``, and only then
+    rename the temp folder to ``out``; on any failure nothing is left under ``out`` or beside it."""
     remove_stale_temps(out)
     tmp: Path | None = Path(tempfile.mkdtemp(prefix=temp_name(out), suffix=TEMP_SUFFIX, dir=str(out.parent)))
     try:
-        weight_map, untied, folded = _rewrite(ckpt, plan, aliases, tmp, report.notes)
+        weight_map, untied = write(tmp)
         _copy_folder(src, tmp, ckpt, weight_map, untied, report.notes)
         if after_rewrite is not None:
             after_rewrite(tmp)
         out_config = _model_class(tmp)[1]
-        report.validation, report.extra["blocks"] = _verify(src, tmp, cls, config, dtype, atol, rtol, out_config)
-        report.extra.update({"to": "rmsnorm", "exact": True, "streamed": True, "swapped": len(analysis.plans),
-                             "centered": len(plan.center), "folded": folded})
+        report.validation, report.extra["blocks"] = _verify(src, tmp, cls, config, dtype, atol, rtol, out_config,
+                                                            reference)
         failed = next((v for v in report.validation if not v.passed), None)
         if failed is not None:
             raise VerificationError(
-                f"swap --stream: {failed.label}: max abs error {failed.max_abs_error:.3g} (atol {failed.atol:g}, "
-                f"rtol {failed.rtol:g}); nothing written", report)
+                f"{report.command} --stream: {failed.label}: max abs error {failed.max_abs_error:.3g} (atol "
+                f"{failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
         os.replace(tmp, out)
         tmp = None
     except OSError as exc:
@@ -604,6 +628,31 @@ def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
         if tmp is not None and not keep_temp_on_failure:
             shutil.rmtree(tmp, ignore_errors=True)
     report.output = str(out)
+
+
+def _centered(block_output: torch.Tensor) -> torch.Tensor:
+    """What a swapped block must output: the residual stream, which the rewrite makes zero-mean, equals the
+    original stream minus its mean over the hidden axis (what every LayerNorm reads)."""
+    return block_output - block_output.mean(-1, keepdim=True)
+
+
+def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | None = None,
+         rtol: float | None = None, keep_temp_on_failure: bool = False,
+         after_rewrite: Callable[[Path], None] | None = None) -> Report:
+    """``normconv swap FOLDER --to rmsnorm --stream -o OUT``: see the module docstring. ``after_rewrite`` sees the
+    temp folder before verification (tests use it to corrupt the output)."""
+    src, out, ckpt, cls, config, dtype = open_folder(folder, output)
+    analysis, plan, aliases = _plan(src, ckpt, cls, config, dtype)
+    report = Report(command="swap", model=str(src), sites=analysis.sites())
+    report.extra.update({"to": "rmsnorm", "exact": True, "streamed": True, "swapped": len(analysis.plans),
+                         "centered": len(plan.center)})
+
+    def write(tmp: Path) -> tuple[dict[str, str], bool]:
+        weight_map, untied, report.extra["folded"] = _rewrite(ckpt, plan, aliases, tmp, report.notes)
+        return weight_map, untied
+
+    write_verified(src, out, ckpt, cls, config, dtype, report, write, _centered, atol, rtol, keep_temp_on_failure,
+                   after_rewrite)
     report.notes.append("the output is the same architecture with rewritten weights: every LayerNorm reads a "
                         "zero-mean stream, so it equals RMSNorm(weight, eps) + bias (bias 0 where it was folded); "
                         "normconv swap OUT --to rmsnorm in memory makes the module swap")

@@ -72,7 +72,7 @@ def forward_guard(model: nn.Module):
     modules = list(model.modules())
     flags = [m.training for m in modules]
     buffers = [(m, name, b, b.detach().clone()) for m in modules for name, b in m._buffers.items()
-               if isinstance(b, torch.Tensor)]
+               if isinstance(b, torch.Tensor) and not b.is_meta]  # a meta buffer holds no values to guard
     names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
     guard = _Guard()
     try:

@@ -30,10 +30,32 @@ def register(app: typer.Typer) -> None:
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
         normconv_modules: KeepNormconvOpt = False,
+        stream: Annotated[bool, typer.Option(
+            "--stream", help="Hugging Face folder with safetensors weights: fold tensor by tensor, never holding "
+                             "the model; writes the same architecture with each folded BatchNorm made the "
+                             "identity, verified block by block")] = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
         from normconv import flow
+        from normconv.errors import NormconvError
+
+        if stream:
+            from normconv import streamed_fold
+
+            unsupported = [flag for flag, on in (("--eval", eval_mode), ("--weights", weights is not None),
+                                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
+                                                 ("--in-place", in_place), ("--bench", bench),
+                                                 ("--normconv-modules", normconv_modules),
+                                                 ("--trust-pickle", trust_pickle),
+                                                 ("--trust-remote-code", trust_remote_code)) if on]
+            if unsupported:
+                raise NormconvError(f"--stream folds the BatchNorms of a Hugging Face folder only: "
+                                    f"{', '.join(unsupported)} is not supported with it")
+            if output is None:
+                raise NormconvError("--stream writes a new folder: give it with -o")
+            emit(streamed_fold.fold(model, output, atol=atol, rtol=rtol), as_json)
+            return
 
         # a half --dtype: headroom is measured on the model as loaded (float32), then it is cast and folded
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)

@@ -1,0 +1,143 @@
+"""``fold --stream``: a Hugging Face checkpoint's BatchNorms folded into the layer before each, never holding the model.
+
+  plan     the model built from config.json with its parameters on the meta device; only the BatchNorm tensors
+           (four per-channel vectors each) are read from the shards; captured with torch.export and planned by
+           fold_batchnorm.analyze, with the guards of the in-memory fold
+  rewrite  tensor by tensor, shard by shard (stream.write_shards). A layer L (conv / linear) followed by
+           BN(y) = s y + t, s = gamma / sqrt(var + eps), t = beta - mean s, becomes, in float64:
+             BN'  weight 1, running_mean 0, running_var v = (1 - eps rounded to the stored dtype), so BN'(y) = f y + c
+                  with f = 1 / sqrt(v + eps) (1 up to that rounding) and c = its bias
+             L    W' = W s / f along L's output channels; with a bias b' = (b s + t) / f and c = 0, without one c = t
+           so BN'(L'(x)) = s W x + s b + t = BN(L(x)): f cancels whatever 1 - eps rounded to
+  verify   block by block against the original (stream.write_verified): every block output and the final outputs
+           equal, at two input shapes; nothing is written otherwise
+
+The output is the same architecture with rewritten weights: each folded BatchNorm is now the identity (or a
+per-channel shift where its layer has no bias), so ``from_pretrained`` loads it and its outputs are the original's;
+``normconv fold OUT`` or ``normconv export OUT`` in memory then removes those BatchNorms. Only folds into the layer
+before the BN are streamed (a fold into the layer after it changes that layer's bias by W t: not done here).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from normconv import stream
+from normconv.errors import NormconvError
+from normconv.graph.capture import capture
+from normconv.graph.detect import find_norms
+from normconv.io import hf_example_inputs
+from normconv.passes import fold_batchnorm
+from normconv.passes.base import skip
+from normconv.report import Report
+
+_BN = nn.modules.batchnorm._BatchNorm
+
+
+def _identity(block_output: torch.Tensor) -> torch.Tensor:
+    return block_output  # a fold changes no block's output
+
+
+def _plan(src: Path, ckpt: stream.Checkpoint, cls, config, dtype: torch.dtype):
+    """(decisions to stream, report sites, meta model, aliases)."""
+    meta = stream._build(cls, config, dtype)
+    ckpt.rename_for(meta)
+    aliases = stream._aliases(meta)
+    bns = [(path, m) for path, m in meta.named_modules() if isinstance(m, _BN)]
+    if not bns:
+        raise NormconvError(f"fold: {type(meta).__name__} has no BatchNorm to fold")
+    inputs = hf_example_inputs(meta)
+    if inputs is None:
+        raise NormconvError(f"{src}: no example inputs from its config (--stream needs a model taking input_ids "
+                            f"or pixel_values)")
+    # shapes only: every tensor on meta, inputs too (a meta weight meeting a real buffer fails in torch.export)
+    cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
+    # then the BN tensors are read for real: the plan computes each BN's (s, t) from them
+    bn_slots = [slot for path, m in bns for slot in stream.slots(m, path)]
+    stream.fill(bn_slots, ckpt, aliases, src)
+    missing = [name for m, k, name in bn_slots if getattr(m, k).is_meta]  # a running statistic not stored
+    if missing:
+        raise NormconvError(f"{src}: the checkpoint has no tensor {missing[0]}")
+    streamed, sites = [], []
+    for d in fold_batchnorm.analyze(cap, find_norms(cap)):
+        ok = d.applied and d.direction == "backward" and d.site.source == "module" and \
+            not getattr(cap.modules[d.layer], "parametrizations", None)
+        # the shift t goes to the layer's bias, or stays in the BN's: with neither it has nowhere to go
+        homeless = ok and cap.modules[d.layer].bias is None and cap.modules[d.site.target].bias is None
+        if ok and not homeless:
+            streamed.append(d)
+            sites.append(d.to_site())
+        elif homeless:
+            sites.append(skip(fold_batchnorm.NAME, d.site, f"{d.reason}: neither {d.layer} nor the BatchNorm has a "
+                                                           f"bias to keep its shift in the same architecture"))
+        elif d.applied:
+            sites.append(skip(fold_batchnorm.NAME, d.site, f"{d.reason}: --stream folds a BatchNorm module into the "
+                                                           f"layer before it only"))
+        else:
+            sites.append(d.to_site())
+    return streamed, sites, meta, aliases
+
+
+def _edits(decisions, meta: nn.Module, ckpt: stream.Checkpoint,
+           aliases: dict[str, list[str]]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """state_dict name -> how its tensor is rewritten."""
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for d in decisions:
+        s, t = d.affine
+        bn, layer = meta.get_submodule(d.site.target), meta.get_submodule(d.layer)
+        dtype = ckpt.get(stream._stored(ckpt, aliases, f"{d.site.target}.running_var")).dtype
+        v = torch.tensor(1.0 - bn.eps, dtype=dtype)
+        f = 1.0 / math.sqrt(float(v) + bn.eps)  # BN' multiplies by f: 1 up to the rounding of 1 - eps
+        has_bias = layer.bias is not None
+        c = torch.zeros_like(t) if has_bias else t
+        out[f"{d.site.target}.weight"] = lambda x: torch.ones_like(x)
+        out[f"{d.site.target}.bias"] = lambda x, c=c: c.to(x.dtype)
+        out[f"{d.site.target}.running_mean"] = lambda x: torch.zeros_like(x)
+        out[f"{d.site.target}.running_var"] = lambda x, v=v: torch.full_like(x, float(v))
+        out[f"{d.layer}.weight"] = lambda w, layer=layer, s=s, f=f: _scaled_weight(layer, w, s / f)
+        if has_bias:
+            out[f"{d.layer}.bias"] = lambda b, s=s, t=t, f=f: ((b.double() * s + t) / f).to(b.dtype)
+    return out
+
+
+def _scaled_weight(layer: nn.Module, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``w`` scaled along ``layer``'s output channels (fold_batchnorm.fold_backward's arithmetic, bias left out)."""
+    stand_in = copy.deepcopy(layer)  # meta: no tensor is copied
+    stand_in.weight = nn.Parameter(w, requires_grad=False)
+    fold_batchnorm.fold_backward(stand_in, scale, torch.zeros_like(scale))
+    return stand_in.weight.detach()
+
+
+def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | None = None,
+         rtol: float | None = None, keep_temp_on_failure: bool = False,
+         after_rewrite: Callable[[Path], None] | None = None) -> Report:
+    """``normconv fold FOLDER --stream -o OUT``: see the module docstring."""
+    src, out, ckpt, cls, config, dtype = stream.open_folder(folder, output)
+    decisions, sites, meta, aliases = _plan(src, ckpt, cls, config, dtype)
+    if not decisions:
+        raise NormconvError(f"fold --stream: no BatchNorm of {src} can be folded into the layer before it "
+                            f"(normconv inspect lists every site and why)")
+    report = Report(command="fold", model=str(src), sites=sites)
+    report.extra.update({"streamed": True, "folded": len(decisions)})
+    edits = _edits(decisions, meta, ckpt, aliases)
+
+    def produce(name: str, t: torch.Tensor) -> torch.Tensor:
+        for alias in aliases.get(name, [name]):
+            if alias in edits:
+                return edits[alias](t)
+        return t
+
+    stream.write_verified(src, out, ckpt, cls, config, dtype, report,
+                          lambda tmp: (stream.write_shards(ckpt, tmp, produce), False), _identity, atol, rtol,
+                          keep_temp_on_failure, after_rewrite)
+    report.notes.append("the output is the same architecture with rewritten weights: each folded BatchNorm is the "
+                        "identity (or a per-channel shift where its layer has no bias); normconv fold OUT in memory "
+                        "removes them")
+    return report
