@@ -65,6 +65,16 @@ def load_half_target(model: str, weights: Optional[str], input_shape: Optional[l
     return load_from_flags(model, weights, input_shape, trust_pickle, None if half else dtype, trust_remote_code), half
 
 
+def check_stream_flags(what: str, flags: list[tuple[str, bool]], output: Optional[str]) -> None:
+    """``--stream`` reads a Hugging Face folder and writes a new one (-o): the flags it cannot honour (those set
+    in ``flags``) and a missing -o are refused in one line, before anything is read."""
+    unsupported = [flag for flag, on in flags if on]
+    if unsupported:
+        raise NormconvError(f"--stream {what} only: {', '.join(unsupported)} is not supported with it")
+    if output is None:
+        raise NormconvError("--stream writes a new folder: give it with -o")
+
+
 def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = print_report) -> None:
     if as_json:
         print_json(report)

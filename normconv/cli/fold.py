@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, emit, load_half_target, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_half_target, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
     "--eval", help="rewrite a model saved in training mode as its eval-mode self (BN then uses its running statistics)")]
@@ -38,22 +38,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
         from normconv import flow
-        from normconv.errors import NormconvError
 
         if stream:
             from normconv import streamed_fold
 
-            unsupported = [flag for flag, on in (("--eval", eval_mode), ("--weights", weights is not None),
-                                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
-                                                 ("--in-place", in_place), ("--bench", bench),
-                                                 ("--normconv-modules", normconv_modules),
-                                                 ("--trust-pickle", trust_pickle),
-                                                 ("--trust-remote-code", trust_remote_code)) if on]
-            if unsupported:
-                raise NormconvError(f"--stream folds the BatchNorms of a Hugging Face folder only: "
-                                    f"{', '.join(unsupported)} is not supported with it")
-            if output is None:
-                raise NormconvError("--stream writes a new folder: give it with -o")
+            check_stream_flags("folds the BatchNorms of a Hugging Face folder",
+                               [("--eval", eval_mode), ("--weights", weights is not None),
+                                ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
+                                ("--in-place", in_place), ("--bench", bench), ("--normconv-modules", normconv_modules),
+                                ("--trust-pickle", trust_pickle), ("--trust-remote-code", trust_remote_code)], output)
             emit(streamed_fold.fold(model, output, atol=atol, rtol=rtol), as_json)
             return
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_from_flags, user_errors)
 
 
 def register(app: typer.Typer) -> None:
@@ -50,19 +50,13 @@ def register(app: typer.Typer) -> None:
         if stream:
             from normconv import stream as streaming
 
-            unsupported = [flag for flag, on in (("--to layernorm", to != "rmsnorm"), ("--approximate", approximate),
-                                                 ("--fold-scales", fold_scales), ("--weights", weights is not None),
-                                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
-                                                 ("--in-place", in_place), ("--bench", bench),
-                                                 ("--no-canonicalize", no_canonicalize),
-                                                 ("--normconv-modules", normconv_modules),
-                                                 ("--trust-pickle", trust_pickle),
-                                                 ("--trust-remote-code", trust_remote_code)) if on]
-            if unsupported:
-                raise NormconvError(f"--stream rewrites an exact LayerNorm -> RMSNorm swap of a Hugging Face folder "
-                                    f"only: {', '.join(unsupported)} is not supported with it")
-            if output is None:
-                raise NormconvError("--stream writes a new folder: give it with -o")
+            check_stream_flags("rewrites an exact LayerNorm -> RMSNorm swap of a Hugging Face folder",
+                               [("--to layernorm", to != "rmsnorm"), ("--approximate", approximate),
+                                ("--fold-scales", fold_scales), ("--weights", weights is not None),
+                                ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
+                                ("--in-place", in_place), ("--bench", bench), ("--no-canonicalize", no_canonicalize),
+                                ("--normconv-modules", normconv_modules), ("--trust-pickle", trust_pickle),
+                                ("--trust-remote-code", trust_remote_code)], output)
             emit(streaming.swap(model, output, atol=atol, rtol=rtol), as_json)
             return
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
