@@ -11,6 +11,8 @@
            block's output and the final outputs are compared
   write    everything under a temp folder next to OUT, renamed into place only after every check passed
 
+The reading, writing and block-by-block verification here are shared with ``fold --stream`` (streamed_fold.py).
+
 Peak memory: the largest tensor (twice, in float64 slices at most 32 MB) while rewriting; one block plus the
 embeddings and head while verifying. The output is the same architecture with rewritten weights: every LayerNorm
 now reads a zero-mean stream, so it equals RMSNorm(weight, eps) (+ its bias where that could not be folded).
