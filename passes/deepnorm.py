@@ -159,6 +159,14 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
     all_outputs = frozenset(s.node for s in norms)
     named = {r: tuple(p) for r, p in (named or {}).items() if p}
     subs = [_sublayer(cap, s, outputs, all_outputs, beta_mode, named) for s in post]
+    # a post-LN residual outside the numbered layer blocks whose f(x) is no sublayer (wav2vec2 / HuBERT:
+    # LN(x + positional conv(x)) before the first layer) belongs to the embeddings, not to the stack: left as is
+    if any(s.block is not None for s in subs):
+        embedding = [s for s in subs if s.block is None and s.problem.startswith("sublayer not identified")]
+        others += [(s.norm, f"post-LN residual outside the numbered layer blocks whose f(x) is not a sublayer "
+                            f"({s.problem.removeprefix('sublayer not identified: ')}): the embeddings' own "
+                            f"residual, not part of the stack; left as is") for s in embedding]
+        subs = [s for s in subs if s not in embedding]
     by_node = {s.node: s for s in norms}
     for sub in subs:
         # a final norm over another stack (nn.Transformer's encoder.norm before the memory) reads as that stack

@@ -595,3 +595,20 @@ def test_cli_value_and_out_proj_flags(cli, tmp_path):
     assert rep["passed"] and rep["extra"]["sublayers"][0]["projections"]["v"] == ["layer.0.attention.value"]
     assert dn.check_against_reference(load(str(out), trust_pickle=True).model,
                                       Inputs((torch.randint(0, 50, (2, 9)),))).passed
+
+
+def test_embedding_residual_before_the_stack_is_left_with_its_reason():
+    """wav2vec2 / HuBERT: LN(x + positional conv(x)) before the first layer is post-LN in shape, but its f(x) is
+    the embeddings' convolution, not a sublayer of the stack: DeepNorm rewrites the layers and leaves it, saying why."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                      conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                      num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4)
+    model = transformers.Wav2Vec2Model(cfg).eval()
+    new, report = api_deepnorm(model, Inputs((), {"input_values": torch.randn(2, 800)}))
+    assert report.passed and report.extra["stacks"]["encoder"]["layers"] == 2
+    by_target = {s.target: s for s in report.sites}
+    assert not by_target["encoder.layer_norm"].applied
+    assert "the embeddings' own residual" in by_target["encoder.layer_norm"].reason
+    assert sum(s.applied for s in report.sites) == 4  # attention and FFN norms of both layers
