@@ -381,16 +381,20 @@ _SPLITS = {"split", "chunk", "split_with_sizes", "tensor_split"}
 def _to_linear(cap: Captured, v: Any) -> tuple[fx.Node, tuple[int, int] | None] | None:
     """Trace a q/k/v operand back through reshapes (and a split of a fused projection) to its linear node."""
     rows = None
+    width = None  # the split axis' size: from the split back to the linear, that axis must stay the features
     for _ in range(64):
         if not isinstance(v, fx.Node):
             return None
+        if width is not None and not _keeps_last_axis(cap, v, width):
+            return None  # the split cut a reshaped axis (heads x (q|k|v) per head): its rows are not W's rows
         if _is_linear(cap, v):
             return v, rows
         if cap.op(v) == "getitem" and isinstance(v.args[0], fx.Node) and _name(v.args[0]) in _SPLITS:
             sp, idx = v.args[0], v.args[1]
             rows = _split_rows(cap, sp, idx)
-            if rows is None:
+            if rows is None or rows and width is not None:
                 return None
+            width = (cap.shape(sp.args[0]) or [None])[-1]
             v = sp.args[0]
             continue
         name = _name(v)
@@ -401,6 +405,23 @@ def _to_linear(cap: Captured, v: Any) -> tuple[fx.Node, tuple[int, int] | None] 
             continue
         return None
     return None
+
+
+def _keeps_last_axis(cap: Captured, v: fx.Node, width: int | None) -> bool:
+    """``v`` (on the way from a split back to the linear) still has the split's axis last, unmoved."""
+    shape = cap.shape(v)
+    if width is None or shape is None or shape[-1] != width:
+        return False
+    name = _name(v)
+    if name in ("transpose", "permute", "t", "numpy_T"):  # an axis move must leave the last axis in place
+        rank = len(shape)
+        dims = [a for a in v.args[1:] if isinstance(a, int)] if name != "permute" else list(
+            v.args[1] if len(v.args) == 2 and isinstance(v.args[1], (list, tuple)) else v.args[1:])
+        if name in ("t", "numpy_T") or not all(isinstance(d, int) for d in dims):
+            return False
+        dims = [d % rank for d in dims]
+        return dims[-1] == rank - 1 if name == "permute" else rank - 1 not in dims
+    return True
 
 
 def _is_tensor(cap: Captured, a: Any) -> bool:

@@ -391,6 +391,33 @@ def test_fused_qkv_gets_only_its_v_slice_scaled(block, weight, bias):
     assert roles["v"][0].endswith("[32:48]") and roles["q"][0].endswith("[0:16]")
 
 
+class PerHeadFusedAttention(FusedAttention):
+    """DeBERTa (v1) layout: the fused projection is viewed as (heads, q|k|v per head) and chunked there, so v is
+    every head's last third: rows that are not one slice of W."""
+
+    def forward(self, x):
+        qkv = self.qkv(x).unflatten(-1, (self.h, -1)).transpose(1, 2)  # (B, H, L, 3 * head_dim)
+        q, k, v = qkv.chunk(3, dim=-1)
+        o = torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v
+        return self.out(o.transpose(1, 2).flatten(2))
+
+
+class PerHeadFusedBlock(FusedBlock):
+    def __init__(self, e=16):
+        super().__init__(e)
+        self.attn = PerHeadFusedAttention(e)
+
+
+def test_a_split_of_reshaped_heads_claims_no_rows():
+    """A chunk taken after the features were reshaped into heads is not a q | k | v slice of W: no role is given
+    rows there (scaling rows [32:48] would scale parts of q and k), the refusal says what was found."""
+    torch.manual_seed(0)
+    net = nn.Sequential(PerHeadFusedBlock(), PerHeadFusedBlock())
+    with pytest.raises(NormconvError, match=r"without a recognisable value / output projection|without a "
+                                            r"recognisable value projection \(found out=0\.attn\.out;"):
+        api_deepnorm(net, Inputs((torch.randn(2, 5, 16),)))
+
+
 # -- refusals ---------------------------------------------------------------------------------------------------
 
 
