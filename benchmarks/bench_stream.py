@@ -1,5 +1,6 @@
-"""Benchmark: ``normconv swap --stream`` against the floor of reading and writing the same bytes, on a ladder of
-pre-LN checkpoints with random weights saved sharded (GPT-2 124M fp32, OPT-style 1.3B and 2.7B bf16, ...).
+"""Benchmark: ``normconv swap --stream`` (and ``fold --stream``) against the floor of reading and writing the same
+bytes, on a ladder of pre-LN checkpoints with random weights saved sharded (GPT-2 124M fp32, OPT-style 1.3B to 13B
+bf16) and of BatchNorm CNNs (ResNet-50 / ResNet-152 shapes, fp32, for fold).
 
 Each rung's checkpoint is generated shard by shard (the model is never built with real weights: its names and
 shapes come from the config on the meta device), so the generator itself needs no more than one shard of memory.
@@ -7,8 +8,8 @@ Then, side by side in the same run, each as its own process (peak RSS from ``os.
   floor    every tensor read with safetensors.safe_open and written back, a tensor at a time, into shards of the
            same names (normconv.stream.ShardWriter): the I/O any streaming rewrite has to do
   floor-pread  the same with normconv's reader (a positioned read per tensor into its own buffer, no mapping)
-  normconv ``python -m normconv.cli swap IN --to rmsnorm --stream -o OUT``: plan on meta, rewrite, then verify
-           block by block (which reads the input and the output once more per input shape)
+  normconv ``python -m normconv.cli swap IN --to rmsnorm --stream -o OUT`` (``fold IN --stream -o OUT`` for the CNN
+           rungs): plan on meta, rewrite, then verify block by block (reading the input and the output once more)
 The folders are deleted after each rung.
 
     python benchmarks/bench_stream.py [--rungs 124m,1.3b] [--root DIR] [--out benchmarks/results/stream.md]
@@ -41,7 +42,16 @@ RUNGS = {
     # larger than this machine's RAM (23 GB): OPT-13B's shape, 25.7 GB of bf16 on disk
     "13b": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=5120, num_hidden_layers=40, ffn_dim=20480,
                                                 num_attention_heads=40, word_embed_proj_dim=5120), torch.bfloat16),
+    # BatchNorm CNNs for fold --stream: ResNet-50 and ResNet-152's shapes (bottleneck blocks)
+    "resnet50": ("ResNetForImageClassification", "ResNetConfig",
+                 dict(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3],
+                      layer_type="bottleneck", num_labels=1000), torch.float32),
+    "resnet152": ("ResNetForImageClassification", "ResNetConfig",
+                  dict(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 8, 36, 3],
+                       layer_type="bottleneck", num_labels=1000), torch.float32),
 }
+COMMAND = {"resnet50": "fold", "resnet152": "fold"}  # the streamed command each rung runs (default: swap)
+_TEXT_ONLY = dict(vocab_size=50272, max_position_embeddings=2048, use_cache=False)
 SHARD_BYTES = 1 << 30  # 1 GiB shards
 
 
@@ -52,8 +62,7 @@ def make_checkpoint(rung: str, folder: Path) -> tuple[int, int]:
     from normconv.stream import INDEX, ShardWriter
 
     cls_name, cfg_name, kwargs, dtype = RUNGS[rung]
-    config = getattr(transformers, cfg_name)(vocab_size=50272, max_position_embeddings=2048, use_cache=False,
-                                             **kwargs)
+    config = getattr(transformers, cfg_name)(**({} if rung in COMMAND else _TEXT_ONLY), **kwargs)
     config.architectures = [cls_name]
     config.dtype = str(dtype).removeprefix("torch.")
     with torch.device("meta"):
@@ -63,6 +72,9 @@ def make_checkpoint(rung: str, folder: Path) -> tuple[int, int]:
         if id(t) not in seen:
             seen.add(id(t))
             entries.append((name, dtype, tuple(t.shape)))
+    for name, t in model.named_buffers():  # BatchNorm statistics (and its int64 counter)
+        if name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked"):
+            entries.append((name, dtype if t.is_floating_point() else t.dtype, tuple(t.shape)))
     folder.mkdir(parents=True)
     config.save_pretrained(folder)
     shards, cur, size = [], [], 0
@@ -80,7 +92,14 @@ def make_checkpoint(rung: str, folder: Path) -> tuple[int, int]:
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         w = ShardWriter(folder / fname, shard, {"format": "pt"})
         for name, dt, shape in shard:
-            if name.endswith("norm.weight") or ".ln_" in name and name.endswith(".weight") or "layer_norm.weight" in name:
+            if name.endswith("num_batches_tracked"):
+                t = torch.zeros(shape, dtype=dt)
+            elif name.endswith("running_var"):
+                t = 0.5 + 1.5 * torch.rand(shape, generator=g)  # positive variances
+            elif name.endswith("running_mean"):
+                t = 0.1 * torch.randn(shape, generator=g)
+            elif name.endswith("norm.weight") or ".ln_" in name and name.endswith(".weight") or \
+                    "layer_norm.weight" in name or "normalization.weight" in name:
                 t = 1 + 0.1 * torch.randn(shape, generator=g)  # norm gains around 1
             else:
                 t = 0.02 * torch.randn(shape, generator=g)  # weights, biases, norm biases: all nonzero
@@ -141,7 +160,7 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="normconv-bench-stream-"))
     rows = ["| model | params | dtype | on disk | floor: safe_open + write | floor: pread + write | "
-            "normconv swap --stream | time / floor | memory / floor | memory / pread floor |",
+            "normconv --stream | time / floor | memory / floor | memory / pread floor |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     details = []
     for rung in args.rungs.split(","):
@@ -155,13 +174,15 @@ def main() -> None:
         pread_w, pread_m, pc = measure([sys.executable, "-c", FLOOR, str(folder), str(root / f"{rung}-floor"),
                                         "pread"])
         shutil.rmtree(root / f"{rung}-floor", ignore_errors=True)
-        nc_w, nc_m, nc = measure([sys.executable, "-m", "normconv.cli", "swap", str(folder), "--to", "rmsnorm",
-                                  "--stream", "-o", str(root / f"{rung}-out"), "--json"])
+        command = COMMAND.get(rung, "swap")
+        nc_w, nc_m, nc = measure([sys.executable, "-m", "normconv.cli", command, str(folder)]
+                                 + (["--to", "rmsnorm"] if command == "swap" else [])
+                                 + ["--stream", "-o", str(root / f"{rung}-out"), "--json"])
         report_ok = nc == 0 and (root / f"{rung}-out").exists()
         shutil.rmtree(root / f"{rung}-out", ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
         dtype = str(RUNGS[rung][3]).removeprefix("torch.")
-        rows.append(f"| {rung} ({RUNGS[rung][0]}) | {params / 1e9:.2f} B | {dtype} | {nbytes / 1e9:.2f} GB | "
+        rows.append(f"| {rung} ({RUNGS[rung][0]}, {command}) | {params / 1e9:.2f} B | {dtype} | {nbytes / 1e9:.2f} GB | "
                     f"{floor_w:.1f} s, {floor_m:.2f} GB | {pread_w:.1f} s, {pread_m:.2f} GB | {nc_w:.1f} s, {nc_m:.2f} GB"
                     f"{'' if report_ok else f' (exit {nc})'} | {nc_w / floor_w:.1f}x | {nc_m / floor_m:.2f}x | "
                     f"{nc_m / pread_m:.2f}x |")
