@@ -636,7 +636,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     return onnx_export.write_onnx(release(prepared), original and release(original), inputs, reference, out, report,
                                   norms, target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
                                   rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
-                                  exported=last[0].exported if last else None, dim_names=dim_names)
+                                  exported=last[0].exported if last and not last[0].specialized else None,
+                                  dim_names=dim_names)
 
 
 KEEP_FP32 = ("auto", "none", "all")

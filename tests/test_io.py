@@ -172,9 +172,17 @@ def test_bad_input_shape_syntax(cli):
 
 
 def test_uncapturable_model(cli):
-    line = _expect_error(cli, "inspect", "tests.fixtures.user_models:data_dependent", "-i", "x:2,4",
+    line = _expect_error(cli, "inspect", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4",
                          match="cannot capture a graph")
     assert "symbolic_trace failed" in line and "torch.export failed" in line
+
+
+def test_value_branching_model_is_captured_as_the_example_takes_it(cli):
+    code, out, err = cli("inspect", "tests.fixtures.user_models:data_dependent", "-i", "x:2,4", "--json")
+    assert code == 0, err
+    report = __import__("json").loads(out)
+    assert [s["target"] for s in report["sites"]] == ["ln"]
+    assert "draft_export" in report["extra"]["capture_failures"]["torch.export"]
 
 
 def test_unknown_zoo_model_lists_choices(cli):

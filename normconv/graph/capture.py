@@ -57,6 +57,7 @@ class Captured:
     inputs: Inputs
     exported: Any = None  # the ExportedProgram when method == "torch.export"
     attempts: dict[str, str] = field(default_factory=dict)  # method -> why it failed
+    specialized: bool = False  # torch.export.draft_export: branches on tensor values taken as on the example inputs
     _params: dict[str, str] = field(default_factory=dict)  # placeholder name -> state_dict name (export)
 
     def __post_init__(self):
@@ -190,6 +191,15 @@ def quiet_torch_logs():
     return quiet(("torch",), stderr=True)
 
 
+def _data_dependent(exc: BaseException) -> bool:
+    """torch.export failed on a guard over a tensor's values (not on an unsupported op or a shape)."""
+    while exc is not None:
+        if type(exc).__name__ == "GuardOnDataDependentSymNode":
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
@@ -234,6 +244,17 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
         return Captured(model, gm, "symbolic_trace", inputs, attempts=attempts)
     if m == "torch.export":
         with torch.no_grad(), quiet_torch_logs():
-            ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+            try:
+                ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+            except Exception as exc:
+                if not _data_dependent(exc):
+                    raise
+                # a Python branch on tensor values (FSMT: `if not padding_mask.any()`) has no symbolic graph:
+                # draft_export takes each such branch as the example inputs take it. The graph then serves the
+                # analysis (every rewrite is verified on the model itself), never the ONNX export
+                ep = torch.export.draft_export(model, inputs.args, inputs.kwargs, strict=False)
+                attempts[m] = (f"{_one_line(exc)}; captured with torch.export.draft_export instead (branches on "
+                               f"tensor values taken as on the example inputs)")
+                return Captured(model, ep.graph_module, m, inputs, exported=ep, attempts=attempts, specialized=True)
         return Captured(model, ep.graph_module, "torch.export", inputs, exported=ep, attempts=attempts)
     raise NormconvError(f"unknown capture method {m!r}")

@@ -1,0 +1,62 @@
+"""A model whose forward branches on tensor values (FSMT's `if not padding_mask.any()`, EoMT) has no symbolic
+torch.export graph: normconv captures it with torch.export.draft_export (branches taken as on the example inputs),
+says so, analyzes and rewrites it (verified on the model itself), and never exports that specialized graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import normconv
+from normconv.errors import NormconvError
+from normconv.verify import Inputs
+
+
+class PaddingBranch(nn.Module):
+    """ids -> Embedding -> Linear -> (pad rows zeroed if any id is the pad id) -> LayerNorm -> head: the branch reads
+    the ids' values."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.norm, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.3)
+            self.norm.bias.normal_()
+
+    def forward(self, input_ids):
+        h = self.fc(self.emb(input_ids))
+        if (input_ids == 0).any():  # a Python branch on values: torch.export cannot guard on it
+            h = h * (input_ids != 0).unsqueeze(-1)
+        return self.head(self.norm(h))
+
+
+def _inputs(seed=0, shape=(2, 5)):
+    g = torch.Generator().manual_seed(seed)
+    return Inputs((), {"input_ids": torch.randint(1, 16, shape, generator=g)})
+
+
+def test_inspect_captures_with_draft_export_and_says_so():
+    torch.manual_seed(0)
+    with pytest.raises(Exception, match="data-dependent"):  # the premise: plain torch.export fails here
+        torch.export.export(PaddingBranch(), (), _inputs().kwargs, strict=False)
+    report = normconv.inspect(PaddingBranch(), _inputs()).to_json()
+    assert [(s["kind"], s["target"]) for s in report["sites"]] == [("layernorm", "norm")]
+    assert "draft_export" in report["extra"]["capture_failures"]["torch.export"]
+
+
+def test_rewrite_of_a_draft_captured_model_is_verified_on_the_model():
+    torch.manual_seed(0)
+    model = PaddingBranch().eval()
+    new, report = normconv.swap(model, _inputs())  # Linear writes the stream, a Linear reads it: exact
+    assert report.passed and isinstance(new.norm, nn.RMSNorm)
+    x2 = {"input_ids": torch.tensor([[0, 3, 5, 0], [1, 2, 0, 9]])}  # pad ids: the other branch
+    with torch.no_grad():
+        assert torch.allclose(new(**x2), model(**x2), atol=1e-5)
+
+
+def test_export_never_uses_the_specialized_graph(tmp_path):
+    torch.manual_seed(0)
+    with pytest.raises(NormconvError):
+        normconv.export(PaddingBranch().eval(), _inputs(), str(tmp_path / "m.onnx"))
+    assert not list(tmp_path.iterdir())
