@@ -291,6 +291,20 @@ def _named_roles(cap: Captured, sub: Sublayer, nodes: list[fx.Node], named: dict
     sub.projs = [p for p in sub.projs if p.weight not in taken] + hits
 
 
+_LAYOUT = {"transpose", "permute", "view", "reshape", "_unsafe_view", "contiguous", "clone", "alias", "detach", "t",
+           "to", "_to_copy", "dropout", "identity"}
+
+
+def _layout_source(n: fx.Node, norm_outputs: frozenset[str]) -> fx.Node:
+    """``n``, or the norm output it is a transpose / view / copy of (FSMT hands its encoder's last norm output to
+    the decoder transposed, T x B x C -> B x T x C)."""
+    for _ in range(16):
+        if n.name in norm_outputs or _name(n) not in _LAYOUT or not n.args or not isinstance(n.args[0], fx.Node):
+            break
+        n = n.args[0]
+    return n
+
+
 def _branch_nodes(cap: Captured, branch: fx.Node, res: fx.Node, norm_outputs: frozenset[str],
                   sub: Sublayer) -> list[fx.Node]:
     """Nodes computing f(x): ancestors of the branch computed after x, stopping at x and at norm outputs."""
@@ -302,8 +316,9 @@ def _branch_nodes(cap: Captured, branch: fx.Node, res: fx.Node, norm_outputs: fr
         if n.name in seen or n.op in ("placeholder", "get_attr", "output"):
             continue
         if cap.order[n.name] <= stop or n.name in norm_outputs:
-            if n.name in norm_outputs and n is not res:
-                sub.reads.add(n.name)  # another stream read inside the branch (cross-attention memory)
+            read = _layout_source(n, norm_outputs)
+            if read.name in norm_outputs and read is not res:
+                sub.reads.add(read.name)  # another stream read inside the branch (cross-attention memory)
             continue
         seen[n.name] = n
         stack.extend(n.all_input_nodes)

@@ -639,3 +639,21 @@ def test_embedding_residual_before_the_stack_is_left_with_its_reason():
     assert not by_target["encoder.layer_norm"].applied
     assert "the embeddings' own residual" in by_target["encoder.layer_norm"].reason
     assert sum(s.applied for s in report.sites) == 4  # attention and FFN norms of both layers
+
+
+def test_encoder_output_read_through_a_transpose_links_the_stacks():
+    """FSMT (fairseq layout): the encoder's last post-LN output reaches the decoder's cross-attention transposed
+    (T x B x C -> B x T x C): the decoder still reads the encoder, so the model is one encoder-decoder."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.FSMTConfig(langs=["en", "de"], src_vocab_size=64, tgt_vocab_size=64, d_model=32,
+                                  encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                  max_position_embeddings=64, pad_token_id=1, use_cache=False)
+    model = transformers.FSMTModel(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    inputs = Inputs((), {"input_ids": torch.randint(3, 64, (2, 7), generator=g),
+                         "decoder_input_ids": torch.randint(3, 64, (2, 5), generator=g)})
+    new, report = api_deepnorm(model, inputs)
+    assert report.passed and report.extra["arch"] == "encoder-decoder"
+    assert {k: v["layers"] for k, v in report.extra["stacks"].items()} == {"encoder": 2, "decoder": 3}
