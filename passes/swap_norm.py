@@ -532,10 +532,21 @@ def _norm_module(cap: Captured, site: NormSite) -> str | None:
             and not list(mod.children())):
         return None
     # a norm subclass whose own forward does more (DINOv3 ConvNeXt channels_first: permute, LayerNorm, permute
-    # back) is replaceable only where that forward computed the norm call alone
-    if type(mod).forward in _NORM_FORWARDS or owns_only(cap, site.owner, set(site.nodes)):
+    # back) is replaceable only where that forward computed the norm call alone (ESM-C's cast back to the input's
+    # dtype included: the replacement returns that dtype too)
+    if type(mod).forward in _NORM_FORWARDS or owns_only(cap, site.owner, set(site.nodes) | _casts_back(cap, site)):
         return site.owner
     return None
+
+
+def _casts_back(cap: Captured, site: NormSite) -> set[str]:
+    """Pass-through ops right after the site (casts, identities) that give back the site input's dtype."""
+    out, node = set(), cap.nodes[site.node]
+    while len(cap.users(node)) == 1 and cap.op(cap.users(node)[0]) in TRANSPARENT and \
+            cap.dtype(cap.users(node)[0]) == cap.dtype(cap.nodes[site.input]):
+        node = cap.users(node)[0]
+        out.add(node.name)
+    return out
 
 
 def _hidden(site: NormSite) -> int | None:

@@ -359,3 +359,20 @@ def test_norm_subclass_whose_forward_does_more_is_left_with_its_reason():
     x2 = torch.randn(3, 8, 5, 7)
     with torch.no_grad():
         assert torch.equal(new(x2), model(x2))
+
+
+class CastBackLayerNorm(nn.LayerNorm):
+    """ESM-C: an nn.LayerNorm subclass whose forward casts the result back to the input's dtype."""
+
+    def forward(self, x):
+        return super().forward(x).to(x.dtype)
+
+
+def test_norm_subclass_casting_back_to_its_input_dtype_is_swapped():
+    torch.manual_seed(0)
+    model = _randomize(nn.Sequential(nn.Linear(8, 8), CastBackLayerNorm(8), nn.Linear(8, 4))).eval()
+    new, report = normconv.swap(model, torch.randn(2, 3, 8))
+    assert report.passed and isinstance(new[1], nn.RMSNorm)
+    x2 = torch.randn(5, 7, 8)
+    with torch.no_grad():
+        assert torch.allclose(new(x2), model(x2), atol=1e-5)
