@@ -637,7 +637,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
                                   norms, target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
                                   rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
                                   exported=last[0].exported if last and not last[0].specialized else None,
-                                  dim_names=dim_names)
+                                  dim_names=dim_names, fuse_inline=canonicalize)
 
 
 KEEP_FP32 = ("auto", "none", "all")

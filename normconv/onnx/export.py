@@ -80,6 +80,7 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
     """Per norm site: the one op it becomes at this target and opset, or why it stays several ops.
 
     ``canon`` / ``folds``: target -> (applied, reason) from the canonicalize / fold plans (None: switched off)."""
+    fuse_inline = canon is not None  # --no-canonicalize leaves hand-written norms as written, in ONNX too
     canon, folds = canon or {}, folds or {}
     out = []
     for s in norms:
@@ -94,8 +95,14 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
         elif s.source == "handwritten":
             ok, why = canon.get(s.target, (False, "canonicalize is switched off"))
             # hand-written norm  =>  canonicalized to a native module, then one op; else it stays primitive ops
-            applied = ok
-            reason = f"one {op} after canonicalize" if ok else f"stays {len(s.nodes)} primitive ops: {why}"
+            applied = ok or (fuse_inline and s.kind == "rmsnorm" and not s.upcast and s.self_contained)
+            if ok:
+                reason = f"one {op} after canonicalize"
+            elif applied:  # an inline RMSNorm, no cast inside, nothing else reads its parts  =>  matched in ONNX
+                reason = (f"one {op}, matched in the exported ONNX graph (x * 1/sqrt(mean(x^2) + eps)); not "
+                          f"replaced in torch: {why}")
+            else:
+                reason = f"stays {len(s.nodes)} primitive ops: {why}"
         else:
             reason = f"one {op}"
         if target == "ort" and s.kind in ("layernorm", "rmsnorm") and s.producer == "add" and applied:
@@ -248,7 +255,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                norms: Sequence[NormSite], *, target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET, dynamic: bool = False,
                validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
                baseline: bool = True, repeats: int = 10, skip_fusion: bool = False, exported: Any = None,
-               dim_names: dict[str, str] | None = None) -> Report:
+               dim_names: dict[str, str] | None = None, fuse_inline: bool = True) -> Report:
     """Export ``prepared`` (the passes already applied and verified, in eval mode) to ``out`` with one fused op
     per norm, validate it in onnxruntime against ``reference`` (the original's outputs), and rename it into
     place. ``original`` is exported plainly for the baseline op counts and latency (None: no baseline).
@@ -257,6 +264,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
     in both cases nothing is left under ``out``.
 
+    ``fuse_inline``: RMSNorms written inside bigger modules are matched in the ONNX graph (fuse_inline.py).
+
     ``skip_fusion`` (with target "ort") fuses residual add + norm into com.microsoft Skip*LayerNormalization.
     It is off by default because onnxruntime 1.31's CPU kernels for those ops measured 4.5-8x (LayerNorm) and
     1.3-2.6x (RMSNorm) slower than Add + the plain norm op (BENCHMARKS.md); the GPU kernels are the use case.
@@ -264,6 +273,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     import onnx_ir as ir
 
     from normconv.onnx.fuse import fuse_skip_norms
+    from normconv.onnx.fuse_inline import fuse_inline_rms
     from normconv.onnx.ops import lower_norm_ops, repair_downconverted
     from normconv.onnx.validate import validate as ort_validate
 
@@ -275,6 +285,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported)
     onnx_model = program.model
     repair_downconverted(onnx_model)
+    # norms written inside bigger modules (not replaced in torch) are matched in the ONNX graph instead
+    extra["inline_fused"] = fuse_inline_rms(onnx_model) if fuse_inline else 0
     extra["lowered"] = lower_norm_ops(onnx_model, target, opset)
     if target == "ort" and skip_fusion:
         for name, fused, reason in fuse_skip_norms(onnx_model):
