@@ -200,3 +200,36 @@ def test_a_functional_node_named_like_a_module_is_its_own_site(method):
     sites = inspect(FunctionalThenRootLayerNorm().eval(), Inputs((torch.randn(2, 8),)), method=method).sites
     assert sorted((s["source"], s["owner"], s["calls"]) for s in sites) == \
         [("functional", "", 1), ("module", "layer_norm", 1)]
+
+
+class UpcastRMSNorm(nn.Module):
+    """Llama's RMSNorm: statistics in float32, cast back to the input dtype inside the module."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * x.to(dtype)
+
+
+class CallerCastsTheResult(nn.Module):
+    """Higgs Audio: the block casts the norm module's result (``.to(h.device)``) after calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(8, 8), UpcastRMSNorm(8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.norm(h).to(h.dtype) + h
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_cast_the_caller_applies_to_the_result_stays_the_callers(method):
+    model = nn.Sequential(CallerCastsTheResult()).eval()  # the caller a submodule: "0" calls "0.norm"
+    sites = inspect(model, Inputs((torch.randn(2, 3, 8),)), method=method).sites
+    assert [(s["target"], s["owner"], s["module_type"]) for s in sites] == [("0.norm", "0.norm", "UpcastRMSNorm")]

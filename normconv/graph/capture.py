@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from normconv.errors import NormconvError
 from normconv.quiet import quiet
@@ -141,6 +142,8 @@ class Captured:
         shape = getattr(m, "shape", None)
         if shape is None:
             return None
+        if free_unbacked_symbols(tuple(shape)):
+            return None  # a size that depends on values (nonzero, masked_select: u0) has no number
         try:
             return tuple(int(s) for s in shape)
         except (TypeError, ValueError):  # symbolic sizes

@@ -565,6 +565,7 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
         notes.append("scale applied as (1 + weight) (Gemma style)")
     acc.discard(x.name)
     x = _caller_casts_out(cap, x, acc)
+    out = _caller_casts_after(cap, out, acc)
     aliases = aliases_of(cap, x)
     owners = {cap.owner(cap.nodes[n]) for n in acc}
     owner = owners.pop() if len(owners) == 1 else _common_prefix(owners | {""})
@@ -615,6 +616,20 @@ def _caller_casts_out(cap: Captured, x: fx.Node, acc: set[str]) -> fx.Node:
         acc.discard(c.name)
         x = c
     return x
+
+
+def _caller_casts_after(cap: Captured, out: fx.Node, acc: set[str]) -> fx.Node:
+    """The site's output once the casts its caller applies to the norm module's result leave the site:
+    ``self.input_layernorm(h[mask]).to(h.device)`` (Higgs Audio) casts in the block, which would make the block
+    the owner and the norm module an inline norm. Returns the new output and drops those casts from ``acc``."""
+    core = [cap.owner(cap.nodes[n]) for n in acc if cap.op(cap.nodes[n]) != "cast"]
+    inner = _common_prefix(set(core) | {""}) if len(set(core)) > 1 else (core[0] if core else "")
+    # norm -> cast (in an enclosing module) as the site's last op  =>  the cast is the caller's
+    while inner and cap.op(out) == "cast" and inner not in cap.owner_stack(out) and \
+            isinstance(out.args[0], fx.Node) and out.args[0].name in acc:
+        acc.discard(out.name)
+        out = out.args[0]
+    return out
 
 
 def owns_only(cap: Captured, owner: str, acc: set[str]) -> bool:
