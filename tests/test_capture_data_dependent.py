@@ -60,3 +60,22 @@ def test_export_never_uses_the_specialized_graph(tmp_path):
     with pytest.raises(NormconvError):
         normconv.export(PaddingBranch().eval(), _inputs(), str(tmp_path / "m.onnx"))
     assert not list(tmp_path.iterdir())
+
+
+class MaskedRows(nn.Module):
+    """Higgs Audio V2: a norm applied to the rows a boolean mask selects (a size torch.export knows as u0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, hidden_states, mask):
+        h = self.fc(hidden_states)
+        return h.masked_scatter(mask.unsqueeze(-1), self.norm(h[mask]))
+
+
+def test_a_norm_on_a_value_dependent_size_is_found():
+    torch.manual_seed(0)
+    inputs = Inputs((), {"hidden_states": torch.randn(2, 5, 8), "mask": torch.rand(2, 5) > 0.5})
+    report = normconv.inspect(MaskedRows().eval(), inputs).to_json()
+    assert [(s["target"], s["kind"], s["normalized_shape"]) for s in report["sites"]] == [("norm", "layernorm", [8])]
