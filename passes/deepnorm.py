@@ -251,8 +251,11 @@ def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], 
         _mha_roles(cap, sub, mha)
     else:
         cores = [n for n in nodes if _is_attention_core(n)]
+        # a softmax over scores q @ k^T is the attention; another softmax (ConvBERT's dynamic conv kernel, a softmax
+        # of a linear's output) is not, so it does not name the roles
+        dot = [c for c in cores if _name(c) == "scaled_dot_product_attention" or _score_matmul(cap, c.args[0])]
         if cores:
-            _attention_roles(cap, sub, cores[0], end)
+            _attention_roles(cap, sub, (dot or cores)[0], end)
         else:
             sub.kind = "ffn"
             for n in nodes:

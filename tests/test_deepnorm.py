@@ -657,3 +657,18 @@ def test_encoder_output_read_through_a_transpose_links_the_stacks():
     new, report = api_deepnorm(model, inputs)
     assert report.passed and report.extra["arch"] == "encoder-decoder"
     assert {k: v["layers"] for k, v in report.extra["stacks"].items()} == {"encoder": 2, "decoder": 3}
+
+
+def test_a_softmax_that_is_not_the_attention_does_not_name_the_roles():
+    """ConvBERT: a dynamic-conv kernel softmax (of a linear's output) runs before the q @ k^T softmax in the same
+    sublayer; the roles come from the dot-product attention."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ConvBertConfig(vocab_size=64, hidden_size=32, embedding_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    model = transformers.ConvBertModel(cfg).eval()
+    inputs = Inputs((), {"input_ids": torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))})
+    new, report = api_deepnorm(model, inputs)
+    assert report.passed and report.extra["stacks"]["encoder"]["layers"] == 2
+    roles = report.extra["sublayers"][0]["projections"]
+    assert roles["v"] == ["encoder.layer.0.attention.self.value"] and roles["q"] == ["encoder.layer.0.attention.self.query"]
