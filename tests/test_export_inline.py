@@ -99,3 +99,38 @@ def test_no_canonicalize_leaves_the_inline_norm_as_written(tmp_path):
     report = normconv.export(Mixer().eval(), _inputs(), tmp_path / "m.onnx", canonicalize=False)
     assert report.passed and report.extra["inline_fused"] == 0
     assert {"ReduceMean", "Sqrt"} <= set(_ops(tmp_path / "m.onnx"))
+
+
+class TupleLayerNorm(nn.Module):
+    """I-BERT's IntLayerNorm outside quant mode: a LayerNorm written out, taking (x, scaling_factor) and returning
+    (y, None), so torch keeps it as written."""
+
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(1 + 0.3 * torch.randn(d)), nn.Parameter(torch.randn(d)), eps
+
+    def forward(self, x, scaling_factor=None):
+        mean = x.mean(axis=2, keepdim=True)
+        y = x - mean
+        var = torch.mean(y ** 2, axis=2, keepdim=True)
+        return y / torch.sqrt(self.eps + var) * self.weight + self.bias, None
+
+
+class TupleLayerNormBlock(nn.Module):
+    def __init__(self, eps, d=16):
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(d, d), TupleLayerNorm(d, eps), nn.Linear(d, 4)
+
+    def forward(self, hidden_states):
+        y, _ = self.norm(self.fc(hidden_states), None)
+        return self.head(y)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-5])
+def test_inline_layernorm_becomes_one_layernormalization(tmp_path, eps):
+    torch.manual_seed(0)
+    model = TupleLayerNormBlock(eps).eval()
+    report = normconv.export(model, _inputs(), tmp_path / "m.onnx")
+    assert report.passed and report.extra["inline_fused"] == 1 and report.extra["fused_matches_sites"]
+    ops = _ops(tmp_path / "m.onnx")
+    assert ops.get("LayerNormalization") == 1 and not DECOMPOSED & set(ops) and "Sub" not in ops

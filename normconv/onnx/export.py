@@ -95,12 +95,13 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
         elif s.source == "handwritten":
             ok, why = canon.get(s.target, (False, "canonicalize is switched off"))
             # hand-written norm  =>  canonicalized to a native module, then one op; else it stays primitive ops
-            applied = ok or (fuse_inline and s.kind == "rmsnorm" and not s.upcast and s.self_contained)
+            applied = ok or (fuse_inline and s.kind in ("rmsnorm", "layernorm") and not s.upcast and s.self_contained
+                             and s.dims is not None and len(s.dims) == 1 and s.dims[0] == -1)
             if ok:
                 reason = f"one {op} after canonicalize"
             elif applied:  # an inline RMSNorm, no cast inside, nothing else reads its parts  =>  matched in ONNX
-                reason = (f"one {op}, matched in the exported ONNX graph (x * 1/sqrt(mean(x^2) + eps)); not "
-                          f"replaced in torch: {why}")
+                reason = (f"one {op}, its decomposed form matched in the exported ONNX graph; not replaced in "
+                          f"torch: {why}")
             else:
                 reason = f"stays {len(s.nodes)} primitive ops: {why}"
         else:
@@ -273,7 +274,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     import onnx_ir as ir
 
     from normconv.onnx.fuse import fuse_skip_norms
-    from normconv.onnx.fuse_inline import fuse_inline_rms
+    from normconv.onnx.fuse_inline import fuse_inline_layernorm, fuse_inline_rms
     from normconv.onnx.ops import lower_norm_ops, repair_downconverted
     from normconv.onnx.validate import validate as ort_validate
 
@@ -286,7 +287,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     onnx_model = program.model
     repair_downconverted(onnx_model)
     # norms written inside bigger modules (not replaced in torch) are matched in the ONNX graph instead
-    extra["inline_fused"] = fuse_inline_rms(onnx_model) if fuse_inline else 0
+    # LayerNorms first: (x - mean) / sqrt(mean((x - mean)^2) + eps) also reads as an RMSNorm of x - mean
+    extra["inline_fused"] = fuse_inline_layernorm(onnx_model) + fuse_inline_rms(onnx_model) if fuse_inline else 0
     extra["lowered"] = lower_norm_ops(onnx_model, target, opset)
     if target == "ort" and skip_fusion:
         for name, fused, reason in fuse_skip_norms(onnx_model):

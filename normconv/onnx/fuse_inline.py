@@ -5,6 +5,9 @@ torch), matched op by op and replaced by normconv's RMSNorm placeholder (lowered
     y = x * Reciprocal(Sqrt(ReduceMean(x^2, axes=[-1], keepdims=1) + eps))      (x^2: Pow(x, 2) or Mul(x, x))
     y = x / Sqrt(ReduceMean(x^2, axes=[-1], keepdims=1) + eps)
         =>  y = normconv.RMSNorm(x, ones(D), axes=[-1], epsilon=eps)           (D = x's last dim)
+    d = x - ReduceMean(x, axes=[-1]);  y = d / Sqrt(ReduceMean(d^2, axes=[-1]) + eps)  [* w] [+ b]
+        =>  y = LayerNormalization(x, w or ones(D), b or zeros(D), axis=-1, epsilon=eps)   (I-BERT's IntLayerNorm:
+            a module returning (y, None), kept as written in torch)
 
 Only the exact chain is matched: every intermediate value read once (by the next op of the chain), the reduction
 over the last axis only, eps a constant scalar, x of a float type and a static last dim; anything else (a cast
@@ -93,6 +96,114 @@ def _match(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
     return None
 
 
+def _last_axis_mean(v: ir.Value, x: ir.Value | None = None) -> ir.Node | None:
+    """The ReduceMean producing ``v`` (read only once unless ``x`` is None) over the last axis, keepdims=1, of
+    ``x`` (or of anything when ``x`` is None)."""
+    node = v.producer() if v is not None else None
+    if node is None or node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx"):
+        return None
+    src = node.inputs[0]
+    axes = _const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else _attr(node, "axes")
+    if axes is None or int(_attr(node, "keepdims", 1)) != 1 or src is None or src.shape is None:
+        return None
+    rank = len(src.shape)
+    if [int(a) % rank for a in np.asarray(axes).reshape(-1)] != [rank - 1] or (x is not None and src is not x):
+        return None
+    return node
+
+
+def _match_layernorm(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
+    """(x, eps, the chain's nodes) if ``out`` (a Div) is (x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps)."""
+    if out.domain not in ("", "ai.onnx") or out.op_type != "Div":
+        return None
+    d, r = out.inputs[0], out.inputs[1]
+    sub = d.producer() if d is not None else None
+    if sub is None or sub.op_type != "Sub" or sub.domain not in ("", "ai.onnx") or len(d.uses()) != 2:
+        return None  # d is read by the square and by this division, nothing else
+    x, m = sub.inputs[0], sub.inputs[1]
+    mean = _last_axis_mean(m, x)
+    sqrt = _only(r, "Sqrt")
+    if mean is None or len(m.uses()) != 1 or sqrt is None or x is None or x.dtype is None or x.shape is None \
+            or not isinstance(x.shape[-1], int):
+        return None
+    add = _only(sqrt.inputs[0], "Add")
+    # sqrt(var + eps), or sqrt(var) where eps is 0 (the exporter drops the + 0)
+    pairs = [(add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])] if add is not None else \
+        [(sqrt.inputs[0], None)]
+    for v, e in pairs:
+        eps = _const(e) if e is not None else np.zeros(1)
+        var = _last_axis_mean(v) if len(v.uses()) == 1 else None
+        if eps is not None and eps.size == 1 and var is not None and _square_of(var.inputs[0]) is d:
+            chain = [out, sqrt] + ([add] if add is not None else []) + [var, var.inputs[0].producer(), sub, mean]
+            return x, float(eps.reshape(-1)[0]), chain
+    return None
+
+
+def _affine_tail(out: ir.Node, d: int) -> tuple[ir.Node, ir.Value | None, ir.Value | None, list[ir.Node]]:
+    """``out`` followed by Mul(., w) [Add(., b)] with w, b constant vectors of size ``d``: the last node, w, b."""
+    last, w, b, taken = out, None, None, []
+    for op in ("Mul", "Add"):
+        uses = list(last.outputs[0].uses())
+        if len(uses) != 1:
+            break
+        user = uses[0].node
+        if user.op_type != op or user.domain not in ("", "ai.onnx"):
+            break
+        other = user.inputs[1] if user.inputs[0] is last.outputs[0] else user.inputs[0]
+        c = _const(other)
+        if c is None or c.shape != (d,):
+            break
+        if op == "Mul":
+            w = other
+        else:
+            b = other
+        last = user
+        taken.append(user)
+    return last, w, b, taken
+
+
+def fuse_inline_layernorm(model: ir.Model) -> int:
+    """Replace every matched decomposed LayerNorm (and its constant affine tail) by one LayerNormalization;
+    returns how many."""
+    graph = model.graph
+    fused = 0
+    for node in list(graph):
+        if node.graph is None:
+            continue
+        hit = _match_layernorm(node)
+        if hit is None:
+            continue
+        x, eps, chain = hit
+        d = x.shape[-1]
+        last, w, b, tail = _affine_tail(node, d)
+        name = last.outputs[0].name
+        w = w or _initializer(graph, f"{name}_ln_scale", np.ones(d, dtype=x.dtype.numpy()), x.dtype)
+        b = b or _initializer(graph, f"{name}_ln_bias", np.zeros(d, dtype=x.dtype.numpy()), x.dtype)
+        new = ir.Node("", "LayerNormalization", [x, w, b],
+                      ir.convenience.convert_attributes({"axis": -1, "epsilon": eps}), num_outputs=1)
+        new.outputs[0].shape, new.outputs[0].type = last.outputs[0].shape, last.outputs[0].type
+        _swap_in(graph, chain + tail, last, new)
+        fused += 1
+    return fused
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
+    v = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(dtype),
+                 const_value=ir.tensor(array, name=name))
+    graph.register_initializer(v)
+    return v
+
+
+def _swap_in(graph: ir.Graph, chain: list[ir.Node], last: ir.Node, new: ir.Node) -> None:
+    """The chain's nodes out, ``new`` in at ``last``; readers (and a graph output) rewired; the constants only
+    the chain read dropped."""
+    consts = {v for n in chain for v in n.inputs if v is not None and v.is_initializer()} - set(new.inputs)
+    ir.convenience.replace_nodes_and_values(graph, last, chain, [new], last.outputs[:1], new.outputs[:1])
+    for v in consts:  # eps, the exponent, the axes: dropped once nothing else reads them
+        if not v.uses() and not v.is_graph_input() and not v.is_graph_output():
+            del graph.initializers[v.name]
+
+
 def fuse_inline_rms(model: ir.Model) -> int:
     """Replace every matched decomposed RMSNorm by a normconv.RMSNorm placeholder (with a scale of ones); returns
     how many were replaced. Call before ``lower_norm_ops``."""
@@ -106,19 +217,11 @@ def fuse_inline_rms(model: ir.Model) -> int:
             continue
         x, eps, chain = hit
         d = x.shape[-1]
-        ones = ir.Value(name=f"{node.outputs[0].name}_rms_scale", shape=ir.Shape([d]),
-                        type=ir.TensorType(x.dtype),
-                        const_value=ir.tensor(np.ones(d, dtype=x.dtype.numpy()), name=f"{node.outputs[0].name}_rms_scale"))
-        graph.register_initializer(ones)
+        ones = _initializer(graph, f"{node.outputs[0].name}_rms_scale", np.ones(d, dtype=x.dtype.numpy()), x.dtype)
         new = ir.Node(DOMAIN, "RMSNorm", [x, ones],
                       ir.convenience.convert_attributes({"axes": [-1], "epsilon": eps}), num_outputs=1)
         new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-        consts = {v for n in chain for v in n.inputs if v is not None and v.is_initializer()}
-        # the chain's nodes out, the placeholder in at the chain's end; readers (and a graph output) rewired
-        ir.convenience.replace_nodes_and_values(graph, node, chain, [new], node.outputs[:1], new.outputs[:1])
-        for v in consts:  # eps, the exponent, the axes: dropped once nothing else reads them
-            if not v.uses() and not v.is_graph_input() and not v.is_graph_output():
-                del graph.initializers[v.name]
+        _swap_in(graph, chain, node, new)
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
