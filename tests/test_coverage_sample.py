@@ -134,9 +134,10 @@ class _InlineNorm(torch.nn.Module):
         super().__init__()
         self.proj = torch.nn.Linear(8, 8)
 
-    def forward(self, x):  # an RMSNorm written inline in a forward that does more: exported unfused
+    def forward(self, x):  # an RMSNorm written inline whose mean square is read outside it too: exported unfused
         h = self.proj(x)
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) + x
+        ms = h.pow(2).mean(-1, keepdim=True)
+        return h * torch.rsqrt(ms + 1e-6) + x + ms
 
 
 def test_export_verdict_excuses_only_what_plain_export_fails_too():
