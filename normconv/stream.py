@@ -400,7 +400,8 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda nm: len(nm[1]))
 
 
-def slots(module: nn.Module, prefix: str = "", skip: set[int] = frozenset()) -> list[tuple[nn.Module, str, str]]:
+def tensor_slots(module: nn.Module, prefix: str = "",
+                 skip: set[int] = frozenset()) -> list[tuple[nn.Module, str, str]]:
     """(owner, attribute, state_dict name) of every parameter and stored buffer under ``module``, but not under
     the modules in ``skip`` (by id)."""
     out = []
@@ -458,8 +459,8 @@ class _OnDemand:
         prefix, blocks = _blocks(model)
         self._saved: list = []
         self.blocks = len(blocks)
-        self.rest = slots(model, skip={id(m) for b in blocks for m in b.modules()})
-        self.block_slots = [(block, slots(block, f"{prefix}.{i}")) for i, block in enumerate(blocks)]
+        self.rest = tensor_slots(model, skip={id(m) for b in blocks for m in b.modules()})
+        self.block_slots = [(block, tensor_slots(block, f"{prefix}.{i}")) for i, block in enumerate(blocks)]
 
     def _fill(self, slots) -> list:
         """Load ``slots`` from the checkpoint; returns what to put back."""

@@ -60,7 +60,7 @@ def _plan(src: Path, ckpt: stream.Checkpoint, cls, config, dtype: torch.dtype):
     # shapes only: every tensor on meta, inputs too (a meta weight meeting a real buffer fails in torch.export)
     cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
     # then the BN tensors are read for real: the plan computes each BN's (s, t) from them
-    bn_slots = [slot for path, m in bns for slot in stream.slots(m, path)]
+    bn_slots = [slot for path, m in bns for slot in stream.tensor_slots(m, path)]
     stream.fill(bn_slots, ckpt, aliases, src)
     missing = [name for m, k, name in bn_slots if getattr(m, k).is_meta]  # a running statistic not stored
     if missing:
@@ -85,15 +85,13 @@ def _plan(src: Path, ckpt: stream.Checkpoint, cls, config, dtype: torch.dtype):
     return streamed, sites, meta, aliases
 
 
-def _edits(decisions, meta: nn.Module, ckpt: stream.Checkpoint,
-           aliases: dict[str, list[str]]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def _edits(decisions, meta: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """state_dict name -> how its tensor is rewritten."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for d in decisions:
         s, t = d.affine
         bn, layer = meta.get_submodule(d.site.target), meta.get_submodule(d.layer)
-        dtype = ckpt.get(stream._stored(ckpt, aliases, f"{d.site.target}.running_var")).dtype
-        v = torch.tensor(1.0 - bn.eps, dtype=dtype)
+        v = torch.tensor(1.0 - bn.eps, dtype=bn.running_var.dtype)  # the statistic as loaded by the plan
         f = 1.0 / math.sqrt(float(v) + bn.eps)  # BN' multiplies by f: 1 up to the rounding of 1 - eps
         has_bias = layer.bias is not None
         c = torch.zeros_like(t) if has_bias else t
@@ -126,7 +124,7 @@ def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
                             f"(normconv inspect lists every site and why)")
     report = Report(command="fold", model=str(src), sites=sites)
     report.extra.update({"streamed": True, "folded": len(decisions)})
-    edits = _edits(decisions, meta, ckpt, aliases)
+    edits = _edits(decisions, meta)
 
     def produce(name: str, t: torch.Tensor) -> torch.Tensor:
         for alias in aliases.get(name, [name]):

@@ -390,9 +390,8 @@ def _only_feeds(cap: Captured, node: fx.Node, add: fx.Node) -> bool:
     return True
 
 
-_SHAPING = {"view", "reshape", "transpose", "permute", "unflatten", "flatten", "contiguous", "unsqueeze",
-            "squeeze", "expand", "clone", "_unsafe_view", "t", "to", "_to_copy", "type_as", "float", "mul", "div",
-            "alias", "detach", "dropout", "identity"}
+# layout ops, plus shape changes and the scalar scaling of q (mul / div): what q / k / v pass through
+_SHAPING = _LAYOUT | {"unflatten", "flatten", "unsqueeze", "squeeze", "expand", "type_as", "float", "mul", "div"}
 _SPLITS = {"split", "chunk", "split_with_sizes", "tensor_split"}
 
 
@@ -431,15 +430,16 @@ def _keeps_last_axis(cap: Captured, v: fx.Node, width: int | None) -> bool:
     if width is None or shape is None or shape[-1] != width:
         return False
     name = _name(v)
-    if name in ("transpose", "permute", "t", "numpy_T"):  # an axis move must leave the last axis in place
-        rank = len(shape)
-        dims = [a for a in v.args[1:] if isinstance(a, int)] if name != "permute" else list(
-            v.args[1] if len(v.args) == 2 and isinstance(v.args[1], (list, tuple)) else v.args[1:])
-        if name in ("t", "numpy_T") or not all(isinstance(d, int) for d in dims):
-            return False
-        dims = [d % rank for d in dims]
-        return dims[-1] == rank - 1 if name == "permute" else rank - 1 not in dims
-    return True
+    if name in ("t", "numpy_T"):
+        return False  # swaps the last axis
+    if name not in ("transpose", "permute"):
+        return True
+    # an axis move must leave the last axis in place: permute(x, dims) / permute(x, *dims) / transpose(x, a, b)
+    dims = v.args[1] if name == "permute" and len(v.args) == 2 and isinstance(v.args[1], (list, tuple)) else v.args[1:]
+    if not all(isinstance(d, int) for d in dims):
+        return False
+    last = len(shape) - 1
+    return dims[-1] % len(shape) == last if name == "permute" else last not in [d % len(shape) for d in dims]
 
 
 def _is_tensor(cap: Captured, a: Any) -> bool:

@@ -599,12 +599,17 @@ def _common_prefix(paths: set[str]) -> str:
     return ".".join(prefix)
 
 
+def _core_owner(cap: Captured, acc: set[str]) -> str:
+    """The module computing the site's arithmetic: the common owner of its nodes that are not casts."""
+    core = [cap.owner(cap.nodes[n]) for n in acc if cap.op(cap.nodes[n]) != "cast"]
+    return _common_prefix(set(core) | {""}) if len(set(core)) > 1 else (core[0] if core else "")
+
+
 def _caller_casts_out(cap: Captured, x: fx.Node, acc: set[str]) -> fx.Node:
     """The site's input once the casts its caller applies before calling the norm module leave the site:
     ``self.norm(h.to(w.dtype))`` (Mamba) casts in the block, so counting that cast would make the block the owner and
     the norm module an inline norm. Returns the new input (the last such cast) and drops those casts from ``acc``."""
-    core = [cap.owner(cap.nodes[n]) for n in acc if cap.op(cap.nodes[n]) != "cast"]
-    inner = _common_prefix(set(core) | {""}) if len(set(core)) > 1 else (core[0] if core else "")
+    inner = _core_owner(cap, acc)
     while inner:
         # x -> cast (in an enclosing module, its only use) -> the norm  =>  the cast is the caller's
         lead = [u for u in cap.users(x) if u.name in acc and cap.op(u) == "cast"]
@@ -622,8 +627,7 @@ def _caller_casts_after(cap: Captured, out: fx.Node, acc: set[str]) -> fx.Node:
     """The site's output once the casts its caller applies to the norm module's result leave the site:
     ``self.input_layernorm(h[mask]).to(h.device)`` (Higgs Audio) casts in the block, which would make the block
     the owner and the norm module an inline norm. Returns the new output and drops those casts from ``acc``."""
-    core = [cap.owner(cap.nodes[n]) for n in acc if cap.op(cap.nodes[n]) != "cast"]
-    inner = _common_prefix(set(core) | {""}) if len(set(core)) > 1 else (core[0] if core else "")
+    inner = _core_owner(cap, acc)
     # norm -> cast (in an enclosing module) as the site's last op  =>  the cast is the caller's
     while inner and cap.op(out) == "cast" and inner not in cap.owner_stack(out) and \
             isinstance(out.args[0], fx.Node) and out.args[0].name in acc:

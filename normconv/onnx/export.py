@@ -99,7 +99,7 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
                              and s.dims is not None and len(s.dims) == 1 and s.dims[0] == -1)
             if ok:
                 reason = f"one {op} after canonicalize"
-            elif applied:  # an inline RMSNorm, no cast inside, nothing else reads its parts  =>  matched in ONNX
+            elif applied:  # an inline RMS / LayerNorm, no cast inside, nothing reads its parts  =>  matched in ONNX
                 reason = (f"one {op}, its decomposed form matched in the exported ONNX graph; not replaced in "
                           f"torch: {why}")
             else:
@@ -265,7 +265,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
     in both cases nothing is left under ``out``.
 
-    ``fuse_inline``: RMSNorms written inside bigger modules are matched in the ONNX graph (fuse_inline.py).
+    ``fuse_inline``: RMSNorms and LayerNorms written inside bigger modules are matched in the ONNX graph
+    (fuse_inline.py).
 
     ``skip_fusion`` (with target "ort") fuses residual add + norm into com.microsoft Skip*LayerNormalization.
     It is off by default because onnxruntime 1.31's CPU kernels for those ops measured 4.5-8x (LayerNorm) and

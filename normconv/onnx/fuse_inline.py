@@ -1,6 +1,6 @@
-"""Inline RMSNorms fused in the exported ONNX graph: the decomposed form an RMSNorm written inside a bigger module
-leaves after torch.onnx.export (Mamba2's gated norm: the module also gates and regroups, so it is not replaced in
-torch), matched op by op and replaced by normconv's RMSNorm placeholder (lowered like the others, per target/opset):
+"""Inline norms fused in the exported ONNX graph: the decomposed form a norm written inside a bigger module leaves
+after torch.onnx.export (Mamba2's gated RMSNorm: the module also gates and regroups, so it is not replaced in torch),
+matched op by op; an RMSNorm becomes normconv's RMSNorm placeholder (lowered like the others, per target/opset):
 
     y = x * Reciprocal(Sqrt(ReduceMean(x^2, axes=[-1], keepdims=1) + eps))      (x^2: Pow(x, 2) or Mul(x, x))
     y = x / Sqrt(ReduceMean(x^2, axes=[-1], keepdims=1) + eps)
@@ -55,7 +55,30 @@ def _square_of(v: ir.Value) -> ir.Value | None:
     return None
 
 
-def _match(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
+
+
+def _normalizable(x: ir.Value | None) -> bool:
+    """x can be a fused norm's input: a float type the norm ops take, a known rank, a static last dim."""
+    return x is not None and x.dtype in _FLOATS and x.shape is not None and isinstance(x.shape[-1], int)
+
+
+def _last_axis_mean(v: ir.Value, x: ir.Value | None = None) -> ir.Node | None:
+    """The ReduceMean producing ``v``, over the last axis with keepdims=1, of ``x`` when given."""
+    node = v.producer() if v is not None else None
+    if node is None or node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx"):
+        return None
+    src = node.inputs[0]
+    axes = _const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else _attr(node, "axes")
+    if axes is None or int(_attr(node, "keepdims", 1)) != 1 or src is None or src.shape is None:
+        return None
+    rank = len(src.shape)
+    if [int(a) % rank for a in np.asarray(axes).reshape(-1)] != [rank - 1] or (x is not None and src is not x):
+        return None
+    return node
+
+
+def _match_rms(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
     """(x, eps, the chain's nodes) if ``out`` (a Mul or Div) ends a decomposed RMSNorm."""
     if out.domain not in ("", "ai.onnx") or out.op_type not in ("Mul", "Div") or len(out.inputs) != 2:
         return None
@@ -73,43 +96,17 @@ def _match(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
         add = _only(sqrt.inputs[0], "Add") if sqrt is not None else None
         if add is None:
             continue
-        eps = None
+        eps = mean = None
         for m, e in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
             value = _const(e)
-            mean = _only(m, "ReduceMean")
+            mean = _last_axis_mean(m) if len(m.uses()) == 1 else None
             if value is not None and value.size == 1 and mean is not None:
                 eps = float(value.reshape(-1)[0])
                 break
-        if eps is None:
-            continue
-        axes = _const(mean.inputs[1]) if len(mean.inputs) > 1 and mean.inputs[1] is not None else _attr(mean, "axes")
-        if axes is None or int(_attr(mean, "keepdims", 1)) != 1:
-            continue
-        if _square_of(mean.inputs[0]) is not x or x.shape is None or x.dtype is None:
-            continue
-        rank, last = len(x.shape), x.shape[-1]
-        if [int(a) % rank for a in np.asarray(axes).reshape(-1)] != [rank - 1] or not isinstance(last, int):
-            continue
-        if x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE):
+        if eps is None or _square_of(mean.inputs[0]) is not x or not _normalizable(x):
             continue
         return x, eps, chain + [add, mean, mean.inputs[0].producer()]  # out .. x^2
     return None
-
-
-def _last_axis_mean(v: ir.Value, x: ir.Value | None = None) -> ir.Node | None:
-    """The ReduceMean producing ``v`` (read only once unless ``x`` is None) over the last axis, keepdims=1, of
-    ``x`` (or of anything when ``x`` is None)."""
-    node = v.producer() if v is not None else None
-    if node is None or node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx"):
-        return None
-    src = node.inputs[0]
-    axes = _const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else _attr(node, "axes")
-    if axes is None or int(_attr(node, "keepdims", 1)) != 1 or src is None or src.shape is None:
-        return None
-    rank = len(src.shape)
-    if [int(a) % rank for a in np.asarray(axes).reshape(-1)] != [rank - 1] or (x is not None and src is not x):
-        return None
-    return node
 
 
 def _match_layernorm(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
@@ -123,8 +120,7 @@ def _match_layernorm(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | No
     x, m = sub.inputs[0], sub.inputs[1]
     mean = _last_axis_mean(m, x)
     sqrt = _only(r, "Sqrt")
-    if mean is None or len(m.uses()) != 1 or sqrt is None or x is None or x.dtype is None or x.shape is None \
-            or not isinstance(x.shape[-1], int):
+    if mean is None or len(m.uses()) != 1 or sqrt is None or not _normalizable(x):
         return None
     add = _only(sqrt.inputs[0], "Add")
     # sqrt(var + eps), or sqrt(var) where eps is 0 (the exporter drops the + 0)
@@ -165,24 +161,36 @@ def _affine_tail(out: ir.Node, d: int) -> tuple[ir.Node, ir.Value | None, ir.Val
 def fuse_inline_layernorm(model: ir.Model) -> int:
     """Replace every matched decomposed LayerNorm (and its constant affine tail) by one LayerNormalization;
     returns how many."""
-    graph = model.graph
-    fused = 0
-    for node in list(graph):
-        if node.graph is None:
-            continue
-        hit = _match_layernorm(node)
-        if hit is None:
-            continue
-        x, eps, chain = hit
+
+    def layernorm(graph: ir.Graph, node: ir.Node, x: ir.Value, eps: float):
         d = x.shape[-1]
         last, w, b, tail = _affine_tail(node, d)
         name = last.outputs[0].name
-        w = w or _initializer(graph, f"{name}_ln_scale", np.ones(d, dtype=x.dtype.numpy()), x.dtype)
-        b = b or _initializer(graph, f"{name}_ln_bias", np.zeros(d, dtype=x.dtype.numpy()), x.dtype)
+        if w is None:
+            w = _initializer(graph, f"{name}_ln_scale", np.ones(d, dtype=x.dtype.numpy()), x.dtype)
+        if b is None:
+            b = _initializer(graph, f"{name}_ln_bias", np.zeros(d, dtype=x.dtype.numpy()), x.dtype)
         new = ir.Node("", "LayerNormalization", [x, w, b],
                       ir.convenience.convert_attributes({"axis": -1, "epsilon": eps}), num_outputs=1)
+        return new, last, tail
+
+    return _fuse_each(model.graph, _match_layernorm, layernorm)
+
+
+def _fuse_each(graph: ir.Graph, match, build) -> int:
+    """For every node ``match`` recognizes as the end of a chain (x, eps, nodes): ``build(graph, node, x, eps)``
+    gives (the fused node, the chain's last node, more nodes it absorbs), which replaces them. Returns the count."""
+    fused = 0
+    for node in list(graph):
+        if node.graph is None:  # removed as part of an earlier match
+            continue
+        hit = match(node)
+        if hit is None:
+            continue
+        x, eps, chain = hit
+        new, last, more = build(graph, node, x, eps)
         new.outputs[0].shape, new.outputs[0].type = last.outputs[0].shape, last.outputs[0].type
-        _swap_in(graph, chain + tail, last, new)
+        _swap_in(graph, chain + more, last, new)
         fused += 1
     return fused
 
@@ -207,22 +215,15 @@ def _swap_in(graph: ir.Graph, chain: list[ir.Node], last: ir.Node, new: ir.Node)
 def fuse_inline_rms(model: ir.Model) -> int:
     """Replace every matched decomposed RMSNorm by a normconv.RMSNorm placeholder (with a scale of ones); returns
     how many were replaced. Call before ``lower_norm_ops``."""
-    graph = model.graph
-    fused = 0
-    for node in list(graph):
-        if node.graph is None:  # removed as part of an earlier match
-            continue
-        hit = _match(node)
-        if hit is None:
-            continue
-        x, eps, chain = hit
+
+    def rmsnorm(graph: ir.Graph, node: ir.Node, x: ir.Value, eps: float):
         d = x.shape[-1]
         ones = _initializer(graph, f"{node.outputs[0].name}_rms_scale", np.ones(d, dtype=x.dtype.numpy()), x.dtype)
         new = ir.Node(DOMAIN, "RMSNorm", [x, ones],
                       ir.convenience.convert_attributes({"axes": [-1], "epsilon": eps}), num_outputs=1)
-        new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-        _swap_in(graph, chain, node, new)
-        fused += 1
+        return new, node, []
+
+    fused = _fuse_each(model.graph, _match_rms, rmsnorm)
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused
