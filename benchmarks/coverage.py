@@ -853,7 +853,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import transformers  # noqa: F401 - imported once here, before the children fork
 
-    import normconv  # noqa: F401
+    try:  # a broken install would fail every command of every type and write those verdicts to the cache
+        import normconv.passes  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"coverage: normconv does not import ({exc}); reinstall with pip install -e . and run again")
 
     maps = mappings()
     recs = load_cache()
