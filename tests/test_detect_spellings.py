@@ -233,3 +233,46 @@ def test_a_cast_the_caller_applies_to_the_result_stays_the_callers(method):
     model = nn.Sequential(CallerCastsTheResult()).eval()  # the caller a submodule: "0" calls "0.norm"
     sites = inspect(model, Inputs((torch.randn(2, 3, 8),)), method=method).sites
     assert [(s["target"], s["owner"], s["module_type"]) for s in sites] == [("0.norm", "0.norm", "UpcastRMSNorm")]
+
+
+class CastBackRMSNorm(nn.Module):
+    """Inkling2's RMSNorm: float32 statistics, and the result cast back to the input dtype as the module's last op."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (self.weight * h).to(dtype)
+
+
+class NormOfANormedEmbedding(nn.Module):
+    """Inkling2: the embedding is normed, and layer 0's input norm reads that result, casting it first."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.embed_norm = nn.Embedding(10, 8), CastBackRMSNorm(8)
+        self.norm, self.proj = CastBackRMSNorm(8), nn.Linear(8, 8)
+
+    def forward(self, ids):
+        h = self.embed_norm(self.embed(ids))
+        return h + self.proj(self.norm(h))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_norm_reading_another_norms_cast_back_is_its_own_site(method):
+    # the cast ending embed_norm belongs to embed_norm: claimed by both sites, the later one was dropped
+    torch.manual_seed(0)
+    model = NormOfANormedEmbedding().eval()
+    inputs = Inputs((torch.randint(0, 10, (2, 5)),))
+    sites = inspect(model, inputs, method=method).sites
+    assert [(s["target"], s["module_type"], s["calls"]) for s in sites] == \
+        [("embed_norm", "CastBackRMSNorm", 1), ("norm", "CastBackRMSNorm", 1)]
+    new, report = canonicalize(model, inputs)
+    assert [s.target for s in report.sites if s.applied] == ["embed_norm", "norm"]
+    ids = torch.randint(0, 10, (3, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), atol=1e-6, rtol=1e-6)

@@ -564,6 +564,7 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
     if offset:
         notes.append("scale applied as (1 + weight) (Gemma style)")
     acc.discard(x.name)
+    x = _foreign_casts_out(cap, x, acc)
     x = _caller_casts_out(cap, x, acc)
     out = _caller_casts_after(cap, out, acc)
     aliases = aliases_of(cap, x)
@@ -603,6 +604,29 @@ def _core_owner(cap: Captured, acc: set[str]) -> str:
     """The module computing the site's arithmetic: the common owner of its nodes that are not casts."""
     core = [cap.owner(cap.nodes[n]) for n in acc if cap.op(cap.nodes[n]) != "cast"]
     return _common_prefix(set(core) | {""}) if len(set(core)) > 1 else (core[0] if core else "")
+
+
+def _foreign_casts_out(cap: Captured, x: fx.Node, acc: set[str]) -> fx.Node:
+    """The site's input once the casts another module computed leave the site: Inkling2's layer-0 norm casts the
+    embedding norm's result, whose last op is that norm's own cast back, so stripping casts reached into the previous
+    site and the two sites claimed one node (the later was dropped). Returns the new input, the last cast computed
+    outside the norm's module and its callers, and drops it and the casts before it from ``acc``."""
+    inner = _core_owner(cap, acc)
+    chain, c = [], x
+    while True:
+        nxt = [u for u in cap.users(c) if u.name in acc and cap.op(u) == "cast"]
+        if len(nxt) != 1:
+            break
+        c = nxt[0]
+        chain.append(c)
+    # a cast owned by a module that neither is the norm's nor encloses it  =>  it is that module's
+    foreign = [i for i, n in enumerate(chain)
+               if (own := cap.owner(n)) and inner != own and not inner.startswith(own + ".")]
+    if not foreign:
+        return x
+    for n in chain[:foreign[-1] + 1]:
+        acc.discard(n.name)
+    return chain[foreign[-1]]
 
 
 def _caller_casts_out(cap: Captured, x: fx.Node, acc: set[str]) -> fx.Node:
