@@ -78,12 +78,13 @@ def test_norm_like_subgraphs_are_listed_with_why(cli, capture):
     report = _json(cli, "tests.fixtures.user_models:near_miss_net", "--capture", capture)
     assert [s["target"] for s in report["sites"]] == ["ln"]
     misses = {m["target"]: m for m in report["extra"]["near_misses"]}
-    assert set(misses) == {"annotated", "unbiased", "eps_out"}
+    assert set(misses) == {"annotated", "unbiased", "eps_out", "factor"}
     assert "unbiased" in misses["annotated"]["reason"] and "outside the sqrt" in misses["annotated"]["reason"]
     assert "sqrt((n-1)/n) = 0.96825" in misses["unbiased"]["reason"]  # n = 16
     assert "after the sqrt" in misses["eps_out"]["reason"]
+    assert "only the RMSNorm factor" in misses["factor"]["reason"] and "linear" in misses["factor"]["reason"]
     code, out, _ = cli("inspect", "tests.fixtures.user_models:near_miss_net")
-    assert code == 0 and "norm-like but not a norm: 3 left as written" in out
+    assert code == 0 and "norm-like but not a norm: 4 left as written" in out
 
 
 def test_no_norm_like_noise_on_the_zoo(cli):

@@ -319,7 +319,7 @@ def _param_through_views(cap: Captured, value: Any, acc: set[str]) -> str | None
     return None
 
 
-def _is_square(cap: Captured, node: Any, acc: set[str]) -> Any:
+def square_base(cap: Captured, node: Any, acc: set[str]) -> Any:
     """If node computes v^2 (pow 2, square, v*v), return v."""
     if not isinstance(node, fx.Node):
         return None
@@ -394,7 +394,7 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     elif cap.op(stat) == "mean":
         acc.add(stat.name)
         dims, _ = _mean_dims(cap, stat)
-        base = _is_square(cap, _strip(cap, stat.args[0], acc), acc)
+        base = square_base(cap, _strip(cap, stat.args[0], acc), acc)
         if base is None:
             raise _NoMatch
         base = _strip(cap, base, acc)

@@ -7,6 +7,9 @@ tutorials often computes something close but different, and no exact rewrite exi
                                                        sits outside the sqrt (The Annotated Transformer's LayerNorm)
   unbiased rule   (x - mean) / sqrt(x.var(d) + eps)    var defaults to unbiased (n-1); LayerNorm divides by n
   eps-outside     x / (sqrt(mean(x^2)) + eps)          eps added after the sqrt, not under it
+  factor-only     rsqrt(mean(x^2) + eps)                only the factor 1/rms(x), which the caller multiplies into
+                                                       something other than x (HY-V4: F.linear(x, W) * factor,
+                                                       = F.linear(rmsnorm(x), W) for a bias-free linear)
 
 For n normalized elements the unbiased forms scale the output by sqrt((n-1)/n) relative to LayerNorm (and eps
 acts differently), so canonicalize, swap and export leave them as written. Each becomes a ``NearMiss`` with
@@ -21,7 +24,7 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
-from normconv.graph.detect import NormSite
+from normconv.graph.detect import NormSite, square_base
 from normconv.graph.capture import Captured
 from normconv.graph.match import arg, dims_of, scalar
 
@@ -55,6 +58,8 @@ def find_near_misses(cap: Captured, sites: Sequence[NormSite]) -> list[NearMiss]
         elif op == "sqrt" and _is_statistic(cap, node.args[0]) and _eps_added(cap, node) is not None \
                 and _divides(cap, node):
             miss = _eps_outside(cap, node)  # eps-outside rule
+        elif op == "rsqrt" and (x := _mean_square_base(cap, node)) is not None and not _multiplies(cap, node, x):
+            miss = _factor_only(cap, node, x)  # factor-only rule
         if miss is not None:
             found.append(miss)
     return found
@@ -95,6 +100,25 @@ def _divides(cap: Captured, node: fx.Node, depth: int = 3) -> bool:
                     nxt.append(u)
         frontier = nxt
     return False
+
+
+def _mean_square_base(cap: Captured, node: fx.Node) -> fx.Node | None:
+    """x when ``node`` is rsqrt(mean(x^2) [+ eps]), casts skipped anywhere."""
+    s = cap.source(node.args[0])
+    if isinstance(s, fx.Node) and cap.op(s) == "add":
+        if scalar(s.args[1]) is not None:
+            s = cap.source(s.args[0])
+        elif scalar(s.args[0]) is not None:
+            s = cap.source(s.args[1])
+    if not (isinstance(s, fx.Node) and cap.op(s) == "mean"):
+        return None
+    x = cap.source(square_base(cap, cap.source(s.args[0]), set()))
+    return x if isinstance(x, fx.Node) else None
+
+
+def _multiplies(cap: Captured, node: fx.Node, x: fx.Node) -> bool:
+    """The factor multiplies x itself somewhere (a norm detection did not accept for another reason)."""
+    return any(cap.op(u) == "mul" and any(cap.source(a) is x for a in u.args[:2]) for u in cap.users_through(node))
 
 
 def _n(cap: Captured, node: fx.Node) -> int | None:
@@ -141,6 +165,17 @@ def _eps_outside(cap: Captured, node: fx.Node) -> NearMiss:
     return NearMiss(_where(cap, node), node.name, f"x / (sqrt(stat) + {eps:g})",
                     "not a native norm: eps is added after the sqrt, a native norm adds it under the sqrt "
                     "(outputs differ where the statistic is small); left as written")
+
+
+def _factor_only(cap: Captured, node: fx.Node, x: fx.Node) -> NearMiss:
+    # what the factor scales: the other operand of each product it enters
+    into = sorted({f"{cap.op(o) or o.name}({o.name})" for u in cap.users_through(node) if cap.op(u) == "mul"
+                   for o in map(cap.source, u.args[:2]) if isinstance(o, fx.Node) and o is not node})
+    return NearMiss(_where(cap, node), node.name, "rsqrt(mean(x^2) + eps), the factor 1/rms(x) alone",
+                    f"not a norm: it returns only the RMSNorm factor, which its caller multiplies into "
+                    f"{', '.join(into) or 'no product'} rather than into x (F.linear(x, W) * 1/rms(x) equals "
+                    f"F.linear(rmsnorm(x), W) only for a bias-free linear); no native norm computes the factor "
+                    f"alone, so it is left as written")
 
 
 __all__ = ["NearMiss", "find_near_misses"]
