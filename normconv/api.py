@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from normconv import flow
 from normconv.errors import NormconvError
-from normconv.io import Loaded
+from normconv.io import Loaded, without_kv_cache
 from normconv.report import Report
 from normconv.verify import Inputs
 
@@ -39,7 +39,7 @@ def as_inputs(example_inputs: Any) -> Inputs:
 def _loaded(model: nn.Module, example_inputs: Any) -> Loaded:
     if not isinstance(model, nn.Module):
         raise NormconvError(f"normconv needs a torch.nn.Module, got {type(model).__name__}")
-    return Loaded(model, as_inputs(example_inputs), type(model).__name__, "python")
+    return Loaded(model, without_kv_cache(model, as_inputs(example_inputs)), type(model).__name__, "python")
 
 
 def fold(model: nn.Module, example_inputs: Any, *, eval_mode: bool = False, atol: float | None = None,

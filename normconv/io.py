@@ -101,6 +101,7 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
         loaded.model = loaded.model.to(cast_to)
         if loaded.inputs is not None:
             loaded.inputs = loaded.inputs.to(cast_to)
+    loaded.inputs = without_kv_cache(loaded.model, loaded.inputs)
     if check and loaded.inputs is not None:
         check_inputs(loaded)
     return loaded
@@ -569,6 +570,21 @@ def forward_params(model: nn.Module, positional_only: bool = False) -> list[str]
     kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) + (
         (inspect.Parameter.KEYWORD_ONLY,) if positional_only else ())
     return [n for n, p in sig.parameters.items() if p.kind not in kinds]
+
+
+def without_kv_cache(model: nn.Module, inputs: Inputs | None) -> Inputs | None:
+    """``inputs`` with ``use_cache=False`` added where forward takes a ``use_cache`` the caller left unset.
+
+    A Hugging Face model built from a default config (``use_cache=True``) returns its KV cache, a DynamicCache that
+    torch.export cannot capture and no check can compare. The cache is what generation reuses, not a result of the
+    forward; the rewritten model is the same module and takes ``use_cache`` as before."""
+    if inputs is None:
+        return None
+    params = forward_params(model)
+    # unset: not among the keyword arguments, and not reached by the positional ones
+    if "use_cache" not in params or "use_cache" in inputs.kwargs or len(inputs.args) > params.index("use_cache"):
+        return inputs
+    return Inputs(inputs.args, {**inputs.kwargs, "use_cache": False})
 
 
 # an example input larger than this share of the machine's memory is refused before it is allocated

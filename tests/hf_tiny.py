@@ -184,3 +184,21 @@ def tiny_dinov2():
     cfg = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=32,
                        patch_size=8)
     return _build(Dinov2Model, cfg), Inputs((_image(),))
+
+
+def cached_gpt2():
+    """GPT-2 as users build it: the config's default use_cache=True, so a plain forward returns a KV cache."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                     eos_token_id=0)
+    return _build(GPT2LMHeadModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def cached_llama():
+    """Llama with the config's default use_cache=True."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    return _build(LlamaForCausalLM, cfg), Inputs((), {"input_ids": _ids()})

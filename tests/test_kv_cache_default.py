@@ -1,0 +1,49 @@
+"""Hugging Face LMs built with their default config return a KV cache (a DynamicCache) from a plain forward, which
+torch.export cannot capture: every command failed on them. normconv runs the model with use_cache=False unless the
+caller sets it; the rewritten model keeps taking use_cache, and the user's model is untouched."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import torch
+
+from hf_tiny import cached_gpt2, cached_llama
+from normconv.api import export, inspect, swap
+
+
+def test_swap_on_an_lm_with_its_default_cache():
+    model, inputs = cached_gpt2()
+    assert model.config.use_cache
+    new, report = swap(model, inputs.kwargs, to="rmsnorm")
+    assert report.passed and sum(s.applied for s in report.sites) == 5  # 2 x (ln_1, ln_2) + ln_f, all pre-LN
+    ids = torch.randint(0, 100, (3, 11))
+    with torch.no_grad():
+        ref, out = model(ids), new(ids)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-4)
+    assert out.past_key_values is not None  # the rewritten model still returns its cache when asked
+    assert model.config.use_cache and "use_cache" not in inputs.kwargs  # the user's model and inputs unchanged
+
+
+def test_export_of_an_lm_with_its_default_cache(tmp_path):
+    model, inputs = cached_llama()
+    path = tmp_path / "llama.onnx"
+    report = export(model, inputs.kwargs, str(path), opset=23)
+    assert report.passed
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert sum(op.endswith("SimplifiedLayerNormalization") for op in ops) == 5  # onnxruntime's (skip) RMSNorm ops
+
+
+def test_cli_inspect_of_an_lm_with_its_default_cache(cli):
+    code, out, err = cli("inspect", "hf_tiny:cached_gpt2", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert [s["kind"] for s in report["sites"]] == ["layernorm"] * 5
+    assert "use_cache=False" in report["extra"]["inputs"]
+
+
+def test_inspect_keeps_a_use_cache_the_caller_sets():
+    model, inputs = cached_gpt2()
+    rep = inspect(model, {**inputs.kwargs, "use_cache": False})
+    assert len(rep.sites) == 5
