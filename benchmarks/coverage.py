@@ -562,12 +562,16 @@ def fused_vs_sites(path: str, sites: list[dict] | None) -> tuple[bool, str]:
     fused = Counter(fused_norms(ir.load(path)))
     if sites is None:
         return True, f"fused {sum(fused.values())} (inspect gave no sites)"
-    kinds = Counter(s["kind"] for s in sites)
+    # a site whose result reaches no output is dead code the exporter drops (inspect's export plan says so)
+    dead = [s for s in sites if any(p.get("pass") == "export" and "reaches no model output" in p.get("reason", "")
+                                    for p in s.get("plan", []))]
+    kinds = Counter(s["kind"] for s in sites if s not in dead)
     want = sum(v for k, v in kinds.items() if k != "batchnorm")
     got = sum(v for k, v in fused.items() if k != "batchnorm")
     ok = got == want and fused["batchnorm"] <= kinds["batchnorm"]
     return ok, f"fused {got} of {want} norm sites" + (f" (+{fused['batchnorm']} BatchNormalization)"
-                                                       if fused["batchnorm"] else "")
+                                                       if fused["batchnorm"] else "") + \
+        (f" ({len(dead)} dead: reach no output)" if dead else "")
 
 
 def plain_export_fails(model, kw: dict, opset: int, limited) -> str | None:

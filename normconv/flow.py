@@ -548,7 +548,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     def plan_sites(cap: Captured) -> None:
         norms.extend(find_norms(cap))
         canon, folds = _plan_of(cap, norms, "canonicalize", canonicalize), _plan_of(cap, norms, "fold", fold)
-        report.sites.extend(onnx_export.plan(norms, target, opset, canon, folds, skip_fusion))
+        report.sites.extend(onnx_export.plan(norms, target, opset, canon, folds, skip_fusion, cap.live))
         if half is not None:
             report.sites.extend(_precisions(cap, norms, half, keep_fp32, canon, folds, report, wide))
 
@@ -747,7 +747,7 @@ def plans(cap: Captured, norms: list[NormSite]) -> dict[str, list[Site]]:
 
     planners = (fold_batchnorm.plan, canonicalize_pass.plan, swap_norm.plan, deepnorm_pass.plan,
                 lambda c, n: onnx_export.plan(n, canon=_plan_of(c, n, "canonicalize", True),
-                                              folds=_plan_of(c, n, "fold", True)))
+                                              folds=_plan_of(c, n, "fold", True), live=c.live))
     by_target: dict[str, list[Site]] = {}
     for planner in planners:
         for site in planner(cap, norms):

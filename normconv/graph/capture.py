@@ -11,6 +11,7 @@ the module path that computed a node, the module object, the parameter a node re
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,21 @@ class Captured:
         for n in self.gm.graph.nodes:
             if n.op == "call_module":
                 self.module_calls[n.target] = self.module_calls.get(n.target, 0) + 1
+
+    @functools.cached_property
+    def live(self) -> frozenset[str]:
+        """Nodes whose value reaches the graph's output or an effect (an in-place op, a mutation): the rest is dead
+        code, computed by the forward but read by nothing (LiLT's last layout layer), which the ONNX exporter drops."""
+        # roots: the output, and ops with effects (symbolic_trace keeps x.add_(y) whose result nothing reads)
+        stack = [n for n in self.gm.graph.nodes if n.op == "output" or n.is_impure(impure_random=False)
+                 or (n.op in ("call_method", "call_function") and _in_place(n))]
+        seen: set[str] = set()
+        while stack:
+            n = stack.pop()
+            if n.name not in seen:
+                seen.add(n.name)
+                stack.extend(n.all_input_nodes)
+        return frozenset(seen)
 
     # -- what a node is ------------------------------------------------------------------------------------
     def op(self, node: fx.Node) -> str | None:
@@ -179,6 +195,12 @@ class Captured:
 
 
 _NOISE_FUNCTIONS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_size"}
+
+
+def _in_place(node: fx.Node) -> bool:
+    """x.add_(y), torch.relu_(x), aten.copy_.default: writes its first argument."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.split(".")[0].endswith("_") and not name.startswith("_")
 
 
 def _clean_path(path: str) -> str:

@@ -76,16 +76,22 @@ def _op_for(kind: str, target: str, opset: int) -> str:
 
 def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET,
          canon: dict[str, tuple[bool, str]] | None = None, folds: dict[str, tuple[bool, str]] | None = None,
-         skip_fusion: bool = False) -> list[Site]:
+         skip_fusion: bool = False, live: frozenset[str] | None = None) -> list[Site]:
     """Per norm site: the one op it becomes at this target and opset, or why it stays several ops.
 
-    ``canon`` / ``folds``: target -> (applied, reason) from the canonicalize / fold plans (None: switched off)."""
+    ``canon`` / ``folds``: target -> (applied, reason) from the canonicalize / fold plans (None: switched off);
+    ``live``: the captured graph's nodes that reach an output (None: all)."""
     fuse_inline = canon is not None  # --no-canonicalize leaves hand-written norms as written, in ONNX too
     canon, folds = canon or {}, folds or {}
     out = []
     for s in norms:
         op = _op_for(s.kind, target, opset)
         applied = True
+        if live is not None and s.node not in live:
+            # the norm's result reaches no output  =>  the exporter drops it with the dead code around it
+            out.append(Site(NAME, s.target, False, "not exported: its result reaches no model output (dead code "
+                                                   "the exporter drops), so there is no op to fuse"))
+            continue
         if s.kind == "batchnorm" and folds.get(s.target, (False, ""))[0]:
             # conv -> bn  =>  folded into the conv / linear, no norm op left
             reason = "folded into its neighbour (fold pass)"
