@@ -188,8 +188,7 @@ def tiny_config(mtype: str, gentle: bool = False):
     d = _shrink(d, gentle)
     for k in ("transformers_version", "model_type", "architectures"):
         d.pop(k, None)
-    d["use_cache"] = False
-    return cls.from_dict(d)
+    return cls.from_dict(d)  # use_cache as the config defaults it: what users build (normconv runs without a cache)
 
 
 def build(mtype: str, maps, gentle: bool = False):
