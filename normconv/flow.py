@@ -29,7 +29,7 @@ from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
 from normconv.graph.near_miss import find_near_misses
 from normconv import outputs
-from normconv.io import Loaded, check_output_path, save
+from normconv.io import Loaded, check_output_path, save, with_attention_mask
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
 from normconv.passes import fold_batchnorm, fold_scales, lift_layers, rotate as rotate_pass, swap_norm
@@ -715,18 +715,11 @@ def _cast_like(value: Any, like: Any) -> Any:
 def _with_attention_mask(model: nn.Module, inputs: Inputs, report: Report) -> Inputs:
     """Token ids without a mask, for a forward that takes ``attention_mask``: add an all-ones mask so the ONNX has
     the input a deployment feeds for padded batches (GPT-2's export otherwise has input_ids only)."""
-    import inspect as pyinspect
-
-    ids = inputs.kwargs.get("input_ids")
-    try:
-        params = pyinspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return inputs
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or "attention_mask" not in params \
-            or "attention_mask" in inputs.kwargs or len(inputs.args) > list(params).index("attention_mask"):
+    masked = with_attention_mask(model, inputs)
+    if masked is None:
         return inputs
     report.notes.append("attention_mask added to the example inputs (all ones) so that the ONNX takes it")
-    return Inputs(tuple(inputs.args), {**inputs.kwargs, "attention_mask": torch.ones_like(ids)})
+    return masked
 
 
 def _plan_of(cap: Captured, norms: Sequence[NormSite], which: str, on: bool) -> dict[str, tuple[bool, str]] | None:

@@ -587,6 +587,18 @@ def without_kv_cache(model: nn.Module, inputs: Inputs | None) -> Inputs | None:
     return Inputs(inputs.args, {**inputs.kwargs, "use_cache": False})
 
 
+def with_attention_mask(model: nn.Module, inputs: Inputs) -> Inputs | None:
+    """``inputs`` with an all-ones ``attention_mask`` for token ids given without one, where forward takes a mask
+    the caller left unset; None where that does not apply. All ones is what a Hugging Face model assumes for no
+    mask, so the outputs are the same."""
+    ids = inputs.kwargs.get("input_ids")
+    params = forward_params(model)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or "attention_mask" not in params \
+            or "attention_mask" in inputs.kwargs or len(inputs.args) > params.index("attention_mask"):
+        return None
+    return Inputs(tuple(inputs.args), {**inputs.kwargs, "attention_mask": torch.ones_like(ids)})
+
+
 # an example input larger than this share of the machine's memory is refused before it is allocated
 _INPUT_MEMORY_SHARE = 0.5
 

@@ -22,6 +22,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from normconv.errors import NormconvError
+from normconv.io import with_attention_mask
 from normconv.quiet import quiet
 from normconv.graph.match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
 from normconv.verify import Inputs, compare, forward_guard, output_leaves, run
@@ -245,6 +246,17 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
                 return _capture_with(m, model, inputs, attempts, reference)
         except Exception as exc:  # each failure is recorded; the next method is tried
             attempts[m] = _one_line(exc)
+        masked = with_attention_mask(model, inputs) if m == "torch.export" else None
+        if masked is not None:
+            # LongT5 builds its default mask only when not compiling: under torch.export a missing mask is None
+            # downstream. All ones is that default, so the graph is the model's on these inputs
+            try:
+                with forward_guard(model):
+                    cap = _capture_with(m, model, masked, attempts, None)
+                attempts[m] += "; captured with an all-ones attention_mask added to the inputs"
+                return cap
+            except Exception:  # noqa: BLE001 - the first failure is the one to report
+                pass
     detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
     raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}")
 
