@@ -232,7 +232,7 @@ def _source(cap: Captured, v: Any, axis: int | None = None) -> tuple[Any, list[f
     axis = _last(cap, v) if axis is None else axis
     while isinstance(v, fx.Node):
         j = _back(cap, v, axis)
-        scaled = _scalar_operand(cap, v) if j is None else None
+        scaled = _scalar_operand(cap, v, axis) if j is None else None
         unfolded = _unfold_back(cap, v, axis) if j is None and scaled is None else None
         if unfolded is not None:  # a chain of views that merges the hidden axis with others and splits it back
             path.extend(unfolded[1])
@@ -276,17 +276,47 @@ def _unfold_back(cap: Captured, v: fx.Node, axis: int | None) -> tuple[fx.Node, 
     return None
 
 
-def _scalar_operand(cap: Captured, node: fx.Node) -> fx.Node | None:
-    """x * c, c * x, x / c with c one constant number (embed_scale, a one-element buffer): x, else None.
-    A scalar keeps a zero mean, and a constant does not change when the stream is centered."""
+def _scalar_operand(cap: Captured, node: fx.Node, axis: int | None) -> fx.Node | None:
+    """x * c, c * x, x / c with c the same for every feature of a hidden vector and unchanged when the stream is
+    centered: x, else None. Either one constant number (embed_scale, a one-element buffer), or a factor of size 1
+    along the hidden axis computed from the inputs alone (an attention mask, (B, S, 1)).
+    mean_d(c * x) = c * mean_d(x), so a zero-mean stream stays zero-mean."""
     if cap.op(node) not in ("mul", "div") or len(node.args) != 2:
         return None
     a, b = node.args
     pairs = [(a, b), (b, a)] if cap.op(node) == "mul" else [(a, b)]
     for x, c in pairs:
-        if isinstance(x, fx.Node) and cap.shape(x) == cap.shape(node) and _constant_scalar(cap, c):
+        if isinstance(x, fx.Node) and cap.shape(x) == cap.shape(node) and \
+                (_constant_scalar(cap, c) or _row_factor(cap, c, cap.shape(node), axis)):
             return x
     return None
+
+
+def _size_one_along(cap: Captured, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
+    """c broadcasts along ``out``'s hidden ``axis``: size 1 there, or no such axis (broadcast from the right)."""
+    shape = cap.shape(c) if isinstance(c, fx.Node) else None
+    if shape is None or out is None or axis is None:
+        return False
+    j = axis - (len(out) - len(shape))
+    return j < 0 or shape[j] == 1
+
+
+def _row_factor(cap: Captured, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
+    """c broadcasts along the hidden axis (size 1 there, or no such axis) and no parameter feeds it: it cannot
+    depend on the stream (whose writers the swap changes)."""
+    if not _size_one_along(cap, c, out, axis):
+        return False
+    params = {name for name, _ in cap.model.named_parameters()}
+    seen, stack = set(), [c]
+    while stack:
+        v = stack.pop()
+        if v.name in seen:
+            continue
+        seen.add(v.name)
+        if cap.param_name(v) in params:
+            return False
+        stack.extend(v.all_input_nodes)
+    return True
 
 
 def _constant_scalar(cap: Captured, v: Any) -> bool:
@@ -461,6 +491,11 @@ def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int, read=None) -> Writer
         return replace(inner, scale=_own_name(cap, cap.owner(leaf), pname),
                        via=tuple(n.name for n in path) + (leaf.name,))
     a, b = (list(leaf.args) + [None, None])[:2]
+    row = [v for v in (a, b) if isinstance(v, fx.Node) and _size_one_along(cap, v, out, axis)]
+    if row:  # a per-token factor (size 1 on the hidden axis) that weights compute: it may depend on the stream
+        return (f"stream writer {cap.describe(leaf)} multiplies {_what(cap, a)} by {_what(cap, b)}, a per-token "
+                f"factor that parameters compute (it may read the stream, which the swap changes): no weights-only "
+                f"rewrite keeps it")
     return (f"stream writer {cap.describe(leaf)} multiplies {_what(cap, a)} by {_what(cap, b)}, computed from the "
             f"input and varying along the hidden axis (a gate): no weights-only rewrite makes it zero-mean")
 

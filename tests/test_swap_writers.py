@@ -376,3 +376,49 @@ def test_norm_subclass_casting_back_to_its_input_dtype_is_swapped():
     x2 = torch.randn(5, 7, 8)
     with torch.no_grad():
         assert torch.allclose(new(x2), model(x2), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a per-token factor on the stream: exact when it comes from the inputs (a padding mask), refused when weights make it
+
+
+class MaskedTokens(nn.Module):
+    """Token embeddings zeroed at padding (``embeds * mask[..., None]``, a (B, S, 1) factor), then pre-LN blocks;
+    ``gate``: the factor is sigmoid(w . e) instead, computed from the embeddings by a weight."""
+
+    def __init__(self, gate=False, vocab=50):
+        super().__init__()
+        self.gate = nn.Linear(D, 1) if gate else None
+        self.embed, self.ln, self.fc, self.ln_f = nn.Embedding(vocab, D), nn.LayerNorm(D), nn.Linear(D, D), \
+            nn.LayerNorm(D)
+
+    def forward(self, input_ids, attention_mask):
+        e = self.embed(input_ids)
+        h = e * (torch.sigmoid(self.gate(e)) if self.gate is not None else attention_mask[..., None].to(e.dtype))
+        h = h + self.fc(self.ln(h))
+        return self.ln_f(h)
+
+
+def _tokens(batch, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (batch, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, seq // 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_a_padding_mask_on_the_stream_passes_through():
+    torch.manual_seed(0)
+    model = _randomize(MaskedTokens()).eval()
+    new, report = normconv.swap(model, _tokens(2, 6, 0))
+    assert report.passed and [s.target for s in report.sites if s.applied] == ["ln", "ln_f"]
+    assert new.embed.weight.double().mean(-1).abs().max() < 1e-6  # the writer behind the mask was centered
+    x2 = _tokens(3, 9, 1)
+    torch.testing.assert_close(run(new, Inputs((), x2)), run(model, Inputs((), x2)), atol=1e-5, rtol=1e-4)
+
+
+def test_a_per_token_factor_made_by_weights_is_refused_by_name():
+    torch.manual_seed(0)
+    model = MaskedTokens(gate=True).eval()
+    with pytest.raises(NormconvError, match=r"multiplies embed by sigmoid, a per-token factor that parameters compute"):
+        normconv.swap(model, _tokens(2, 6, 0))
