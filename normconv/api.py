@@ -14,7 +14,7 @@ carrying the report). ``report.to_json()`` is what ``--json`` prints.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch.nn as nn
 
@@ -26,10 +26,11 @@ from normconv.verify import Inputs
 
 
 def as_inputs(example_inputs: Any) -> Inputs:
-    """Inputs from one tensor, a tuple / list of positional args, a dict of keyword args, or Inputs."""
+    """Inputs from one tensor, a tuple / list of positional args, a mapping of keyword args (a dict, or a tokenizer's
+    BatchEncoding, which is a UserDict), or Inputs."""
     if isinstance(example_inputs, Inputs):
         return example_inputs
-    if isinstance(example_inputs, dict):
+    if isinstance(example_inputs, Mapping):
         return Inputs((), dict(example_inputs))
     if isinstance(example_inputs, (tuple, list)):
         return Inputs(tuple(example_inputs))

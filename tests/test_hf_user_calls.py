@@ -1,6 +1,9 @@
-"""Hugging Face LMs built with their default config return a KV cache (a DynamicCache) from a plain forward, which
-torch.export cannot capture: every command failed on them. normconv runs the model with use_cache=False unless the
-caller sets it; the rewritten model keeps taking use_cache, and the user's model is untouched."""
+"""Hugging Face models called the way users call them.
+
+- LMs built with their default config return a KV cache (a DynamicCache) from a plain forward, which torch.export
+  cannot capture: every command failed on them. normconv runs the model with use_cache=False unless the caller sets
+  it; the rewritten model keeps taking use_cache, and the user's model is untouched.
+- A tokenizer's output (a BatchEncoding, a UserDict rather than a dict) was taken as one positional input."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import onnx
 import torch
 
 from hf_tiny import cached_gpt2, cached_llama
+from transformers import BatchEncoding
+
 from normconv.api import export, inspect, swap
 
 
@@ -47,3 +52,11 @@ def test_inspect_keeps_a_use_cache_the_caller_sets():
     model, inputs = cached_gpt2()
     rep = inspect(model, {**inputs.kwargs, "use_cache": False})
     assert len(rep.sites) == 5
+
+
+def test_a_tokenizers_batch_encoding_is_keyword_inputs():
+    model, inputs = cached_gpt2()
+    batch = BatchEncoding({"input_ids": inputs.kwargs["input_ids"],
+                           "attention_mask": torch.ones_like(inputs.kwargs["input_ids"])})
+    rep = inspect(model, batch)
+    assert len(rep.sites) == 5 and "attention_mask=" in rep.extra["inputs"]
