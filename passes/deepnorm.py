@@ -184,7 +184,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
                       f"DeepNorm is defined on post-LN transformers" if pre else
                       "no post-LN residual site LN(x + f(x)) found: nothing for DeepNorm to rescale")
         return an
-    _stacks(an, arch, n_layers, m_layers)
+    _stacks(cap, an, arch, n_layers, m_layers)
     return an
 
 
@@ -199,6 +199,20 @@ def _stream_read(cap: Captured, name: str, by_node: dict[str, NormSite], post_ou
             break
         name = prev.name
     return name
+
+
+def _unmasked(cap: Captured, x: fx.Node) -> fx.Node:
+    """The stream before the padding masks applied to it between layers (Flaubert / XLM: h *= mask[..., None]):
+    a per-token factor from the inputs alone, so the layers on either side are one stack."""
+    while cap.op(x) == "mul" and len(x.args) == 2:
+        a, b = x.args
+        # stream * mask  =>  the stream
+        keep = [v for v, c in ((a, b), (b, a)) if isinstance(v, fx.Node) and cap.shape(v) == cap.shape(x)
+                and cap.per_token_factor(c, cap.shape(x), len(cap.shape(x) or ()) - 1)]
+        if not keep:
+            break
+        x = keep[0]
+    return x
 
 
 def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], all_outputs: frozenset[str],
@@ -216,7 +230,7 @@ def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], 
         sub.problem = f"cannot tell the residual x from the branch f(x) at {add.name}"
         return sub
     sub.res = res.name
-    kind, prev = producer_of(cap, res, all_outputs)
+    kind, prev = producer_of(cap, _unmasked(cap, res), all_outputs)
     if kind == "norm" and prev.name in post_outputs:
         sub.follows = post_outputs[prev.name].target
     sub.block = _block(site.target)
@@ -415,6 +429,12 @@ def _to_linear(cap: Captured, v: Any) -> tuple[fx.Node, tuple[int, int] | None] 
             v = sp.args[0]
             continue
         name = _name(v)
+        if name == "cat" and v.args and isinstance(v.args[0], (list, tuple)):
+            # an empty KV cache joined in front (Flaubert / XLM: cat([past (0 elements), k])): the one real part
+            full = [p for p in v.args[0] if not (isinstance(p, fx.Node) and 0 in (cap.shape(p) or (1,)))]
+            if len(full) == 1 and isinstance(full[0], fx.Node):
+                v = full[0]
+                continue
         # unary shaping ops (the other args are constants or sizes read from x.shape): follow the tensor operand
         tensors = [a for a in v.args if _is_tensor(cap, a)]
         if name in _SHAPING and len(tensors) == 1 and tensors[0] is v.args[0]:
@@ -558,7 +578,7 @@ def _block(path: str) -> str | None:
     return ".".join(parts[: idx[-1] + 1]) if idx else None
 
 
-def _stacks(an: Analysis, arch: str | None, n_layers: int | None, m_layers: int | None) -> None:
+def _stacks(cap: Captured, an: Analysis, arch: str | None, n_layers: int | None, m_layers: int | None) -> None:
     """Chains of post-LN sites along the residual stream -> stacks -> N, M -> constants."""
     chains: list[list[Sublayer]] = []
     chain_of: dict[str, int] = {}
@@ -572,6 +592,14 @@ def _stacks(an: Analysis, arch: str | None, n_layers: int | None, m_layers: int 
     node_to_target = {s.norm.node: s.norm.target for s in an.sublayers}
     if arch is not None and arch not in ARCHS:
         raise NormconvError(f"unknown --arch {arch!r}; choose from: {', '.join(ARCHS)}")
+    reads = [{chain_of[node_to_target[n]] for s in c for n in s.reads if n in node_to_target} - {i}
+             for i, c in enumerate(chains)]
+    if len(chains) > 1 and not any(reads) and not any(s.causal for c in chains for s in c) \
+            and arch is None and n_layers is None and m_layers is None and _independent(cap, chains):
+        # stacks that read no other stack's output and attend to every position (LiLT's text and layout streams,
+        # dual towers): no decoder among them, so each is an encoder with its own N
+        _towers(an, chains)
+        return
     if len(chains) == 1:
         found = "decoder" if any(s.causal for s in chains[0]) else "encoder"
         if arch == "encoder-decoder":
@@ -581,15 +609,21 @@ def _stacks(an: Analysis, arch: str | None, n_layers: int | None, m_layers: int 
         arch = arch or found
         names = {0: arch}
     elif len(chains) == 2:
-        reads = [{chain_of[node_to_target[n]] for s in c for n in s.reads if n in node_to_target} - {i}
-                 for i, c in enumerate(chains)]
         if reads[1] == {0} and not reads[0]:
             names = {0: "encoder", 1: "decoder"}
         elif reads[0] == {1} and not reads[1]:
             names = {1: "encoder", 0: "decoder"}
+        elif reads[0] and reads[1]:
+            an.refusal = ("two post-LN stacks reading each other's output (coupled streams, as LiLT's text and "
+                          "layout): DeepNorm's constants cover an encoder, a decoder, or a decoder reading an encoder")
+            return
+        elif any(s.causal for c in chains for s in c):
+            an.refusal = ("two post-LN stacks, neither reading the other's output, one with causal attention: "
+                          "neither an encoder with a decoder reading it nor two encoder towers")
+            return
         else:
-            an.refusal = ("two post-LN stacks, neither reading the other's output: cannot tell the encoder "
-                          "from the decoder")
+            an.refusal = ("two independent post-LN encoder towers: leave out --arch and the layer counts to rewrite "
+                          "each as an encoder with its own N")
             return
         if arch not in (None, "encoder-decoder"):
             an.refusal = (f"--arch {arch}, but the model has an encoder and a decoder stack: use "
@@ -601,18 +635,7 @@ def _stacks(an: Analysis, arch: str | None, n_layers: int | None, m_layers: int 
         return
     an.arch = arch
     for i, chain in enumerate(chains):
-        stack = names[i]
-        for s in chain:
-            s.stack = stack
-        blocks = {s.block for s in chain}
-        if None not in blocks:
-            an.layers[stack] = len(blocks)
-            shown = sorted(blocks, key=lambda b: [int(p) if p.isdigit() else 0 for p in b.split(".")])
-            an.counted_from[stack] = f"{len(blocks)} numbered blocks ({shown[0]} .. {shown[-1]})"
-        else:
-            ffn = sum(1 for s in chain if s.kind == "ffn")
-            an.layers[stack] = ffn or len(chain)
-            an.counted_from[stack] = f"{ffn} FFN sublayers" if ffn else f"{len(chain)} post-LN sublayers"
+        _count(an, chain, names[i])
     for stack, given in (("encoder", n_layers), ("decoder", m_layers)):
         if given is not None:
             if stack not in an.layers and len(an.layers) == 1:  # --layers for a decoder-only stack
@@ -620,6 +643,57 @@ def _stacks(an: Analysis, arch: str | None, n_layers: int | None, m_layers: int 
             an.layers[stack] = given
             an.counted_from[stack] = "given"
     an.consts = constants(arch, an.layers.get("encoder"), an.layers.get("decoder"))
+
+
+def _count(an: Analysis, chain: list[Sublayer], stack: str) -> None:
+    """The stack's layers: its numbered blocks, else its FFN sublayers, else its post-LN sublayers."""
+    for s in chain:
+        s.stack = stack
+    blocks = {s.block for s in chain}
+    split = [b.rpartition(".") for b in blocks if b is not None]  # (list path, ".", index)
+    lists = {lst for lst, _, _ in split}
+    indices = {lst: {i for owner, _, i in split if owner == lst} for lst in lists}
+    if None not in blocks and len(lists) > 1 and not any(lst.rsplit(".", 1)[-1].isdigit() for lst in lists) \
+            and len({frozenset(v) for v in indices.values()}) == 1:
+        # parallel ModuleLists indexed by layer (XLM / Flaubert: layer_norm1[i], layer_norm2[i]): N = the indices
+        an.layers[stack] = len(next(iter(indices.values())))
+        an.counted_from[stack] = f"{an.layers[stack]} layers indexed alike in {', '.join(sorted(lists))}"
+    elif None not in blocks:
+        an.layers[stack] = len(blocks)
+        shown = sorted(blocks, key=lambda b: [int(p) if p.isdigit() else 0 for p in b.split(".")])
+        an.counted_from[stack] = f"{len(blocks)} numbered blocks ({shown[0]} .. {shown[-1]})"
+    else:
+        ffn = sum(1 for s in chain if s.kind == "ffn")
+        an.layers[stack] = ffn or len(chain)
+        an.counted_from[stack] = f"{ffn} FFN sublayers" if ffn else f"{len(chain)} post-LN sublayers"
+
+
+def _independent(cap: Captured, chains: list[list[Sublayer]]) -> bool:
+    """No stack computes from another's norms, by any path (a stream re-joined by an add breaks the residual chain
+    into pieces that are not towers: they must not each count as a shallow encoder)."""
+    for i, chain in enumerate(chains):
+        others = {s.norm.node for j, c in enumerate(chains) if j != i for s in c}
+        seen: set[str] = set()
+        stack = [cap.nodes[s.add] for s in chain if s.add in cap.nodes]
+        while stack:
+            n = stack.pop()
+            if n.name in seen:
+                continue
+            if n.name in others:
+                return False
+            seen.add(n.name)
+            stack.extend(n.all_input_nodes)
+    return True
+
+
+def _towers(an: Analysis, chains: list[list[Sublayer]]) -> None:
+    """Independent encoder stacks: each its own encoder constants, alpha = (2N)^(1/4), beta = (8N)^(-1/4)."""
+    an.arch = "encoder"
+    for i, chain in enumerate(chains, 1):
+        stack = f"encoder {i}"
+        _count(an, chain, stack)
+        an.counted_from[stack] += f", the stack of {chain[0].norm.target}"
+        an.consts[stack] = constants("encoder", an.layers[stack])["encoder"]
 
 
 def _native_eps(site: NormSite) -> bool:

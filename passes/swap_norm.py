@@ -287,7 +287,7 @@ def _scalar_operand(cap: Captured, node: fx.Node, axis: int | None) -> fx.Node |
     pairs = [(a, b), (b, a)] if cap.op(node) == "mul" else [(a, b)]
     for x, c in pairs:
         if isinstance(x, fx.Node) and cap.shape(x) == cap.shape(node) and \
-                (_constant_scalar(cap, c) or _row_factor(cap, c, cap.shape(node), axis)):
+                (_constant_scalar(cap, c) or cap.per_token_factor(c, cap.shape(node), axis)):
             return x
     return None
 
@@ -299,24 +299,6 @@ def _size_one_along(cap: Captured, c: Any, out: tuple[int, ...] | None, axis: in
         return False
     j = axis - (len(out) - len(shape))
     return j < 0 or shape[j] == 1
-
-
-def _row_factor(cap: Captured, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
-    """c broadcasts along the hidden axis (size 1 there, or no such axis) and no parameter feeds it: it cannot
-    depend on the stream (whose writers the swap changes)."""
-    if not _size_one_along(cap, c, out, axis):
-        return False
-    params = {name for name, _ in cap.model.named_parameters()}
-    seen, stack = set(), [c]
-    while stack:
-        v = stack.pop()
-        if v.name in seen:
-            continue
-        seen.add(v.name)
-        if cap.param_name(v) in params:
-            return False
-        stack.extend(v.all_input_nodes)
-    return True
 
 
 def _constant_scalar(cap: Captured, v: Any) -> bool:

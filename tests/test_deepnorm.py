@@ -672,3 +672,130 @@ def test_a_softmax_that_is_not_the_attention_does_not_name_the_roles():
     assert report.passed and report.extra["stacks"]["encoder"]["layers"] == 2
     roles = report.extra["sublayers"][0]["projections"]
     assert roles["v"] == ["encoder.layer.0.attention.self.value"] and roles["q"] == ["encoder.layer.0.attention.self.query"]
+
+
+class _Towers(nn.Module):
+    """Two post-LN encoders (2 and 3 layers) that read only their own input; their pooled outputs meet at the end."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        from tests.fixtures.user_models import SDPABert
+
+        self.text, self.image = SDPABert(layers=2, d=d), SDPABert(layers=3, d=d)
+
+    def forward(self, a, b):
+        return self.text(a).mean(1) * self.image(b).mean(1)
+
+
+class _Coupled(nn.Module):
+    """LiLT's text and layout streams: each post-LN sublayer's branch also reads the other stream."""
+
+    def __init__(self, d=32, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.fa, self.fb = (nn.ModuleList(nn.Linear(d, d) for _ in range(layers)) for _ in range(2))
+        self.na, self.nb = (nn.ModuleList(nn.LayerNorm(d) for _ in range(layers)) for _ in range(2))
+
+    def forward(self, ids):
+        x = y = self.emb(ids)
+        for fa, fb, na, nb in zip(self.fa, self.fb, self.na, self.nb):
+            x, y = na(x + fa(x + y)), nb(y + fb(y * x))
+        return x + y
+
+
+def test_independent_towers_are_each_an_encoder():
+    torch.manual_seed(0)
+    net = _Towers().eval()
+    a, b = torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 5))
+    new, report = api_deepnorm(net, Inputs((a, b)))
+    assert report.passed and len(applied(report)) == 10  # (2 + 3 layers) x (attention, FFN)
+    stacks = report.extra["stacks"]
+    assert {k: (v["layers"], v["alpha"]) for k, v in stacks.items()} == \
+        {"encoder 1": (2, pytest.approx(4 ** 0.25)), "encoder 2": (3, pytest.approx(6 ** 0.25))}
+    assert "text.layer.0" in stacks["encoder 1"]["counted_from"]
+    assert dn.check_against_reference(new, Inputs((torch.randint(0, 50, (3, 9)), torch.randint(0, 50, (3, 4))))).passed
+    with pytest.raises(NormconvError, match="two independent post-LN encoder towers: leave out --arch"):
+        api_deepnorm(net, Inputs((a, b)), arch="encoder-decoder")
+
+
+def test_coupled_streams_are_refused_in_words():
+    torch.manual_seed(0)
+    with pytest.raises(NormconvError, match=r"two post-LN stacks reading each other's output \(coupled streams"):
+        api_deepnorm(_Coupled().eval(), Inputs((torch.randint(0, 50, (2, 7)),)))
+
+
+class _Rejoined(_Towers):
+    """The two towers' streams meet on the residual path (x + W y enters each next layer): the residual chains
+    break at every layer into pieces that are not towers."""
+
+    def __init__(self, d=32):
+        super().__init__(d)
+        self.mix = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+
+    def forward(self, a, b):
+        x, y = self.text.ln(self.text.emb(a)), self.image.ln(self.image.emb(b))
+        for i in range(2):
+            x, y = self.text.layer[i](x + self.mix[i](y)), self.image.layer[i](y + self.mix[i](x))
+        return x + y
+
+
+def test_streams_rejoined_on_the_residual_are_not_towers():
+    # each 1-layer piece would otherwise get N = 1 constants
+    with pytest.raises(NormconvError, match=r"separate post-LN stacks"):
+        api_deepnorm(_Rejoined().eval(), Inputs((torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7)))))
+
+
+class _XLMAttention(nn.Module):
+    """XLM / Flaubert attention: k and v joined behind an empty KV cache (cat with a 0-element past)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.h = heads
+        self.q_lin, self.k_lin, self.v_lin, self.out_lin = (nn.Linear(d, d) for _ in range(4))
+        self.register_buffer("past", torch.zeros(0), persistent=False)
+
+    def forward(self, x, mask):
+        b, n, d = x.shape
+        q, k, v = (f(x).view(b, n, self.h, d // self.h).transpose(1, 2) for f in (self.q_lin, self.k_lin, self.v_lin))
+        k, v = (torch.cat([self.past.view(b, self.h, 0, d // self.h), t], dim=-2) for t in (k, v))
+        scores = torch.matmul(q / (d // self.h) ** 0.5, k.transpose(2, 3))
+        scores = scores.masked_fill((mask == 0).view(b, 1, 1, n), torch.finfo(scores.dtype).min)
+        o = torch.matmul(torch.softmax(scores.float(), dim=-1).type_as(scores), v)
+        return self.out_lin(o.transpose(1, 2).reshape(b, n, d))
+
+
+class _XLM(nn.Module):
+    """XLM / Flaubert's layout: parallel ModuleLists indexed by layer, and the padding mask applied to the stream
+    after every layer (h *= mask[..., None])."""
+
+    def __init__(self, layers=3, d=32):
+        super().__init__()
+        self.emb, self.layer_norm_emb = nn.Embedding(50, d), nn.LayerNorm(d)
+        self.attentions = nn.ModuleList(_XLMAttention(d) for _ in range(layers))
+        self.layer_norm1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.ffns = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                  for _ in range(layers))
+        self.layer_norm2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+
+    def forward(self, ids, mask):
+        h = self.layer_norm_emb(self.emb(ids)) * mask[..., None].to(torch.float32)
+        for att, ln1, ffn, ln2 in zip(self.attentions, self.layer_norm1, self.ffns, self.layer_norm2):
+            h = ln1(h + att(h, mask))
+            h = ln2(h + ffn(h))
+            h = h * mask[..., None].to(h.dtype)
+        return h
+
+
+def test_xlm_layout_is_one_stack_of_n_layers():
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 50, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    net = _XLM().eval()
+    new, report = api_deepnorm(net, Inputs((ids, mask)))
+    assert report.passed and len(applied(report)) == 6
+    enc = report.extra["stacks"]["encoder"]
+    assert enc["layers"] == 3 and enc["alpha"] == pytest.approx(6 ** 0.25)  # 3 layers, not 6 blocks or 3 stacks
+    assert "layer_norm1, layer_norm2" in enc["counted_from"]
+    v = [s["projections"]["v"] for s in report.extra["sublayers"] if s["kind"] == "attention"]
+    assert v == [[f"attentions.{i}.v_lin"] for i in range(3)]  # read through the empty cache
+    assert dn.check_against_reference(new, Inputs((ids, mask))).passed

@@ -91,6 +91,28 @@ class Captured:
                 stack.extend(n.all_input_nodes)
         return frozenset(seen)
 
+    def per_token_factor(self, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
+        """``c`` in ``x * c`` is the same for every feature along ``out``'s hidden ``axis`` (size 1 there, or no
+        such axis) and no parameter feeds it (an attention mask (B, S, 1)): it scales whole hidden vectors and cannot
+        depend on the stream a rewrite changes."""
+        shape = self.shape(c) if isinstance(c, fx.Node) else None
+        if shape is None or out is None or axis is None:
+            return False
+        j = axis - (len(out) - len(shape))  # broadcast from the right: c's axis under the hidden one
+        if j >= 0 and shape[j] != 1:
+            return False
+        params = {name for name, _ in self.model.named_parameters()}
+        seen, stack = set(), [c]
+        while stack:
+            v = stack.pop()
+            if v.name in seen:
+                continue
+            seen.add(v.name)
+            if self.param_name(v) in params:
+                return False
+            stack.extend(v.all_input_nodes)
+        return True
+
     # -- what a node is ------------------------------------------------------------------------------------
     def op(self, node: fx.Node) -> str | None:
         return op_of(node, self.modules)
