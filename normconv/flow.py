@@ -158,11 +158,7 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
                     after=model_stats(model, inputs if bench else None))
     failed = next((v for v in validations if not v.passed), None)
     if exact and failed is not None:
-        if not failed.outputs:
-            raise VerificationError(f"{command}: {failed.label}; nothing written", report)
-        raise VerificationError(
-            f"{command}: outputs differ beyond tolerance ({failed.label}: max abs error "
-            f"{failed.max_abs_error:.3g}, atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
+        raise _not_verified(command, failed, report)
     if write:
         _write(loaded, model, output, in_place, inputs, report, keep_normconv)
     return report, model
@@ -351,9 +347,7 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, *, atol: float | None,
     report.notes.extend(_canonicalize_notes(report, model))
     failed = next((v for v in report.validation if not v.passed and not v.drift), None)
     if failed is not None:
-        raise VerificationError(f"canonicalize: outputs differ beyond tolerance ({failed.label}: max abs error "
-                                f"{failed.max_abs_error:.3g}, atol {failed.atol:g}, rtol {failed.rtol:g}); nothing "
-                                f"written", report)
+        raise _not_verified("canonicalize", failed, report)
     _write(loaded, model, output, in_place, loaded.require_inputs(), report, keep_normconv)
     return report, model
 
@@ -413,9 +407,7 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
     })
     failed = next((c for c in report.validation if not c.passed), None)
     if swap_pass.exact and failed is not None:  # every check: the example inputs and the second shape
-        raise VerificationError(
-            f"swap: outputs differ beyond tolerance ({failed.label}: max abs error {failed.max_abs_error:.3g}, "
-            f"atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
+        raise _not_verified("swap", failed, report)
     if not swap_pass.exact:  # an intended change, measured at every shape: drift, not a failed check
         report.validation = [dataclasses.replace(c, drift=True, label=("drift against the original" if i == 0 else
                                                                        c.label.replace("torch", "drift", 1)))
@@ -491,10 +483,8 @@ def deepnorm(loaded: Loaded, *, arch: str | None = None, alpha: float | None = N
         "LN(alpha*x + f(x)) computed literally on the same weights. Save the module itself (torch.save(model)): "
         "a state_dict alone does not carry the residual scaling.")
     if not validation.passed:
-        raise VerificationError(
-            f"deepnorm: the rewritten model differs from LN(alpha*x + f(x)) on the same weights (max abs "
-            f"error {validation.max_abs_error:.3g}, atol {validation.atol:g}, rtol {validation.rtol:g}); "
-            f"nothing written", report)
+        raise _not_verified("deepnorm", validation, report,
+                            "the rewritten model differs from LN(alpha*x + f(x)) on the same weights")
     _write(loaded, new, output, in_place, inputs, report, keep_normconv)
     return report, new
 
@@ -580,8 +570,7 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
                               (" (float32)" if half is not None else ""))
         report.validation.append(check)
         if not check.passed:
-            raise VerificationError(f"export: {check.label} differs from the original beyond tolerance "
-                                    f"(max abs error {check.max_abs_error:.3g}); nothing written", report)
+            raise _not_verified("export", check, report, "the rewritten model differs from the original")
     if half is not None:
         prepared32 = release(prepared)
         prepared = copy.deepcopy(prepared32).to(half)
@@ -710,6 +699,15 @@ def _cast_like(value: Any, like: Any) -> Any:
     return tree_unflatten([a.to(b.dtype) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                            and a.is_floating_point() and b.is_floating_point() else a
                            for a, b in zip(leaves, others)], spec)
+
+
+def _not_verified(command: str, failed: Validation, report: Report,
+                  differs: str = "outputs differ beyond tolerance") -> VerificationError:
+    """The error of a failed check: by how much it failed, or that it compared nothing."""
+    if not failed.outputs:
+        return VerificationError(f"{command}: {failed.label}; nothing written", report)
+    return VerificationError(f"{command}: {differs} ({failed.label}: max abs error {failed.max_abs_error:.3g}, "
+                             f"atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
 
 
 def _with_attention_mask(model: nn.Module, inputs: Inputs, report: Report) -> Inputs:

@@ -179,6 +179,12 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
     if len(ref) != len(cand):
         raise ValueError(f"output structure changed: {len(ref)} tensors before, {len(cand)} after")
     floats = [t.dtype for _, t in ref if t.is_floating_point()]
+    if floats and len(floats) == len(ref) and not any(bool(t.detach().count_nonzero()) for _, t in ref):
+        # every output is 0 (a zero-initialized head): any rewrite would match, so nothing was compared
+        return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
+                          rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
+                          label=f"{label}: nothing compared (every output is 0 on the example inputs, as with a "
+                                f"zero-initialized head: no rewrite could fail this check)")
     d_atol, d_rtol = default_tolerance(floats[0] if floats else torch.float32)
     atol = d_atol if atol is None else atol
     rtol = d_rtol if rtol is None else rtol

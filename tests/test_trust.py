@@ -323,6 +323,31 @@ def test_nothing_compared_is_not_a_pass():
         normconv.fold(_ReturnsNothing().eval(), torch.randn(2, 4))
 
 
+def _zero_head():
+    """torchvision's ViT as built: the classifier head is zero-initialized, so every output is 0 for any input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3)).eval()
+    nn.init.zeros_(model[2].weight)
+    nn.init.zeros_(model[2].bias)
+    return model
+
+
+@pytest.mark.parametrize("command", ["fold", "canonicalize", "swap"])
+def test_all_zero_outputs_are_nothing_compared(command):
+    # any rewrite (a wrong one too) matches 0 == 0: the check proved nothing, so it is not a pass
+    with pytest.raises(normconv.VerificationError, match=r"nothing compared \(every output is 0 on the example "
+                                                        r"inputs.*; nothing written"):
+        getattr(normconv, command)(_zero_head(), torch.randn(2, 4))
+
+
+def test_all_zero_outputs_exit_1_and_write_nothing(cli, tmp_path):
+    path = tmp_path / "zero.pt"
+    torch.save(_zero_head(), path)
+    out = tmp_path / "out.pt"
+    code, _, err = cli("swap", path, "--trust-pickle", "--input-shape", "input:2,4", "-o", out)
+    assert code == 1 and "nothing compared (every output is 0" in err and not out.exists()
+
+
 class _BatchBranch(nn.Module):
     """BatchNorm only when batch > 1: one capture sees one path."""
 
