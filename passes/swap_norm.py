@@ -79,7 +79,9 @@ class Writer:
     # kind param: the tensor itself is added (position embedding, class token); conv: output channels are hidden
     # kind norm: a LayerNorm with a constant scale; ``weight`` is its bias (None: none), the only tensor centered
     scale: str | None = None  # a per-feature scale multiplied after the writer (layer scale): folded in, then ones
-    via: tuple[str, ...] = ()  # nodes between the writer and the stream (the scaling mul and views before it)
+    # nodes between the writer and the stream (the scaling mul and views before it), or that read its weights for
+    # it (the nn.MultiheadAttention call whose attn_output is the writer)
+    via: tuple[str, ...] = ()
 
     @property
     def axis(self) -> int:
@@ -429,6 +431,14 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None, read=None) -> Wri
     if lin is not None and lin[1] is not None:
         return Writer(leaf.name, "linear", _own_name(cap, lin[4], lin[1]), _own_name(cap, lin[4], lin[2]), lin[3],
                       lin[4])
+    mha = _mha_call(cap, leaf)
+    if mha is not None:
+        # attn_output of an nn.MultiheadAttention kept whole by the trace  =>  its out_proj writes the stream
+        if axis != _last(cap, leaf):
+            return f"stream writer {cap.describe(leaf)} (attention) reaches the stream with its features off the hidden axis"
+        proj = cap.modules[mha].out_proj
+        return Writer(leaf.name, "linear", f"{mha}.out_proj.weight", f"{mha}.out_proj.bias" if proj.bias is not None
+                      else None, "out_in", f"{mha}.out_proj", via=(leaf.args[0].name,))  # the call reads out_proj
     if op == "mul":
         return _scaled_writer(cap, leaf, axis, read)
     if op == "layer_norm":
@@ -444,6 +454,17 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None, read=None) -> Wri
     what = op or name or leaf.op
     return (f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding (nor a conv or a "
             f"parameter): it has no weights that center its output")
+
+
+def _mha_call(cap: Captured, leaf: fx.Node) -> str | None:
+    """The path of the nn.MultiheadAttention whose attn_output ``leaf`` is (``mha(q, k, v)[0]`` on a leaf call)."""
+    if cap.op(leaf) != "getitem" or len(leaf.args) < 2 or leaf.args[1] != 0:
+        return None
+    call = leaf.args[0]
+    if isinstance(call, fx.Node) and call.op == "call_module" and \
+            isinstance(cap.modules.get(call.target), nn.MultiheadAttention):
+        return call.target
+    return None
 
 
 def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int, read=None) -> Writer | str:
@@ -864,6 +885,19 @@ def _decide(cap: Captured, p: SitePlan, streams: list[Stream], readers, to: str,
         p.reason = f"to LayerNorm(eps={site.eps:g}, no bias), exact: the stream's writers are zero-mean"
 
 
+def _self_attention_in_proj(cap: Captured, u: fx.Node, v: fx.Node) -> Consumer | None:
+    """``u`` calls an nn.MultiheadAttention with ``v`` as query, key and value and nothing else: its packed
+    in_proj (q | k | v rows of one weight, one bias) reads v as one linear, so it absorbs the norm's bias."""
+    mod = cap.modules.get(u.target) if u.op == "call_module" else None
+    if not isinstance(mod, nn.MultiheadAttention) or not mod._qkv_same_embed_dim or mod.in_proj_bias is None:
+        return None
+    qkv = (list(u.args) + [u.kwargs.get(k) for k in ("query", "key", "value")][len(u.args):])[:3]
+    others = list(u.args[3:]) + [a for k, a in u.kwargs.items() if k not in ("query", "key", "value")]
+    if qkv != [v, v, v] or any(a is v for a in others):
+        return None
+    return Consumer(u.name, f"{u.target}.in_proj_weight", f"{u.target}.in_proj_bias", "out_in", u.target)
+
+
 def _beta_consumers(cap: Captured, p: SitePlan, readers, read) -> tuple[list[Consumer], str | None]:
     """The linears a LayerNorm's bias b folds into, or why it cannot fold (b == 0 needs none)."""
     mod = cap.modules.get(p.module) if p.module else None
@@ -881,6 +915,10 @@ def _beta_consumers(cap: Captured, p: SitePlan, readers, read) -> tuple[list[Con
             seen.add(u.name)
             if _passes_through(cap, u) and u.args[0] is v:
                 stack.append(u)
+                continue
+            mha = _self_attention_in_proj(cap, u, v)
+            if mha is not None:  # mha(x, x, x) kept whole by the trace  =>  its in_proj absorbs b
+                consumers.append(mha)
                 continue
             lin = _linear_of(cap, u) if cap.op(u) in ("linear", "matmul") else None
             if lin is None or lin[0] is not v or lin[1] is None:

@@ -422,3 +422,58 @@ def test_a_per_token_factor_made_by_weights_is_refused_by_name():
     model = MaskedTokens(gate=True).eval()
     with pytest.raises(NormconvError, match=r"multiplies embed by sigmoid, a per-token factor that parameters compute"):
         normconv.swap(model, _tokens(2, 6, 0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# nn.MultiheadAttention kept whole by symbolic_trace (torchvision's ViT): its out_proj writes the stream, and its
+# packed in_proj reads the norm's output as one linear
+
+
+class TVEncoderBlock(nn.Module):
+    """torchvision.models.vision_transformer.EncoderBlock."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.self_attention = nn.MultiheadAttention(D, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(D, 64), nn.GELU(), nn.Linear(64, D))
+
+    def forward(self, input):
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = x + input
+        return x + self.mlp(self.ln_2(x))
+
+
+class TVViT(nn.Module):
+    """torchvision.models.VisionTransformer's layout: conv patches, class token joined by cat, position embedding,
+    encoder blocks, final LayerNorm, head on the class token."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, D, 8, 8)
+        self.class_token = nn.Parameter(torch.randn(1, 1, D))
+        self.pos_embedding = nn.Parameter(torch.randn(1, 17, D))
+        self.layers = nn.Sequential(*(TVEncoderBlock() for _ in range(layers)))
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, 10)
+
+    def forward(self, x):
+        x = self.conv_proj(x).reshape(x.shape[0], D, -1).permute(0, 2, 1)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embedding
+        return self.head(self.ln(self.layers(x))[:, 0])
+
+
+def test_multihead_attention_module_writes_and_reads_the_stream_exactly():
+    torch.manual_seed(0)
+    model = _randomize(TVViT()).eval()
+    new, report = normconv.swap(model, torch.randn(2, 3, 32, 32))
+    assert report.passed and sum(s.applied for s in report.sites) == 5
+    assert normconv.inspect(model, torch.randn(2, 3, 32, 32)).extra["capture"] == "symbolic_trace"  # MHA a leaf
+    for i in range(2):
+        old, blk = model.layers[i].self_attention, new.layers[i].self_attention
+        assert blk.out_proj.weight.double().mean(0).abs().max() < 1e-6  # the writer was centered
+        b = model.layers[i].ln_1.bias.detach().double()  # ln_1's bias went into the packed in_proj
+        want = old.in_proj_bias.detach().double() + old.in_proj_weight.detach().double() @ b
+        torch.testing.assert_close(blk.in_proj_bias.double(), want, atol=1e-6, rtol=1e-6)
+    x2 = torch.randn(5, 3, 32, 32)
+    torch.testing.assert_close(run(new, Inputs((x2,))), run(model, Inputs((x2,))), atol=1e-5, rtol=1e-4)
