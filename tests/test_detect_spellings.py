@@ -276,3 +276,50 @@ def test_a_norm_reading_another_norms_cast_back_is_its_own_site(method):
     ids = torch.randint(0, 10, (3, 7))
     with torch.no_grad():
         torch.testing.assert_close(new(ids), model(ids), atol=1e-6, rtol=1e-6)
+
+
+class PowRMSNorm(nn.Module):
+    """MuseSpark's RMSNorm: the factor written torch.pow(ms + eps, -0.5), the result cast back with type_as(x)."""
+
+    def __init__(self, d, with_scale=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d)) if with_scale else None
+
+    def forward(self, hidden_states):
+        h = hidden_states.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(hidden_states)
+
+
+class CastingLinear(nn.Linear):
+    """A reader that casts its input first: that cast follows the norm's type_as but is the reader's."""
+
+    def forward(self, x):
+        return super().forward(x.to(torch.float32))
+
+
+class PowNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.embed_norm = nn.Embedding(10, 8), PowRMSNorm(8, with_scale=False)
+        self.proj, self.norm = CastingLinear(8, 8), PowRMSNorm(8)
+
+    def forward(self, ids):
+        return self.norm(self.proj(self.embed_norm(self.embed(ids))))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pow_minus_half_rmsnorm_with_type_as_is_a_module_site(method):
+    torch.manual_seed(0)
+    model = PowNormNet().eval()
+    inputs = Inputs((torch.randint(0, 10, (2, 5)),))
+    sites = inspect(model, inputs, method=method).sites
+    assert [(s["target"], s["kind"], s["module_type"], s["eps"]) for s in sites] == \
+        [("embed_norm", "rmsnorm", "PowRMSNorm", 1e-6), ("norm", "rmsnorm", "PowRMSNorm", 1e-6)]
+    new, report = canonicalize(model, inputs)
+    assert [s.target for s in report.sites if s.applied] == ["embed_norm", "norm"]
+    ids = torch.randint(0, 10, (3, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), atol=1e-6, rtol=1e-6)

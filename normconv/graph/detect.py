@@ -182,7 +182,7 @@ def _raw_sites(cap: Captured) -> list[NormSite]:
         op = cap.op(node)
         if op in _NORM_OPS:
             site = _native_site(cap, node, _NORM_OPS[op])
-        elif op in ("rsqrt", "sqrt"):
+        elif _root(cap, node) is not None:
             site = _handwritten_site(cap, node)
         else:
             site = None
@@ -275,6 +275,16 @@ class _NoMatch(Exception):
     pass
 
 
+def _root(cap: Captured, node: fx.Node) -> str | None:
+    """rsqrt(v) / v ** -0.5 -> "rsqrt"; sqrt(v) / v ** 0.5 -> "sqrt" (MuseSpark writes torch.pow(v, -0.5))."""
+    op = cap.op(node)
+    if op in ("rsqrt", "sqrt"):
+        return op
+    if op == "pow" and isinstance(node.args[0], fx.Node):
+        return {-0.5: "rsqrt", 0.5: "sqrt"}.get(scalar(arg(node, 1, "exponent")))
+    return None
+
+
 def _handwritten_site(cap: Captured, r: fx.Node) -> NormSite | None:
     try:
         return _match_handwritten(cap, r)
@@ -348,7 +358,7 @@ def _negative(dims: tuple[int, ...] | None, rank: int | None) -> tuple[int, ...]
 
 def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     acc: set[str] = {r.name}
-    rsqrt = cap.op(r) == "rsqrt"
+    rsqrt = _root(cap, r) == "rsqrt"
     # denominator: (r)sqrt(stat + eps)
     s = _strip(cap, r.args[0], acc)
     eps = 0.0
@@ -614,7 +624,7 @@ def _foreign_casts_out(cap: Captured, x: fx.Node, acc: set[str]) -> fx.Node:
     inner = _core_owner(cap, acc)
     chain, c = [], x
     while True:
-        nxt = [u for u in cap.users(c) if u.name in acc and cap.op(u) == "cast"]
+        nxt = [u for u in cap.users(c) if u.name in acc and cap.op(u) == "cast" and u.args[0] is c]
         if len(nxt) != 1:
             break
         c = nxt[0]
