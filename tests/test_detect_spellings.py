@@ -323,3 +323,29 @@ def test_pow_minus_half_rmsnorm_with_type_as_is_a_module_site(method):
     ids = torch.randint(0, 10, (3, 7))
     with torch.no_grad():
         torch.testing.assert_close(new(ids), model(ids), atol=1e-6, rtol=1e-6)
+
+
+class SharedQKNorm(nn.Module):
+    """MuseGlimmer: one weight-free hand-written norm module applied to q and to k (two calls of one module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.qk_norm = nn.Linear(8, 8), nn.Linear(8, 8), PowRMSNorm(8, with_scale=False)
+
+    def forward(self, x):
+        return self.qk_norm(self.q(x)) * 2 + self.qk_norm(self.k(x))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_handwritten_norm_module_called_twice_is_one_module_site(method):
+    # each call's nodes made the module look like it computed more than the norm: 2 inline sites, not replaced
+    torch.manual_seed(0)
+    model = SharedQKNorm().eval()
+    inputs = Inputs((torch.randn(2, 5, 8),))
+    sites = inspect(model, inputs, method=method).sites
+    assert [(s["target"], s["module_type"], s["calls"]) for s in sites] == [("qk_norm", "PowRMSNorm", 2)] * 2
+    new, report = canonicalize(model, inputs)
+    assert isinstance(new.qk_norm, nn.RMSNorm)
+    x = torch.randn(3, 7, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), atol=1e-6, rtol=1e-6)

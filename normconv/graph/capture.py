@@ -135,6 +135,14 @@ class Captured:
             paths.append(node.target)
         return paths
 
+    def call_of(self, node: fx.Node, path: str) -> str | None:
+        """Which call of the module at ``path`` computed ``node``: its module-stack key, which both dialects suffix
+        with @1, @2, ... for the second, third call of one module (None: not inside that module)."""
+        for key, value in (node.meta.get("nn_module_stack") or {}).items():
+            if _clean_path(value[0]) == path:
+                return key
+        return None
+
     def describe(self, node: fx.Node) -> str:
         """How a report names a node: the module path of a layer (either dialect), else the node name."""
         if node.op == "call_module":

@@ -671,14 +671,17 @@ def _caller_casts_after(cap: Captured, out: fx.Node, acc: set[str]) -> fx.Node:
 
 
 def owns_only(cap: Captured, owner: str, acc: set[str]) -> bool:
-    """The module at ``owner`` computes nothing but this site (so the whole module is the norm)."""
+    """The module at ``owner`` computes nothing but this site in this call (so the whole module is the norm; a
+    norm module called twice, MuseGlimmer's qk_norm on q and on k, computes the other site in its other call)."""
+    calls = {cap.call_of(cap.nodes[n], owner) for n in acc} - {None}
     for n in cap.gm.graph.nodes:
         if n.name in acc or n.op in ("placeholder", "get_attr", "output"):
             continue
         if cap.is_noise(n):
             continue
         stack = cap.owner_stack(n)
-        if owner in stack:
+        # a node of another call of the module is that call's
+        if owner in stack and not (calls and cap.call_of(n, owner) not in calls):
             return False
     return True
 
