@@ -561,10 +561,11 @@ def fused_vs_sites(path: str, sites: list[dict] | None) -> tuple[bool, str]:
     fused = Counter(fused_norms(ir.load(path)))
     if sites is None:
         return True, f"fused {sum(fused.values())} (inspect gave no sites)"
-    # a site whose result reaches no output is dead code the exporter drops (inspect's export plan says so)
-    dead = [s for s in sites if any(p.get("pass") == "export" and "reaches no model output" in p.get("reason", "")
-                                    for p in s.get("plan", []))]
-    kinds = Counter(s["kind"] for s in sites if s not in dead)
+    # a call whose result reaches no output is dead code the exporter drops (inspect's export plan names each
+    # such call's node; a module's sites share their plans, so count distinct entries per target)
+    dead = {(s["target"], s["kind"], p["reason"]) for s in sites for p in s.get("plan", [])
+            if p.get("pass") == "export" and "reaches no model output" in p.get("reason", "")}
+    kinds = Counter(s["kind"] for s in sites) - Counter(kind for _, kind, _ in dead)
     want = sum(v for k, v in kinds.items() if k != "batchnorm")
     got = sum(v for k, v in fused.items() if k != "batchnorm")
     ok = got == want and fused["batchnorm"] <= kinds["batchnorm"]

@@ -154,3 +154,25 @@ def test_export_verdict_excuses_only_what_plain_export_fails_too():
     assert all(v == ("failed", "fused 0 of 1 norm sites") for v in per_opset.values()), per_opset
     assert sw.export_verdict({17: ("ok", "a"), 20: ("n/a", "b"), 23: per_opset[23]}) == \
         ("failed", "opset 23: fused 0 of 1 norm sites (ok at 17)")
+
+
+def test_fused_count_takes_dead_calls_per_call(tmp_path):
+    """A module with one live and one dead call (PegasusX's shared final_layer_norm): one fused op is wanted."""
+    import torch.nn as nn
+
+    class SharedNormOneCallDead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.ln, self.other = nn.Linear(16, 16), nn.LayerNorm(16), nn.LayerNorm(16)
+
+        def forward(self, x):
+            dropped = self.ln(x + 1.0)  # noqa: F841 - computed, never read
+            return self.other(self.ln(self.fc(x)))
+
+    torch.manual_seed(0)
+    model, x = SharedNormOneCallDead().eval(), torch.randn(2, 5, 16)
+    path = str(tmp_path / "m.onnx")
+    normconv.export(model, (x,), path, opset=17)
+    sites = normconv.inspect(model, (x,)).to_json()["sites"]
+    ok, why = sweep().fused_vs_sites(path, sites)
+    assert ok and why.startswith("fused 2 of 2"), why

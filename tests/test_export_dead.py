@@ -85,3 +85,25 @@ def test_a_norm_read_through_an_in_place_op_is_live(method):
     rep = inspect(InPlaceResidual().eval(), (torch.randn(2, 5, 16),), method=method).to_json()
     [site] = rep["sites"]
     assert [p["reason"] for p in site["plan"] if p["pass"] == "export"] == ["one LayerNormalization"]
+
+
+class SharedNormOneCallDead(nn.Module):
+    """PegasusX: one LayerNorm applied to the tokens and to the global tokens; the last global result is dropped."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        tokens, global_tokens = self.ln(self.fc(x)), self.ln(x + 1.0)
+        del global_tokens  # computed, never read
+        return tokens
+
+
+def test_a_module_with_one_dead_call_exports_its_live_call(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "m.onnx"
+    report = export(SharedNormOneCallDead().eval(), (torch.randn(2, 5, 16),), str(path), opset=17)
+    plans = [s for s in report.sites if s.pass_name == "export" and s.target == "ln"]
+    assert sorted(s.applied for s in plans) == [False, True]  # one entry per call
+    assert [n.op_type for n in onnx.load(str(path)).graph.node].count("LayerNormalization") == 1

@@ -89,8 +89,8 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
         applied = True
         if live is not None and s.node not in live:
             # the norm's result reaches no output  =>  the exporter drops it with the dead code around it
-            out.append(Site(NAME, s.target, False, "not exported: its result reaches no model output (dead code "
-                                                   "the exporter drops), so there is no op to fuse"))
+            out.append(Site(NAME, s.target, False, f"not exported: its result ({s.node}) reaches no model output "
+                                                   f"(dead code the exporter drops), so there is no op to fuse"))
             continue
         if s.kind == "batchnorm" and folds.get(s.target, (False, ""))[0]:
             # conv -> bn  =>  folded into the conv / linear, no norm op left
