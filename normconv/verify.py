@@ -106,9 +106,10 @@ def run(model: nn.Module, inputs: Inputs) -> Any:
 
 def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     """The same inputs at a second shape where the model's dimensions are free: batch 1 (2 when the example's is
-    1; batch 1 is where batch-dependent code differs most) and, for sequences ((B, L) ids and masks, (B, L, C)
-    activations), length - 1. Each candidate is tried on ``model``; the first it accepts is returned with its
-    output, None when it takes no other shape (fixed sizes)."""
+    1; batch 1 is where batch-dependent code differs most), for sequences ((B, L) ids and masks, (B, L, C)
+    activations) length - 1, and for images ((B, C, H, W) floats) H and W 32 smaller (32 larger below 96: a
+    multiple of every usual stride). Each candidate is tried on ``model``; the first it accepts is returned with
+    its output, None when it takes no other shape (fixed sizes)."""
     tensors = [x for x in list(inputs.args) + list(inputs.kwargs.values()) if isinstance(x, torch.Tensor)]
     if not tensors or any(t.dim() == 0 for t in tensors):
         return None
@@ -118,21 +119,31 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
         return (t.dim() == 2 and not t.is_floating_point() or t.dim() == 3 and t.is_floating_point()) and \
             t.shape[1] > 2
 
-    def reshape(t: Any, new_batch: int, dl: int) -> Any:
+    def image(t: torch.Tensor) -> bool:
+        return t.dim() == 4 and t.is_floating_point() and min(t.shape[2:]) >= 8
+
+    def reshape(t: Any, new_batch: int, dl: int, spatial: bool) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
             return t
         size = list(t.shape)
         size[0] = new_batch
         if dl and seq_axis(t):
             size[1] += dl
+        if spatial and image(t):
+            size[2:] = [n - 32 if n >= 96 else n + 32 for n in size[2:]]
         index = [torch.arange(n) % m for n, m in zip(size, t.shape)]  # cycle the example's own values
         return t[torch.meshgrid(*index, indexing="ij")] if t.dim() else t
 
     has_seq = any(seq_axis(t) for t in tensors)
     other = 1 if batch > 1 else 2
-    for new_batch, dl in ((other, -1), (other, 0), (batch, -1)) if has_seq else ((other, 0),):
-        alt = Inputs(tuple(reshape(x, new_batch, dl) for x in inputs.args),
-                     {k: reshape(v, new_batch, dl) for k, v in inputs.kwargs.items()})
+    tries = ((other, -1), (other, 0), (batch, -1)) if has_seq else ((other, 0),)
+    if any(image(t) for t in tensors):  # another image size first, then the batch alone (fixed-size models)
+        tries = tuple((b, dl, True) for b, dl in tries) + tuple((b, dl, False) for b, dl in tries)
+    else:
+        tries = tuple((b, dl, False) for b, dl in tries)
+    for new_batch, dl, spatial in tries:
+        alt = Inputs(tuple(reshape(x, new_batch, dl, spatial) for x in inputs.args),
+                     {k: reshape(v, new_batch, dl, spatial) for k, v in inputs.kwargs.items()})
         try:
             out = run(model, alt)
         except Exception:

@@ -457,3 +457,15 @@ def test_truncated_pt2_and_torchscript_say_one_line(cli, tmp_path):
     ts = tmp_path / "scripted.pt"
     torch.jit.save(torch.jit.script(model), ts)
     _one_line_error(cli, "inspect", ts, match="TorchScript")
+
+
+def test_second_shape_of_an_image_model_changes_the_image_size():
+    # batch alone would leave every spatial size as the capture saw it (a reshape baked to 32x32 goes unnoticed)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4)).eval()
+    _, report = normconv.fold(model, torch.randn(2, 3, 32, 32))
+    assert [v.label for v in report.validation] == ["torch", "torch, second shape ((1, 3, 64, 64):float32)"]
+    fixed = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 32 * 32, 4))
+    _, report = normconv.fold(fixed.eval(), torch.randn(2, 3, 32, 32))  # takes 32x32 only: the batch changes
+    assert report.validation[1].label == "torch, second shape ((1, 3, 32, 32):float32)"
