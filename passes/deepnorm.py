@@ -673,16 +673,8 @@ def _independent(cap: Captured, chains: list[list[Sublayer]]) -> bool:
     into pieces that are not towers: they must not each count as a shallow encoder)."""
     for i, chain in enumerate(chains):
         others = {s.norm.node for j, c in enumerate(chains) if j != i for s in c}
-        seen: set[str] = set()
-        stack = [cap.nodes[s.add] for s in chain if s.add in cap.nodes]
-        while stack:
-            n = stack.pop()
-            if n.name in seen:
-                continue
-            if n.name in others:
-                return False
-            seen.add(n.name)
-            stack.extend(n.all_input_nodes)
+        if not others.isdisjoint(cap.upstream(cap.nodes[s.add] for s in chain if s.add in cap.nodes)):
+            return False
     return True
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -81,15 +81,20 @@ class Captured:
         """Nodes whose value reaches the graph's output or an effect (an in-place op, a mutation): the rest is dead
         code, computed by the forward but read by nothing (LiLT's last layout layer), which the ONNX exporter drops."""
         # roots: the output, and ops with effects (symbolic_trace keeps x.add_(y) whose result nothing reads)
-        stack = [n for n in self.gm.graph.nodes if n.op == "output" or n.is_impure(impure_random=False)
-                 or (n.op in ("call_method", "call_function") and _in_place(n))]
+        return frozenset(self.upstream(n for n in self.gm.graph.nodes if n.op == "output"
+                                       or n.is_impure(impure_random=False)
+                                       or (n.op in ("call_method", "call_function") and _in_place(n))))
+
+    def upstream(self, nodes: Iterable[fx.Node]) -> set[str]:
+        """The names of ``nodes`` and of every node they are computed from."""
         seen: set[str] = set()
+        stack = list(nodes)
         while stack:
             n = stack.pop()
             if n.name not in seen:
                 seen.add(n.name)
                 stack.extend(n.all_input_nodes)
-        return frozenset(seen)
+        return seen
 
     def per_token_factor(self, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
         """``c`` in ``x * c`` is the same for every feature along ``out``'s hidden ``axis`` (size 1 there, or no
@@ -102,16 +107,7 @@ class Captured:
         if j >= 0 and shape[j] != 1:
             return False
         params = {name for name, _ in self.model.named_parameters()}
-        seen, stack = set(), [c]
-        while stack:
-            v = stack.pop()
-            if v.name in seen:
-                continue
-            seen.add(v.name)
-            if self.param_name(v) in params:
-                return False
-            stack.extend(v.all_input_nodes)
-        return True
+        return not any(self.param_name(self.nodes[n]) in params for n in self.upstream([c]))
 
     # -- what a node is ------------------------------------------------------------------------------------
     def op(self, node: fx.Node) -> str | None:
