@@ -167,6 +167,10 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
                             f"({s.problem.removeprefix('sublayer not identified: ')}): the embeddings' own "
                             f"residual, not part of the stack; left as is") for s in embedding]
         subs = [s for s in subs if s not in embedding]
+    # a norm over x + LN(f(x)) is no post-LN sublayer: it is left, and alone it refuses the model in words
+    others += [(s.norm, f"not a post-LN sublayer: {s.problem.removeprefix(_BRANCH_NORMED + ': ')}; left as is")
+               for s in subs if s.problem.startswith(_BRANCH_NORMED)]
+    subs = [s for s in subs if not s.problem.startswith(_BRANCH_NORMED)]
     by_node = {s.node: s for s in norms}
     for sub in subs:
         # a final norm over another stack (nn.Transformer's encoder.norm before the memory) reads as that stack
@@ -180,8 +184,12 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
                                     f"module inside a post-LN attention sublayer")
     if not subs:
         pre = sum(1 for s in norms if s.placement in ("pre-norm", "final-norm"))
+        branch = [s for s, why in others if why.startswith("not a post-LN sublayer: f(x) is the output of a norm")]
         an.refusal = (f"pre-LN model ({pre} pre-norm/final-norm sites, no post-LN residual LN(x + f(x))): "
                       f"DeepNorm is defined on post-LN transformers" if pre else
+                      f"the layers normalize their branches (x + LN(f(x)), as OLMo 2), not the residual stream: "
+                      f"{branch[0].target} reads x + LN(f(x)), no post-LN residual LN(x + f(x)); DeepNorm is defined "
+                      f"on post-LN transformers" if branch else
                       "no post-LN residual site LN(x + f(x)) found: nothing for DeepNorm to rescale")
         return an
     _stacks(cap, an, arch, n_layers, m_layers)
@@ -199,6 +207,9 @@ def _stream_read(cap: Captured, name: str, by_node: dict[str, NormSite], post_ou
             break
         name = prev.name
     return name
+
+
+_BRANCH_NORMED = "branch normed"
 
 
 def _unmasked(cap: Captured, x: fx.Node) -> fx.Node:
@@ -242,6 +253,11 @@ def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], 
         return sub
     if site.calls > 1:
         sub.problem = f"norm module {site.target} is called at {site.calls} places"
+        return sub
+    normed, norm_node = producer_of(cap, branch, all_outputs)
+    if normed == "norm":  # x + LN'(f(x)) read by LN: the layers normalize their branches, not the stream
+        sub.problem = (f"{_BRANCH_NORMED}: f(x) is the output of a norm ({norm_node.name}), so the layers normalize "
+                       f"their branches (x + LN(f(x)), as OLMo 2) rather than the residual stream")
         return sub
     nodes = _branch_nodes(cap, branch, res, all_outputs, sub)
     mha = _mha_in(cap, nodes)

@@ -799,3 +799,26 @@ def test_xlm_layout_is_one_stack_of_n_layers():
     v = [s["projections"]["v"] for s in report.extra["sublayers"] if s["kind"] == "attention"]
     assert v == [[f"attentions.{i}.v_lin"] for i in range(3)]  # read through the empty cache
     assert dn.check_against_reference(new, Inputs((ids, mask))).passed
+
+
+class _BranchNormed(nn.Module):
+    """OLMo 2: each layer adds LN(f(x)) to the stream (the branch is normed), and a final norm reads x + LN(f(x))."""
+
+    def __init__(self, d=32, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.fc = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.post = nn.ModuleList(nn.RMSNorm(d) for _ in range(layers))
+        self.norm = nn.RMSNorm(d)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for fc, post in zip(self.fc, self.post):
+            h = h + post(fc(h))
+        return self.norm(h)
+
+
+def test_branch_normed_layers_are_refused_in_words():
+    with pytest.raises(NormconvError, match=r"the layers normalize their branches \(x \+ LN\(f\(x\)\), as OLMo 2\), "
+                                            r"not the residual stream: norm reads"):
+        api_deepnorm(_BranchNormed().eval(), Inputs((torch.randint(0, 50, (2, 7)),)))
