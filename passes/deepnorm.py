@@ -625,9 +625,9 @@ def _stacks(cap: Captured, an: Analysis, arch: str | None, n_layers: int | None,
         arch = arch or found
         names = {0: arch}
     elif len(chains) == 2:
-        if reads[1] == {0} and not reads[0]:
+        if reads[1] == {0} and not reads[0] or not any(reads) and _reads_as_memory(cap, chains[0], chains[1]):
             names = {0: "encoder", 1: "decoder"}
-        elif reads[0] == {1} and not reads[1]:
+        elif reads[0] == {1} and not reads[1] or not any(reads) and _reads_as_memory(cap, chains[1], chains[0]):
             names = {1: "encoder", 0: "decoder"}
         elif reads[0] and reads[1]:
             an.refusal = ("two post-LN stacks reading each other's output (coupled streams, as LiLT's text and "
@@ -692,6 +692,16 @@ def _independent(cap: Captured, chains: list[list[Sublayer]]) -> bool:
         if not others.isdisjoint(cap.upstream(cap.nodes[s.add] for s in chain if s.add in cap.nodes)):
             return False
     return True
+
+
+def _reads_as_memory(cap: Captured, enc: list[Sublayer], dec: list[Sublayer]) -> bool:
+    """``dec`` reads ``enc`` as a decoder reads its encoder's memory, by dataflow where no cross-attention was
+    recognised (LED): dec's branches compute from enc's norms, dec's residual stream does not start from them (a
+    stack continuing another's stream would) and enc computes nothing from dec."""
+    enc_norms, dec_norms = {s.norm.node for s in enc}, {s.norm.node for s in dec}
+    start = cap.upstream([cap.nodes[dec[0].res]]) if dec[0].res in cap.nodes else set()
+    return enc_norms.isdisjoint(start) and not enc_norms.isdisjoint(cap.upstream(cap.nodes[s.add] for s in dec)) \
+        and dec_norms.isdisjoint(cap.upstream(cap.nodes[s.add] for s in enc))
 
 
 def _towers(an: Analysis, chains: list[list[Sublayer]]) -> None:

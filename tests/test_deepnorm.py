@@ -822,3 +822,34 @@ def test_branch_normed_layers_are_refused_in_words():
     with pytest.raises(NormconvError, match=r"the layers normalize their branches \(x \+ LN\(f\(x\)\), as OLMo 2\), "
                                             r"not the residual stream: norm reads"):
         api_deepnorm(_BranchNormed().eval(), Inputs((torch.randint(0, 50, (2, 7)),)))
+
+
+class _PooledMemory(nn.Module):
+    """An encoder-decoder whose decoder reads the encoder through pooled memory added in a branch (no attention
+    over the memory to recognise): the dataflow tells the decoder from the encoder (LED's case)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        from tests.fixtures.user_models import SDPABert
+
+        self.encoder, self.decoder = SDPABert(layers=2, d=d), SDPABert(layers=2, d=d)
+        self.mix = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.mix_ln = nn.ModuleList(nn.LayerNorm(d) for _ in range(2))
+
+    def forward(self, src, tgt):
+        memory = self.encoder(src).mean(1, keepdim=True)
+        h = self.decoder.ln(self.decoder.emb(tgt))
+        for layer, mix, ln in zip(self.decoder.layer, self.mix, self.mix_ln):
+            h = ln(h + mix(h + memory))
+            h = layer(h)
+        return h
+
+
+def test_a_decoder_reading_pooled_memory_is_told_by_dataflow():
+    torch.manual_seed(0)
+    net = _PooledMemory().eval()
+    new, report = api_deepnorm(net, Inputs((torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 5)))))
+    assert report.passed and report.extra["arch"] == "encoder-decoder"
+    stacks = report.extra["stacks"]
+    assert stacks["encoder"]["layers"] == 2 and stacks["decoder"]["layers"] == 2
+    assert stacks["decoder"]["alpha"] == pytest.approx(6 ** 0.25)  # (3M)^(1/4), the table's decoder row
