@@ -294,15 +294,6 @@ def _scalar_operand(cap: Captured, node: fx.Node, axis: int | None) -> fx.Node |
     return None
 
 
-def _size_one_along(cap: Captured, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
-    """c broadcasts along ``out``'s hidden ``axis``: size 1 there, or no such axis (broadcast from the right)."""
-    shape = cap.shape(c) if isinstance(c, fx.Node) else None
-    if shape is None or out is None or axis is None:
-        return False
-    j = axis - (len(out) - len(shape))
-    return j < 0 or shape[j] == 1
-
-
 def _constant_scalar(cap: Captured, v: Any) -> bool:
     """A Python number, or a parameter / buffer / lifted constant of one element (not computed from the input)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -494,7 +485,7 @@ def _scaled_writer(cap: Captured, leaf: fx.Node, axis: int, read=None) -> Writer
         return replace(inner, scale=_own_name(cap, cap.owner(leaf), pname),
                        via=tuple(n.name for n in path) + (leaf.name,))
     a, b = (list(leaf.args) + [None, None])[:2]
-    row = [v for v in (a, b) if isinstance(v, fx.Node) and _size_one_along(cap, v, out, axis)]
+    row = [v for v in (a, b) if cap.broadcasts_along(v, out, axis)]
     if row:  # a per-token factor (size 1 on the hidden axis) that weights compute: it may depend on the stream
         return (f"stream writer {cap.describe(leaf)} multiplies {_what(cap, a)} by {_what(cap, b)}, a per-token "
                 f"factor that parameters compute (it may read the stream, which the swap changes): no weights-only "

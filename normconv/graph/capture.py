@@ -96,15 +96,19 @@ class Captured:
                 stack.extend(n.all_input_nodes)
         return seen
 
+    def broadcasts_along(self, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
+        """``c`` broadcasts along ``out``'s ``axis``: size 1 there, or no such axis (broadcast from the right)."""
+        shape = self.shape(c) if isinstance(c, fx.Node) else None
+        if shape is None or out is None or axis is None:
+            return False
+        j = axis - (len(out) - len(shape))  # c's axis under ``axis``
+        return j < 0 or shape[j] == 1
+
     def per_token_factor(self, c: Any, out: tuple[int, ...] | None, axis: int | None) -> bool:
         """``c`` in ``x * c`` is the same for every feature along ``out``'s hidden ``axis`` (size 1 there, or no
         such axis) and no parameter feeds it (an attention mask (B, S, 1)): it scales whole hidden vectors and cannot
         depend on the stream a rewrite changes."""
-        shape = self.shape(c) if isinstance(c, fx.Node) else None
-        if shape is None or out is None or axis is None:
-            return False
-        j = axis - (len(out) - len(shape))  # broadcast from the right: c's axis under the hidden one
-        if j >= 0 and shape[j] != 1:
+        if not self.broadcasts_along(c, out, axis):
             return False
         params = {name for name, _ in self.model.named_parameters()}
         return not any(self.param_name(self.nodes[n]) in params for n in self.upstream([c]))
