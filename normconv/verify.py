@@ -108,8 +108,9 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     """The same inputs at a second shape where the model's dimensions are free: batch 1 (2 when the example's is
     1; batch 1 is where batch-dependent code differs most), for sequences ((B, L) ids and masks, (B, L, C)
     activations) length - 1, and for images ((B, C, H, W) floats) H and W 32 smaller (32 larger below 96: a
-    multiple of every usual stride). Each candidate is tried on ``model``; the first it accepts is returned with
-    its output, None when it takes no other shape (fixed sizes)."""
+    multiple of every usual stride), then batch + 1. Each candidate is tried on ``model``; the first it accepts
+    with an output that can fail a comparison (not every output 0: one sample through a final ReLU can be) is
+    returned with that output, None when it takes no other shape (fixed sizes)."""
     tensors = [x for x in list(inputs.args) + list(inputs.kwargs.values()) if isinstance(x, torch.Tensor)]
     if not tensors or any(t.dim() == 0 for t in tensors):
         return None
@@ -137,6 +138,7 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     has_seq = any(seq_axis(t) for t in tensors)
     other = 1 if batch > 1 else 2
     tries = ((other, -1), (other, 0), (batch, -1)) if has_seq else ((other, 0),)
+    tries += ((batch + 1, 0),) if other != batch + 1 else ()
     if any(image(t) for t in tensors):  # another image size first, then the batch alone (fixed-size models)
         tries = tuple((b, dl, True) for b, dl in tries) + tuple((b, dl, False) for b, dl in tries)
     else:
@@ -148,9 +150,15 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
             out = run(model, alt)
         except Exception:
             continue
-        if output_leaves(out):
+        if output_leaves(out) and not all_zero(output_leaves(out)):
             return alt, out
     return None
+
+
+def all_zero(leaves: list[tuple[str, torch.Tensor]]) -> bool:
+    """Every leaf a float tensor of zeros: any rewrite would match it, so comparing it tests nothing."""
+    return all(t.is_floating_point() for _, t in leaves) and not any(bool(t.detach().count_nonzero())
+                                                                    for _, t in leaves)
 
 
 def output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
@@ -190,7 +198,7 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
     if len(ref) != len(cand):
         raise ValueError(f"output structure changed: {len(ref)} tensors before, {len(cand)} after")
     floats = [t.dtype for _, t in ref if t.is_floating_point()]
-    if floats and len(floats) == len(ref) and not any(bool(t.detach().count_nonzero()) for _, t in ref):
+    if all_zero(ref):
         # every output is 0 (a zero-initialized head): any rewrite would match, so nothing was compared
         return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
                           rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),

@@ -348,6 +348,21 @@ def test_all_zero_outputs_exit_1_and_write_nothing(cli, tmp_path):
     assert code == 1 and "nothing compared (every output is 0" in err and not out.exists()
 
 
+def test_a_second_shape_whose_outputs_are_all_zero_is_replaced_by_one_that_compares():
+    # batch 1 cycles the example's first row; through a final ReLU that row can give all zeros (found by
+    # hypothesis in CI): the second-shape check moves to batch + 1 instead of failing or comparing nothing
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.ReLU()).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(3))
+        model[0].bias.zero_()
+    x = torch.ones(4, 3)
+    x[0] = -1.0
+    folded, report = normconv.fold(model, x)
+    second = report.validation[1]
+    assert second.passed and "(5, 3)" in second.label and second.max_abs_error < 1e-5
+    assert torch.count_nonzero(folded(x[:1])) == 0  # batch 1 would have compared nothing
+
+
 class _BatchBranch(nn.Module):
     """BatchNorm only when batch > 1: one capture sees one path."""
 
