@@ -318,15 +318,23 @@ def site_calls(sites: list[dict]) -> Counter:
     return Counter({o: max(n, module_calls[o]) for o, n in nodes.items()})
 
 
-def norm_hooks(model, kw):
-    """Calls per innermost module whose class name contains "Norm", counted by forward hooks."""
-    import torch.nn as nn
+def norm_named(model):
+    """``is_norm(module)``: its class name, less the architecture's own prefix (RobertaPreLayerNormSelfOutput is
+    "SelfOutput"), contains "Norm"."""
+    config = getattr(model, "config", None)
+    prefix = type(config).__name__.removesuffix("Config") if config is not None else ""
 
     def is_norm(m):
         n = type(m).__name__
+        n = n[len(prefix):] if prefix and n.startswith(prefix) else n
         # not norms: "NoLayerNorm"/"NoNorm" layers (wav2vec2's conv layer, MobileBERT's affine), weight norm
         return "Norm" in n and not any(s in n for s in ("NoLayerNorm", "NoNorm", "WeightNorm"))
+    return is_norm
 
+
+def norm_hooks(model, kw):
+    """Calls per innermost norm-named module (``norm_named``), counted by forward hooks."""
+    is_norm = norm_named(model)
     names = {}
     for name, m in model.named_modules():
         if is_norm(m) and ".parametrizations." not in f".{name}." and \
@@ -607,8 +615,10 @@ def distinct_norms(model):
 
     import torch
 
+    is_norm = norm_named(model)
+
     def weights(m):
-        return [w for mod in m.modules() if "Norm" in type(mod).__name__
+        return [w for mod in m.modules() if is_norm(mod)
                 for w in [getattr(mod, "weight", None)] if isinstance(w, torch.Tensor) and w.is_floating_point()]
 
     if not weights(model):
