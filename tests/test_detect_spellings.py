@@ -349,3 +349,43 @@ def test_a_handwritten_norm_module_called_twice_is_one_module_site(method):
     x = torch.randn(3, 7, 8)
     with torch.no_grad():
         torch.testing.assert_close(new(x), model(x), atol=1e-6, rtol=1e-6)
+
+
+class ScaleFirstRMS(nn.Module):
+    """The scale applied before the factor: (w * x) * rsqrt(ms + eps), a common spelling of RMSNorm."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class ScaleFirstLN(nn.Module):
+    """w * (x - mean) / sqrt(var + eps) + b: the scale on the centered input, then the division."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(d) + 0.5), nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        return self.weight * (x - mean) / torch.sqrt(var + 1e-5) + self.bias
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cls,kind,native,eps", [(ScaleFirstRMS, "rmsnorm", nn.RMSNorm, 1e-6),
+                                                 (ScaleFirstLN, "layernorm", nn.LayerNorm, 1e-5)])
+def test_a_scale_applied_before_the_factor_is_the_norms_weight(cls, kind, native, eps, method):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), cls(8)).eval()
+    x = torch.randn(2, 3, 8)
+    sites = inspect(model, Inputs((x,)), method=method).sites
+    assert [(s["target"], s["kind"], s["eps"], s["affine"]["weight"]) for s in sites] == [("1", kind, eps, "1.weight")]
+    new, report = canonicalize(model, Inputs((x,)))
+    assert report.passed and isinstance(new[1], native) and torch.equal(new[1].weight, model[1].weight)
+    x2 = torch.randn(5, 7, 8)
+    with torch.no_grad():
+        assert torch.allclose(new(x2), model(x2), atol=1e-5)

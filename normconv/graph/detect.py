@@ -127,12 +127,12 @@ def find_norms(cap: Captured) -> list[NormSite]:
     sites = [_with_placement(cap, s, sites, order, outputs) for s in sites]
     # sites of one module called at several places share its target; a site that is not a module's is its own node
     # (its target, a node name, may equal a module's path: F.layer_norm's node "layer_norm" vs a root layer_norm)
-    key = [("module", s.target) if _whole_module_call(s) else ("node", s.node) for s in sites]
+    key = [("module", s.target) if whole_module_call(s) else ("node", s.node) for s in sites]
     counts = Counter(key)
     return [replace(s, calls=counts[k]) for s, k in zip(sites, key)]
 
 
-def _whole_module_call(site: NormSite) -> bool:
+def whole_module_call(site: NormSite) -> bool:
     """Whether the site is a whole module's call (a norm module, or a hand-written norm module's forward)."""
     return site.source == "module" or site.source == "handwritten" and site.module_type is not None \
         and site.target == site.owner
@@ -433,7 +433,23 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     if y is None:
         raise _NoMatch
     acc.add(y.name)
-    num = _strip(cap, _other(y, factor), acc)
+    raw = _other(y, factor)
+    num = _strip(cap, raw, acc)
+    # a scale applied before the factor: (w * x) * rsqrt(ms + eps) is w * (x * rsqrt(ms + eps)), the factor per row;
+    # the mul is the factor's own operand (not reached through a cast: that is another module's result)
+    pre_weight = None
+    if kind != "batchnorm" and raw is num and isinstance(num, fx.Node) and cap.op(num) == "mul" and \
+            len(num.args) == 2 and len(cap.users(num)) == 1:
+        for w_arg, rest in (num.args, num.args[::-1]):
+            views: set[str] = set()
+            w = _param_through_views(cap, w_arg, views)
+            core = _strip(cap, rest, set())
+            if w is not None and (core is x_stat if not centered else
+                                  isinstance(core, fx.Node) and cap.op(core) == "sub"):
+                pre_weight = w
+                acc |= views | {num.name}
+                num = _strip(cap, rest, acc)
+                break
     running_mean = None
     if kind == "batchnorm":
         if not (isinstance(num, fx.Node) and cap.op(num) == "sub"):
@@ -468,7 +484,7 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
             raise _NoMatch
 
     # affine tail: [* w | * (1 + w)] [+ b], casts anywhere
-    weight = bias = None
+    weight, bias = pre_weight, None
     offset = 0.0
     out = y
     upcasts = any(cap.op(cap.nodes[n]) == "cast" for n in acc)
