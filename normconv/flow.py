@@ -752,7 +752,12 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
     with a half ``dtype``, each site's headroom in it, measured in float32 on ``calibration`` (else the example
     inputs)."""
     inputs = loaded.require_inputs()
-    cap = capture(loaded.model, inputs, method)
+    try:
+        cap = capture(loaded.model, inputs, method)
+    except NormconvError as exc:
+        if dtype is not None:  # headroom runs the whole graph
+            raise
+        return _inspect_by_parts(loaded, inputs, method, exc)
     norms = find_norms(cap)
     rooms = _headroom(loaded, cap, norms, method, dtype, calibration) if dtype is not None else None
     plan = plans(cap, norms)
@@ -778,6 +783,42 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
                "parameters": sum(p.numel() for p in loaded.model.parameters()),
                "near_misses": [m.to_json() for m in find_near_misses(cap, norms)],
                "weight_standardizations": [w.to_json() for w in find_weight_standardizations(cap)], **extra_headroom},
+    )
+
+
+def _inspect_by_parts(loaded: Loaded, inputs: Inputs, method: str, whole: NormconvError) -> Report:
+    """``inspect`` of a model no method captures whole: each submodule's graph alone (``capture_parts``). The sites
+    are listed with no plan to apply (every pass needs the whole graph); what no part's graph holds is named."""
+    from normconv.graph.parts import capture_parts, in_whole_model
+
+    parts = capture_parts(loaded.model, inputs, method)
+    if not parts.parts:
+        raise NormconvError(f"{whole}; no submodule captures alone either")
+    why = f"not possible: every pass needs a graph of the whole model ({whole})"
+    sites, misses, standardized = [], [], []
+    for part in parts.parts:
+        norms = find_norms(part.cap)
+        for n in norms:
+            entry = in_whole_model(n, part).to_json()
+            entry["plan"] = [{"pass": p, "target": entry["target"], "applied": False, "reason": why}
+                             for p in (("fold",) if n.kind == "batchnorm" else ()) + ("canonicalize", "swap",
+                                                                                      "deepnorm", "export")]
+            sites.append(entry)
+        for m in find_near_misses(part.cap, norms):
+            misses.append({**m.to_json(), "target": f"{part.path}.{m.target}" if m.target else part.path})
+        for w in find_weight_standardizations(part.cap):
+            standardized.append({**w.to_json(), "target": f"{part.path}:{w.site.target}",
+                                 "param": f"{part.path}.{w.param}"})
+    unseen = [f"{p or 'the model'} (its own code between its submodules)"
+              for p in ["", *parts.failed] if p not in parts.leaves_failed]
+    unseen += [f"{p} (a leaf: {parts.failed[p]})" for p in parts.leaves_failed]
+    return Report(
+        command="inspect", model=loaded.spec, sites=sites,
+        extra={"capture": f"parts ({len(parts.parts)} submodules captured alone: the whole model cannot be)",
+               "capture_failures": {"whole model": str(whole)}, "inputs": inputs.describe(),
+               "counts": dict(collections.Counter(s["kind"] for s in sites)),
+               "parameters": sum(p.numel() for p in loaded.model.parameters()),
+               "near_misses": misses, "weight_standardizations": standardized, "not_inspected": unseen},
     )
 
 

@@ -54,6 +54,8 @@ def print_inspect(report: Report) -> None:
             f"graph by {ex['capture']}; inputs {ex['inputs']}")
     for method, why in ex["capture_failures"].items():
         c.print(f"note: {method} failed: {why}")
+    for where in ex.get("not_inspected", []):
+        c.print(f"note: not inspected: {where}")
     rows = []
     for s in report.sites:
         rows.append([s["target"], s["kind"], s["source"], s["module_type"], s["eps"], _shape(s), s["placement"],
