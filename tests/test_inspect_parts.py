@@ -113,3 +113,8 @@ def test_cli_inspect_by_parts_names_what_it_did_not_see(cli, tmp_path):
     dest = tmp_path / "folded.pt"
     code, _, err = cli("swap", path, "--trust-pickle", "--input-shape", "x:2,5,4", "-o", dest)
     assert code == 2 and "cannot capture a graph of NumpyInForward" in err and not dest.exists()
+
+
+def test_inputs_the_model_rejects_are_said_in_one_line():
+    with pytest.raises(normconv.NormconvError, match=r"the model rejected its example inputs \(\(2, 5, 3\):float32\)"):
+        normconv.inspect(_model(), torch.randn(2, 5, 3))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from normconv.errors import NormconvError
-from normconv.graph.capture import Captured, capture
+from normconv.graph.capture import Captured, _one_line, capture
 from normconv.graph.detect import NormSite, whole_module_call
 from normconv.verify import Inputs, run
 
@@ -56,6 +56,8 @@ def _record(model: nn.Module, inputs: Inputs, wanted: dict[str, nn.Module]) \
                for n, m in model.named_modules() if n]
     try:
         run(model, inputs)
+    except Exception as exc:  # the whole model's eager forward: the inputs are the user's
+        raise NormconvError(f"the model rejected its example inputs ({inputs.describe()}): {_one_line(exc)}") from None
     finally:
         for h in handles:
             h.remove()
