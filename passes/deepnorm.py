@@ -262,6 +262,9 @@ def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], 
     nodes = _branch_nodes(cap, branch, res, all_outputs, sub)
     mha = _mha_in(cap, nodes)
     bkind, bnode = producer_of(cap, branch)
+    # a linear's output reshaped (GPT-1's Conv1D: addmm on x.view(-1, D), viewed back): scaling commutes with it
+    while _name(bnode) in _RESHAPES and isinstance(bnode.args[0], fx.Node):
+        bkind, bnode = producer_of(cap, bnode.args[0])
     if mha is not None:
         sub.branch_module = mha
     elif bkind == "linear":
@@ -324,6 +327,7 @@ def _named_roles(cap: Captured, sub: Sublayer, nodes: list[fx.Node], named: dict
     sub.projs = [p for p in sub.projs if p.weight not in taken] + hits
 
 
+_RESHAPES = {"view", "reshape", "_unsafe_view"}  # the same values in another shape
 _LAYOUT = {"transpose", "permute", "view", "reshape", "_unsafe_view", "contiguous", "clone", "alias", "detach", "t",
            "to", "_to_copy", "dropout", "identity"}
 
@@ -409,13 +413,13 @@ def _calls(cap: Captured, module: str) -> int:
 
 
 def _only_feeds(cap: Captured, node: fx.Node, add: fx.Node) -> bool:
-    """``node`` reaches ``add`` through pass-through ops only, and has no other user on the way."""
+    """``node`` reaches ``add`` through pass-through ops and reshapes only, and has no other user on the way."""
     while node is not add:
         users = cap.users(node)
         if len(users) != 1:
             return False
         node = users[0]
-        if node is not add and cap.op(node) not in TRANSPARENT:
+        if node is not add and cap.op(node) not in TRANSPARENT and _name(node) not in _RESHAPES:
             return False
     return True
 

@@ -38,6 +38,14 @@ def tiny_gpt2():
     return _build(GPT2LMHeadModel, cfg), Inputs((), {"input_ids": _ids()})
 
 
+def tiny_openai_gpt():
+    """GPT-1: post-LN, Conv1D layers (addmm on x.view(-1, D), viewed back), fused c_attn."""
+    from transformers import OpenAIGPTConfig, OpenAIGPTModel
+
+    cfg = OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    return _build(OpenAIGPTModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -853,3 +853,16 @@ def test_a_decoder_reading_pooled_memory_is_told_by_dataflow():
     stacks = report.extra["stacks"]
     assert stacks["encoder"]["layers"] == 2 and stacks["decoder"]["layers"] == 2
     assert stacks["decoder"]["alpha"] == pytest.approx(6 ** 0.25)  # (3M)^(1/4), the table's decoder row
+
+
+def test_a_branch_ending_in_a_reshaped_linear_is_that_linear():
+    # GPT-1's Conv1D computes addmm on x.view(-1, D) and views the result back: f(x) ends in a view, which scaling
+    # commutes with, so the module computing it is the branch (was "f(x) ends in view")
+    from hf_tiny import tiny_openai_gpt
+
+    model, inputs = tiny_openai_gpt()
+    new, report = api_deepnorm(model, inputs)
+    assert report.passed and len(applied(report)) == 4
+    subs = {r["norm"]: r for r in report.extra["sublayers"]}
+    assert subs["h.0.ln_1"]["branch"] == "h.0.attn.c_proj" and subs["h.0.ln_2"]["branch"] == "h.0.mlp.c_proj"
+    assert subs["h.0.ln_1"]["projections"]["v"] == ["h.0.attn.c_attn[64:96]"]
