@@ -305,15 +305,9 @@ def _constant_scalar(cap: Captured, v: Any) -> bool:
 
 
 def _live_users(cap: Captured, node: fx.Node) -> list[fx.Node]:
-    """Users whose value is used (MBart's ``embeds[:, :, -1]`` read for its shape only is left dead by export)."""
-    return [u for u in cap.users(node) if not _dead(cap, u)]
-
-
-def _dead(cap: Captured, node: fx.Node) -> bool:
-    """A pure op whose result nothing uses (in-place ops and the output are not dead)."""
-    if node.op not in ("call_function", "call_method") or _fn_name(node).endswith("_") or node.is_impure():
-        return False
-    return all(_dead(cap, u) for u in cap.users(node))
+    """Users whose value is used (``Captured.live``: MBart's ``embeds[:, :, -1]`` read for its shape only is left
+    dead by export)."""
+    return [u for u in cap.users(node) if u.name in cap.live]
 
 
 def _param_readers(cap: Captured) -> dict[int, list[str]]:
