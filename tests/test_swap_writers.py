@@ -213,6 +213,29 @@ def test_stream_returned_as_output_is_refused_by_name():
         normconv.swap(RawStream().eval(), torch.randint(0, 50, (2, 8)))
 
 
+class UnreadProbe(nn.Module):
+    """A debugging probe left in the forward: a module reads the stream and nothing reads its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block, self.norm = nn.Embedding(50, D), Block(), nn.LayerNorm(D)
+        self.probe, self.head = nn.Linear(D, 3), nn.Linear(D, 5)
+
+    def forward(self, ids):
+        x = self.block(self.emb(ids))
+        self.probe(x)  # result unused: centering the stream changes nothing anyone reads
+        return self.head(self.norm(x))
+
+
+def test_a_module_whose_result_nothing_reads_is_no_reader_of_the_stream():
+    model = _randomize(UnreadProbe().eval())
+    ids = torch.randint(0, 50, (2, 8))
+    new, report = normconv.swap(model, ids)
+    assert report.passed and sum(s.applied for s in report.sites) == 3
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), atol=1e-5, rtol=1e-5)
+
+
 class Unfold(nn.Module):
     """MobileViT's patch unfolding: conv -> bilinear resize -> (B, C, H, W) -> (B*C*h, p, w, p) -> ... ->
     (B*p*p, N, C): the hidden (channel) axis is merged with others on the way and split out again."""
