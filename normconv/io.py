@@ -646,12 +646,20 @@ def parse_dtype(text: str, floating: bool = False) -> torch.dtype:
 
 
 def parse_input_shapes(model: nn.Module, specs: list[str]) -> Inputs:
-    """``NAME:D0,D1,...[:DTYPE]`` per forward argument -> Inputs (random normal floats, small random ints)."""
+    """``NAME:D0,D1,...[:DTYPE]`` per forward argument -> Inputs (random normal floats, small random ints); a single
+    spec without NAME is the forward's first argument."""
     params = forward_params(model)
     g = torch.Generator().manual_seed(0)
     given: dict[str, torch.Tensor] = {}
     for spec in specs:
         parts = spec.split(":")
+        if parts[0] and set(parts[0]) <= set("0123456789, ") and len(parts) in (1, 2):
+            # D0,D1,...[:DTYPE] without a name (onnxsim / trtexec style): the forward's first argument, alone
+            if len(specs) != 1 or not params:
+                raise NormconvError(f"bad --input-shape {spec!r}: a shape without a name is for one input given "
+                                    f"once; name each (NAME:D0,D1,...)" + (f"; forward takes: {', '.join(params)}"
+                                                                           if params else ""))
+            parts = [params[0]] + parts
         if len(parts) not in (2, 3) or not parts[0]:
             raise NormconvError(f"bad --input-shape {spec!r}: expected NAME:D0,D1,...[:DTYPE]")
         name, dims = parts[0], parts[1]

@@ -172,9 +172,24 @@ def test_bad_input_shape_syntax(cli):
 
 
 def test_uncapturable_model(cli):
-    line = _expect_error(cli, "inspect", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4",
+    # a rewrite needs the whole graph: refused, naming each method's failure
+    line = _expect_error(cli, "canonicalize", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4",
                          match="cannot capture a graph")
     assert "symbolic_trace failed" in line and "torch.export failed" in line
+    # inspect falls back to its parts: the LayerNorm captured alone
+    code, out, err = cli("inspect", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4", "--json")
+    assert code == 0, err
+    report = __import__("json").loads(out)
+    assert [s["target"] for s in report["sites"]] == ["ln"] and report["extra"]["capture"].startswith("parts")
+
+
+def test_a_shape_without_a_name_is_the_only_inputs(cli):
+    inputs = parse_input_shapes(small_net(), ["1,3,4,4:float16"])
+    assert inputs.args[0].shape == (1, 3, 4, 4) and inputs.args[0].dtype == torch.float16
+    code, out, err = cli("inspect", FACTORY, "-i", "2,3,8,8", "--json")
+    assert code == 0, err
+    _expect_error(cli, "inspect", FACTORY, "-i", "2,3,8,8", "-i", "x:2,3,8,8",
+                  match="a shape without a name is for one input given once")
 
 
 def test_value_branching_model_is_captured_as_the_example_takes_it(cli):

@@ -26,7 +26,8 @@ ModelArg = Annotated[str, typer.Argument(
 WeightsOpt = Annotated[Optional[str], typer.Option(
     "--weights", help="state_dict (.pt) or .safetensors for a package.module:factory model")]
 InputShapeOpt = Annotated[Optional[list[str]], typer.Option(
-    "--input-shape", "-i", help="example input NAME:D0,D1,...[:DTYPE] (repeatable), e.g. x:1,3,224,224")]
+    "--input-shape", "-i", help="example input NAME:D0,D1,...[:DTYPE] (repeatable), e.g. x:1,3,224,224; one input may "
+                                 "leave out NAME: 1,3,224,224")]
 TrustOpt = Annotated[bool, typer.Option(
     "--trust-pickle", help="allow loading a full pickled module (runs code from the file)")]
 TrustCodeOpt = Annotated[bool, typer.Option(
