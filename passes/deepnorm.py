@@ -531,7 +531,8 @@ def _attention_roles(cap: Captured, sub: Sublayer, core: fx.Node, end: fx.Node) 
     if _name(core) == "scaled_dot_product_attention":
         q, k, v = core.args[0], core.args[1], core.args[2]
     else:
-        pv = next((u for u in cap.users_through(core) if cap.op(u) == "matmul" and u.args[0] is not None), None)
+        pv = next((u for u in _users_through_reshapes(cap, core) if cap.op(u) == "matmul" and u.args[0] is not None),
+                  None)
         if pv is not None:
             v = pv.args[1]
         scores = _score_matmul(cap, core.args[0])
@@ -553,6 +554,15 @@ def _attention_roles(cap: Captured, sub: Sublayer, core: fx.Node, end: fx.Node) 
     if "q" in found and "v" in found and found["q"][1].args[0] is not found["v"][1].args[0] and \
             cap.source(found["q"][1].args[0]) is not cap.source(found["v"][1].args[0]):
         sub.kind = "cross-attention"
+
+
+def _users_through_reshapes(cap: Captured, node: fx.Node) -> list[fx.Node]:
+    """Users of ``node`` past pass-through ops and reshapes (DeBERTa views the probabilities (B*H, L, L) before
+    the bmm with v)."""
+    out = []
+    for u in cap.users(node):
+        out.extend(_users_through_reshapes(cap, u) if cap.op(u) in TRANSPARENT or _name(u) in _RESHAPES else [u])
+    return out
 
 
 def _score_matmul(cap: Captured, s: Any) -> fx.Node | None:

@@ -46,6 +46,16 @@ def tiny_openai_gpt():
     return _build(OpenAIGPTModel, cfg), Inputs((), {"input_ids": _ids()})
 
 
+def tiny_deberta_v2():
+    """DeBERTa-v2: disentangled attention; the probabilities are viewed (B*H, L, L) before the bmm with v."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    cfg = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64, max_position_embeddings=64)
+    ids = _ids()
+    return _build(DebertaV2Model, cfg), Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -866,3 +866,17 @@ def test_a_branch_ending_in_a_reshaped_linear_is_that_linear():
     subs = {r["norm"]: r for r in report.extra["sublayers"]}
     assert subs["h.0.ln_1"]["branch"] == "h.0.attn.c_proj" and subs["h.0.ln_2"]["branch"] == "h.0.mlp.c_proj"
     assert subs["h.0.ln_1"]["projections"]["v"] == ["h.0.attn.c_attn[64:96]"]
+
+
+def test_attention_probabilities_reshaped_before_the_value_product_still_name_v():
+    # DeBERTa-v2: softmax -> dropout -> view(B*H, L, L) -> bmm(probs, v): v is found past the view (was "attention
+    # without a recognisable value projection")
+    from hf_tiny import tiny_deberta_v2
+
+    model, inputs = tiny_deberta_v2()
+    new, report = api_deepnorm(model, inputs)
+    assert report.passed and len(applied(report)) == 4
+    subs = {r["norm"]: r for r in report.extra["sublayers"]}
+    p = subs["encoder.layer.1.attention.output.LayerNorm"]["projections"]
+    assert p["v"] == ["encoder.layer.1.attention.self.value_proj"]
+    assert p["out"] == ["encoder.layer.1.attention.output.dense"]
