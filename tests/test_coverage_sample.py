@@ -5,7 +5,7 @@ verdicts checked the sweep's way, outside normconv.
 - exact rewrites (fold / swap / canonicalize): the result matches the original on inputs of a second shape;
 - export: the ONNX in onnxruntime matches torch.
 
-One or two commands per type keep the whole file to about two minutes on CPU (16 types).
+One or two commands per type keep the whole file to about two minutes on CPU (17 types).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ SAMPLE = {
     "bloom": ("swap",),  # a LayerNorm writes the stream
     "levit": ("fold",),  # BatchNorm after convs and linears
     "roberta-prelayernorm": ("inspect",),  # "Norm" in the architecture's name is not a norm module
+    "sew-d": ("inspect",),  # a LayerNorm on the relative position embeddings: a norm of a parameter, listed apart
 }
 
 
@@ -77,15 +78,20 @@ def check_inspect(model, x1):
     sw = sweep()
     calls, _ = sw.norm_hooks(model, x1)
     assert calls, "the sample should have norm modules"
-    sites = normconv.inspect(model, x1).to_json()["sites"]
+    report = normconv.inspect(model, x1).to_json()
+    sites = report["sites"]
     owners = sw.site_calls(sites)
-    missed = sorted(n for n in calls if n not in owners)
+    on_params = {w["target"] for w in report["extra"]["weight_standardizations"]}
+    # a norm of a parameter no layer takes as its weight claims no fold into a conv
+    assert all("no layer reads it as its weight" in w["reason"] and "conv" not in w["reason"]
+               for w in report["extra"]["weight_standardizations"] if not w["consumer"])
+    missed = sorted(n for n in calls if n not in owners and n not in on_params)
     false = sorted(s.get("owner") or s.get("target") for s in sites
                    if s.get("source") == "module" and (s.get("owner") or s.get("target")) not in calls)
     assert not missed, f"norm modules inspect did not report: {missed}"
     assert not false, f"module sites no hook saw: {false}"
     for name, n in calls.items():
-        assert owners[name] == n, f"{name}: {owners[name]} site calls, {n} hooked calls"
+        assert owners[name] == n or name in on_params, f"{name}: {owners[name]} site calls, {n} hooked calls"
 
 
 def check_rewrite(command, model, x1, x2):
@@ -177,3 +183,29 @@ def test_fused_count_takes_dead_calls_per_call(tmp_path):
     sites = normconv.inspect(model, (x,)).to_json()["sites"]
     ok, why = sweep().fused_vs_sites(path, sites)
     assert ok and why.startswith("fused 2 of 2"), why
+
+
+def test_a_norm_of_a_parameter_may_export_as_one_more_norm_op(tmp_path):
+    """SEW-D's LayerNorm on its relative position embeddings: not a site (inspect lists it apart), exported as a
+    LayerNormalization on a constant: allowed once per listed norm, not beyond."""
+    import torch.nn as nn
+
+    class NormedTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.table_norm = nn.Parameter(torch.randn(16, 16)), nn.LayerNorm(16)
+            self.ln = nn.LayerNorm(16)
+
+        def forward(self, x):
+            return self.ln(x) @ self.table_norm(self.table)
+
+    torch.manual_seed(0)
+    model, x = NormedTable().eval(), torch.randn(2, 5, 16)
+    path = str(tmp_path / "m.onnx")
+    normconv.export(model, (x,), path, opset=17)
+    report = normconv.inspect(model, (x,)).to_json()
+    assert [w["target"] for w in report["extra"]["weight_standardizations"]] == ["table_norm"]
+    ok, why = sweep().fused_vs_sites(path, report["sites"], constants=1)
+    assert ok and why == "fused 1 of 1 norm sites (+1 on parameters)", why
+    ok, why = sweep().fused_vs_sites(path, report["sites"])
+    assert not ok

@@ -113,9 +113,12 @@ class WeightStandardization:
         return {"target": self.site.target, "node": self.site.node, "param": self.param,
                 "consumer": self.consumer, "written_as": f"{self.site.source} {self.site.kind}",
                 "eps": self.site.eps,
-                "reason": f"weight standardization of {self.param}: the input is a parameter, not an activation; "
-                          f"constant at inference (not an activation {self.site.kind}); fold and export compute it "
-                          f"once into the conv's weight"}
+                "reason": (f"weight standardization of {self.param}: the input is a parameter, not an activation; "
+                           f"constant at inference (not an activation {self.site.kind}); fold and export compute it "
+                           f"once into the conv's weight") if self.consumer else
+                          (f"a {self.site.kind} of the parameter {self.param}, not of an activation: constant at "
+                           f"inference, recomputed by every forward; left as written (no layer reads it as its "
+                           f"weight, so there is no weight to fold it into)")}
 
 
 def find_norms(cap: Captured) -> list[NormSite]:
