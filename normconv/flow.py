@@ -794,7 +794,7 @@ def _inspect_by_parts(loaded: Loaded, inputs: Inputs, method: str, whole: Normco
     parts = capture_parts(loaded.model, inputs, method)
     if not parts.parts:
         raise NormconvError(f"{whole}; no submodule captures alone either")
-    why = f"not possible: every pass needs a graph of the whole model ({whole})"
+    why = "not possible: every pass needs a graph of the whole model, which cannot be captured (see 'whole model failed')"
     sites, misses, standardized = [], [], []
     for part in parts.parts:
         norms = find_norms(part.cap)
