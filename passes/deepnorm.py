@@ -23,6 +23,7 @@ pattern (value_proj / out_proj, fnmatch); a pattern that names no attention line
 from __future__ import annotations
 
 import fnmatch
+import collections
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -171,6 +172,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
     others += [(s.norm, f"not a post-LN sublayer: {s.problem.removeprefix(_BRANCH_NORMED + ': ')}; left as is")
                for s in subs if s.problem.startswith(_BRANCH_NORMED)]
     subs = [s for s in subs if not s.problem.startswith(_BRANCH_NORMED)]
+    _shared(cap, subs)
     by_node = {s.node: s for s in norms}
     for sub in subs:
         # a final norm over another stack (nn.Transformer's encoder.norm before the memory) reads as that stack
@@ -194,6 +196,23 @@ def analyze(cap: Captured, norms: Sequence[NormSite], arch: str | None = None, n
         return an
     _stacks(cap, an, arch, n_layers, m_layers)
     return an
+
+
+def _shared(cap: Captured, subs: list[Sublayer]) -> None:
+    """A norm or branch module called at several places (ALBERT's one layer applied N times) is rewritten once for
+    all its calls (eps / alpha^2 and the hooks act at every call): only when every call is a post-LN sublayer here,
+    and a branch module's calls are the sublayers it ends."""
+    norm_subs = collections.Counter(s.norm.target for s in subs)
+    branch_subs = collections.Counter(s.branch_module for s in subs if s.branch_module)
+    for s in subs:
+        if s.problem:
+            continue
+        if s.norm.calls != norm_subs[s.norm.target]:
+            s.problem = (f"norm module {s.norm.target} is called at {s.norm.calls} places, "
+                         f"{norm_subs[s.norm.target]} of them post-LN sublayers")
+        elif _calls(cap, s.branch_module) != branch_subs[s.branch_module]:
+            s.problem = (f"sublayer not identified: {s.branch_module} is called at {_calls(cap, s.branch_module)} "
+                         f"places, {branch_subs[s.branch_module]} of them ending a post-LN sublayer")
 
 
 def _stream_read(cap: Captured, name: str, by_node: dict[str, NormSite], post_outputs: dict[str, NormSite],
@@ -251,9 +270,6 @@ def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], 
         sub.problem = (f"norm {site.target} is written inline / functional, not a module: nothing to hook "
                        f"(run normconv canonicalize first)")
         return sub
-    if site.calls > 1:
-        sub.problem = f"norm module {site.target} is called at {site.calls} places"
-        return sub
     normed, norm_node = producer_of(cap, branch, all_outputs)
     if normed == "norm":  # x + LN'(f(x)) read by LN: the layers normalize their branches, not the stream
         sub.problem = (f"{_BRANCH_NORMED}: f(x) is the output of a norm ({norm_node.name}), so the layers normalize "
@@ -273,9 +289,6 @@ def _sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], 
         sub.problem = f"sublayer not identified: f(x) ends in {bkind} ({bnode.name}), not a module output to hook"
         return sub
     end = bnode
-    if _calls(cap, sub.branch_module) != 1:
-        sub.problem = f"sublayer not identified: {sub.branch_module} is called at {_calls(cap, sub.branch_module)} places"
-        return sub
     if mha is None and not _only_feeds(cap, end, add):
         sub.problem = f"sublayer not identified: the output of {sub.branch_module} is also used outside the residual"
         return sub
@@ -680,6 +693,14 @@ def _count(an: Analysis, chain: list[Sublayer], stack: str) -> None:
     for s in chain:
         s.stack = stack
     blocks = {s.block for s in chain}
+    targets = collections.Counter(s.norm.target for s in chain)
+    if max(targets.values()) > 1:
+        # shared layers (ALBERT): the depth is how many times the layers run, one FFN sublayer per layer run
+        ffn = sum(1 for s in chain if s.kind == "ffn")
+        an.layers[stack] = ffn or len(chain)
+        an.counted_from[stack] = (f"{an.layers[stack]} {'FFN' if ffn else 'post-LN'} sublayer calls of "
+                                  f"{len(targets)} shared norm modules")
+        return
     split = [b.rpartition(".") for b in blocks if b is not None]  # (list path, ".", index)
     lists = {lst for lst, _, _ in split}
     indices = {lst: {i for owner, _, i in split if owner == lst} for lst in lists}
@@ -774,6 +795,8 @@ def _apply(model: nn.Module, an: Analysis, beta_mode: str, alpha: float | None, 
     done: set[tuple[str, Any]] = set()
     records = []
     for s in an.sublayers:
+        if any(r["norm"] == s.norm.target for r in records):
+            continue  # a shared norm module (and its branch): rewritten once, acting at every call
         a, b = an.consts[s.stack]
         a = a if alpha is None else alpha
         b = b if beta is None else beta

@@ -56,6 +56,15 @@ def tiny_deberta_v2():
     return _build(DebertaV2Model, cfg), Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
 
+def tiny_albert():
+    """ALBERT: one post-LN layer whose modules run num_hidden_layers (3) times (cross-layer parameter sharing)."""
+    from transformers import AlbertConfig, AlbertModel
+
+    cfg = AlbertConfig(vocab_size=VOCAB, hidden_size=32, embedding_size=16, num_hidden_layers=3,
+                       num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    return _build(AlbertModel, cfg), Inputs((), {"input_ids": _ids()})
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

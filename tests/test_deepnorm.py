@@ -880,3 +880,40 @@ def test_attention_probabilities_reshaped_before_the_value_product_still_name_v(
     p = subs["encoder.layer.1.attention.output.LayerNorm"]["projections"]
     assert p["v"] == ["encoder.layer.1.attention.self.value_proj"]
     assert p["out"] == ["encoder.layer.1.attention.output.dense"]
+
+
+def test_shared_layers_are_rewritten_once_for_every_call():
+    # ALBERT runs one layer 3 times: N = 3 layer runs; eps / alpha^2 and one hook per module act at every call
+    from hf_tiny import tiny_albert
+
+    from normconv.nn.modules import BranchScale
+
+    model, inputs = tiny_albert()
+    new, report = api_deepnorm(model, inputs)
+    stack = report.extra["stacks"]["encoder"]
+    assert report.passed and stack["layers"] == 3 and "shared" in stack["counted_from"]
+    assert stack["alpha"] == pytest.approx(6 ** 0.25)
+    layer = "encoder.albert_layer_groups.0.albert_layers.0"
+    assert [r["norm"] for r in report.extra["sublayers"]] == [f"{layer}.attention.LayerNorm",
+                                                             f"{layer}.full_layer_layer_norm"]
+    norm = new.get_submodule(f"{layer}.attention.LayerNorm")
+    original = model.get_submodule(f"{layer}.attention.LayerNorm")
+    assert norm.eps == pytest.approx(original.eps / stack["alpha"] ** 2)  # divided once, not per call
+    dense = new.get_submodule(f"{layer}.attention.dense")
+    assert sum(isinstance(h, BranchScale) for h in dense._forward_hooks.values()) == 1
+
+
+def test_a_shared_norm_with_a_call_that_is_no_sublayer_is_refused_in_words():
+    class SharedNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(16)
+
+        def forward(self, x):
+            x = self.norm(x)  # the same module as an input norm: eps / alpha^2 would change this call too
+            x = self.norm(x + self.fc1(x))
+            return self.norm(x + self.fc2(x))
+
+    torch.manual_seed(0)
+    with pytest.raises(NormconvError, match=r"norm module norm is called at 3 places, 2 of them post-LN sublayers"):
+        api_deepnorm(SharedNorm().eval(), Inputs((torch.randn(2, 5, 16),)))
