@@ -118,3 +118,28 @@ def test_cli_inspect_by_parts_names_what_it_did_not_see(cli, tmp_path):
 def test_inputs_the_model_rejects_are_said_in_one_line():
     with pytest.raises(normconv.NormconvError, match=r"the model rejected its example inputs \(\(2, 5, 3\):float32\)"):
         normconv.inspect(_model(), torch.randn(2, 5, 3))
+
+
+def test_a_part_whose_inputs_cannot_be_copied_is_split_instead():
+    import threading
+
+    class TakesALock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x, lock):
+            with lock:
+                return self.norm(x)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = TakesALock()
+
+        def forward(self, x):
+            x = x * float(x.detach().numpy().std())
+            return self.inner(x, threading.Lock())
+
+    report = normconv.inspect(Outer().eval(), torch.randn(2, 8)).to_json()
+    assert [s["target"] for s in report["sites"]] == ["inner.norm"]

@@ -49,7 +49,10 @@ def _record(model: nn.Module, inputs: Inputs, wanted: dict[str, nn.Module]) \
             calls[name] += 1
             order.setdefault(name, len(order))
             if keep and name not in seen:  # copied: the forward goes on and may write into them
-                seen[name] = Inputs(copy.deepcopy(tuple(args)), copy.deepcopy(dict(kwargs)))
+                try:
+                    seen[name] = Inputs(copy.deepcopy(tuple(args)), copy.deepcopy(dict(kwargs)))
+                except Exception:  # noqa: BLE001 - inputs that cannot be copied (a lock, a stream): split it instead
+                    pass
         return pre
 
     handles = [m.register_forward_pre_hook(hook(n, n in wanted), with_kwargs=True)
