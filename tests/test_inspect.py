@@ -90,3 +90,14 @@ def test_norm_like_subgraphs_are_listed_with_why(cli, capture):
 def test_no_norm_like_noise_on_the_zoo(cli):
     for name in ZOO:
         assert _json(cli, f"zoo:{name}")["extra"]["near_misses"] == [], name
+
+
+def test_a_module_called_at_several_places_is_one_row_with_its_count(cli):
+    code, out, err = cli("inspect", "tests.fixtures.user_models:shared_post_ln", "-i", "x:2,5,8")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| norm ") and "| layernorm |" in line]
+    assert len(rows) == 1 and "norm (x3)" in rows[0] and "post-norm" in rows[0]
+    plan = [line for line in out.splitlines() if line.startswith("| norm ") and "| deepnorm " in line]
+    assert len(plan) == 1  # the plan of the three calls, once
+    code, out, _ = cli("inspect", "tests.fixtures.user_models:shared_post_ln", "-i", "x:2,5,8", "--json")
+    assert [(s["target"], s["calls"]) for s in json.loads(out)["sites"]] == [("norm", 3)] * 3  # JSON: per call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Annotated, Optional
 
 import typer
@@ -56,15 +57,12 @@ def print_inspect(report: Report) -> None:
         c.print(f"note: {method} failed: {why}")
     for where in ex.get("not_inspected", []):
         c.print(f"note: not inspected: {where}")
-    rows = []
-    for s in report.sites:
-        rows.append([s["target"], s["kind"], s["source"], s["module_type"], s["eps"], _shape(s), s["placement"],
-                     _affine(s)])
+    # a module called at several places is one site per call: identical rows are shown once, with the count
+    rows = _once([[s["target"], s["kind"], s["source"], s["module_type"], s["eps"], _shape(s), s["placement"],
+                   _affine(s)] for s in report.sites])
     c.print(table("norm sites", ["target", "kind", "source", "class", "eps", "shape", "placement", "params"], rows))
-    plan_rows = []
-    for s in report.sites:
-        for p in s["plan"]:
-            plan_rows.append([s["target"], p["pass"], "apply" if p["applied"] else "skip", p["reason"]])
+    plan_rows = _once([[s["target"], p["pass"], "apply" if p["applied"] else "skip", p["reason"]]
+                       for s in report.sites for p in s["plan"]])
     c.print(table("plan", ["target", "pass", "would", "why"], plan_rows))
     if ex.get("headroom"):
         c.print(render_headroom(ex["headroom"]))
@@ -77,6 +75,18 @@ def print_inspect(report: Report) -> None:
     if misses:
         c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],
                       [[m["target"], m["computes"], m["reason"]] for m in misses]))
+
+
+def _once(rows: list[list]) -> list[list]:
+    """Identical rows once, in first-seen order, the target marked with how many calls share it ("x3")."""
+    counts = collections.Counter(tuple(map(str, r)) for r in rows)
+    seen, out = set(), []
+    for r in rows:
+        key = tuple(map(str, r))
+        if key not in seen:
+            seen.add(key)
+            out.append([f"{r[0]} (x{counts[key]})" if counts[key] > 1 else r[0], *r[1:]])
+    return out
 
 
 def _shape(s: dict) -> str:
