@@ -46,12 +46,12 @@ SOURCE_KIND = {"rmsnorm": "layernorm", "layernorm": "rmsnorm"}
 # ops that forward their first input unchanged, as long as the hidden axis survives whole (shapes decide)
 _VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "contiguous", "alias", "clone",
                     "squeeze", "unsqueeze", "view_as", "reshape_as"})
-_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to", "repeat", "tile"})  # copies along other axes
 _SWAPS = frozenset({"transpose", "swapaxes", "swapdims", "t"})
 _CATS = frozenset({"cat", "concat", "concatenate"})
 # resampling over the spatial axes with weights summing to one (each channel alone): a per-position shift along the
 # channels stays one, and a zero mean over the channels stays zero
-_RESAMPLES = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "interpolate"})
+_RESAMPLES = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d", "interpolate"})
 
 # Swin's patch merging: centering each part shifts the joined row by a vector that is not constant along it
 _HIDDEN_CAT = ("the stream is joined along its hidden axis by {where} (patch merging): centering each part shifts "
@@ -171,10 +171,10 @@ def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
     if name == "permute":  # permute(dims): output axis i is input axis dims[i]
         dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
         return int(dims[axis]) % len(a)
-    if name in _EXPANDS:  # broadcast: axes align from the right; expanding the hidden axis itself is not a pass
+    if name in _EXPANDS:  # broadcast / repeat: axes align from the right; copying along the hidden axis is no pass
         j = axis - (len(b) - len(a))
         return j if j >= 0 and a[j] == b[axis] else None
-    if name in _RESAMPLES and (name != "interpolate" or node.kwargs.get("mode", "nearest") in ("nearest", "bilinear")):
+    if name in _RESAMPLES and (name != "interpolate" or node.kwargs.get("mode", "nearest") in ("nearest", "bilinear", "bicubic")):
         return axis if axis == 1 and len(a) == len(b) > 2 and a[1] == b[1] else None
     if name == "mean" and len(node.args) > 1:  # a mean over tokens keeps every token's zero mean (and a bias)
         return _mean_back(node, axis, len(a))

@@ -83,6 +83,22 @@ class ViT(nn.Module):
         return self.head(self.norm(self.blocks(x))[:, 0])
 
 
+class InterpolatedPosViT(ViT):
+    """The position embedding of a 2x2 grid resized bicubically to the 4x4 patch grid (DINOv2 / Pixio / LW-DETR
+    at another resolution), the class token copied per image with repeat (RF-DETR)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, D, 2, 2))
+
+    def forward(self, x):
+        x = self.patch(x)
+        x = x + F.interpolate(self.pos, size=x.shape[-2:], mode="bicubic", align_corners=False)
+        x = x.flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.repeat(x.shape[0], 1, 1), x], dim=1)
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
 def _main(out):
     for key in ("logits", "last_hidden_state"):
         if hasattr(out, key):
@@ -110,6 +126,12 @@ def test_handwritten_vit_swaps_exactly(inplace):
     assert new.patch.weight.double().mean(0).abs().max() < 1e-6 and new.patch.bias.double().mean().abs() < 1e-6
     assert new.pos.double().mean(-1).abs().max() < 1e-6 and new.cls.double().mean(-1).abs().max() < 1e-6
     assert model.pos.double().mean(-1).abs().max() > 1e-3  # the user's model is untouched
+
+
+def test_a_bicubic_position_embedding_and_a_repeated_class_token_swap_exactly():
+    torch.manual_seed(0)
+    model = _randomize(InterpolatedPosViT()).eval()
+    _exact(model, torch.randn(2, 4, 32, 32), torch.randn(3, 4, 32, 32))
 
 
 def test_grouped_conv_writer_is_refused_by_name():
