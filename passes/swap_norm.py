@@ -304,10 +304,23 @@ def _constant_scalar(cap: Captured, v: Any) -> bool:
     return shape is not None and _prod(shape) == 1
 
 
+# ops whose second operand serves only as a shape / dtype template
+_TEMPLATE_OF = frozenset({"expand_as", "view_as", "reshape_as", "type_as"})
+_LIKE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like"})
+
+
 def _live_users(cap: Captured, node: fx.Node) -> list[fx.Node]:
     """Users whose value is used (``Captured.live``: MBart's ``embeds[:, :, -1]`` read for its shape only is left
-    dead by export)."""
-    return [u for u in cap.users(node) if u.name in cap.live]
+    dead by export); a use as a shape template (``bos.expand_as(x)``, ``zeros_like(x)``) reads no value."""
+    return [u for u in cap.users(node) if u.name in cap.live and not _template_use(u, node)]
+
+
+def _template_use(u: fx.Node, node: fx.Node) -> bool:
+    """``u`` takes ``node`` only for its shape or dtype."""
+    name = _fn_name(u)
+    if name in _LIKE:
+        return True
+    return name in _TEMPLATE_OF and len(u.args) == 2 and u.args[1] is node and u.args[0] is not node
 
 
 def _param_readers(cap: Captured) -> dict[int, list[str]]:
@@ -630,7 +643,7 @@ def _walk(cap: Captured, site: NormSite) -> tuple[set[str], list[tuple[Any, list
         src, path, axis = _source(cap, v, axis)
         is_add = isinstance(src, fx.Node) and cap.op(src) == "add" and len(src.args) >= 2 and \
             all(isinstance(a, fx.Node) for a in src.args[:2]) and src.kwargs.get("alpha", 1) == 1
-        parts = _cat_parts(cap, src, axis) if isinstance(src, fx.Node) else None
+        parts = (_cat_parts(cap, src, axis) or _where_parts(cap, src, axis)) if isinstance(src, fx.Node) else None
         if is_add and axis is not None:
             values.update(n.name for n in path)
             values.add(src.name)
@@ -642,7 +655,8 @@ def _walk(cap: Captured, site: NormSite) -> tuple[set[str], list[tuple[Any, list
                 ok = j >= 0 and (cap.shape(a) or ())[j:j + 1] == (cap.shape(src) or ())[axis:axis + 1]
                 stack.append((a, j if ok else None))
         elif parts is not None:
-            # cat along another axis: the mean over the hidden axis is zero iff it is zero in every part
+            # cat along another axis, or a per-token choice (where): the mean over the hidden axis is zero iff it
+            # is zero in every part
             values.update(n.name for n in path)
             values.add(src.name)
             stack.extend((a, axis) for a in parts)
@@ -663,6 +677,23 @@ def _cat_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[fx.Node] 
     if int(dim) % rank == axis or any(len(cap.shape(p) or ()) != rank for p in parts):
         return None
     return list(parts)
+
+
+def _where_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[fx.Node] | None:
+    """The tensors ``where(cond, a, b)`` picks from whole hidden vectors (cond the same along the hidden axis:
+    Pocket-TTS puts a BOS embedding at masked tokens), a constant 0 left out; else None."""
+    if axis is None or _fn_name(node) != "where" or len(node.args) != 3:
+        return None
+    out = cap.shape(node)
+    if not cap.broadcasts_along(node.args[0], out, axis):
+        return None
+    parts = []
+    for v in node.args[1:]:
+        if isinstance(v, fx.Node) and cap.shape(v) == out:
+            parts.append(v)
+        elif not (isinstance(v, (int, float)) and v == 0):
+            return None  # a broadcast operand or a constant other than 0: not a choice of whole zero-mean vectors
+    return parts
 
 
 def _streams(cap, sites, walks, readers, to, read) -> list[Stream]:

@@ -522,3 +522,34 @@ def test_multihead_attention_module_writes_and_reads_the_stream_exactly():
         torch.testing.assert_close(blk.in_proj_bias.double(), want, atol=1e-6, rtol=1e-6)
     x2 = torch.randn(5, 3, 32, 32)
     torch.testing.assert_close(run(new, Inputs((x2,))), run(model, Inputs((x2,))), atol=1e-5, rtol=1e-4)
+
+
+class BOSAtMaskedTokens(nn.Module):
+    """Pocket-TTS: a BOS embedding chosen at masked positions with torch.where, the token embeddings elsewhere."""
+
+    def __init__(self, zero_else=False):
+        super().__init__()
+        self.zero_else = zero_else
+        self.emb, self.bos = nn.Embedding(50, D), nn.Parameter(torch.randn(D))
+        self.blocks = nn.Sequential(Block(), Block())
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, 5)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        mask = (ids == 0).unsqueeze(-1)
+        x = torch.where(mask, 0.0, x) if self.zero_else else torch.where(mask, self.bos.expand_as(x), x)
+        return self.head(self.norm(self.blocks(x)))
+
+
+@pytest.mark.parametrize("zero_else", [False, True])
+def test_a_per_token_choice_of_stream_writers_swaps_exactly(zero_else):
+    torch.manual_seed(0)
+    model = _randomize(BOSAtMaskedTokens(zero_else)).eval()
+    ids = torch.randint(0, 50, (2, 8))
+    ids[:, 0] = 0
+    new, report = normconv.swap(model, ids)
+    assert report.passed
+    ids2 = torch.randint(0, 50, (3, 7))
+    ids2[:, :2] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids2), model(ids2), atol=1e-5, rtol=1e-4)
