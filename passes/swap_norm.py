@@ -409,6 +409,12 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None, read=None) -> Wri
     if axis is None:  # x + c with c the same for every hidden feature: its mean is c, no weight to center
         return f"{cap.describe(leaf)} is broadcast along the hidden axis (the same value added to every feature)"
     pname = cap.param_name(leaf)
+    if pname is not None and _unsaved(cap, _own_name(cap, cap.owner(leaf), pname)):
+        # a non-persistent buffer (a sinusoidal table built in __init__) is not in the state_dict: a centered copy
+        # would be lost by every state_dict save and rebuilt uncentered on load
+        return (f"stream writer {cap.describe(leaf)} is the buffer {_own_name(cap, cap.owner(leaf), pname)}, which "
+                f"the model does not save (persistent=False: rebuilt when it is constructed), so centering it would "
+                f"not survive saving")
     if pname is not None:
         # a parameter / buffer added as is (position embedding, class token)  =>  center it along the hidden axis
         return Writer(leaf.name, "param", _own_name(cap, cap.owner(leaf), pname), None, "rows", cap.owner(leaf), axis)
@@ -452,6 +458,15 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None, read=None) -> Wri
     what = op or name or leaf.op
     return (f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding (nor a conv or a "
             f"parameter): it has no weights that center its output")
+
+
+def _unsaved(cap: Captured, name: str | None) -> bool:
+    """``name`` is a buffer its module registered with persistent=False (not in the state_dict)."""
+    if not name:
+        return False
+    path, _, attr = name.rpartition(".")
+    module = cap.modules.get(path)
+    return module is not None and attr in getattr(module, "_non_persistent_buffers_set", ())
 
 
 def _mha_call(cap: Captured, leaf: fx.Node) -> str | None:
