@@ -178,7 +178,8 @@ def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
         return axis if axis == 1 and len(a) == len(b) > 2 and a[1] == b[1] else None
     if name == "mean" and len(node.args) > 1:  # a mean over tokens keeps every token's zero mean (and a bias)
         return _mean_back(node, axis, len(a))
-    if name in ("select", "slice", "narrow", "getitem"):  # picking rows on other axes keeps every hidden vector
+    if name in ("select", "slice", "narrow", "index_select", "getitem"):  # picking rows on other axes keeps every
+        # hidden vector
         return _index_back(node, name, axis, len(a), b)
     if name in _VIEWS:  # reshape keeps the hidden axis whole iff it has the same size and the same prefix product
         prefix = _prod(b[:axis])
@@ -207,8 +208,10 @@ def _passes_through(cap: Captured, node: fx.Node) -> bool:
 
 
 def _index_back(node: fx.Node, name: str, axis: int, rank: int, out: tuple[int, ...]) -> int | None:
-    """x[idx] / select / slice / narrow: the input axis behind output ``axis`` if the hidden axis is not indexed."""
-    if name in ("select", "slice", "narrow"):  # aten.select(x, dim, i), aten.slice(x, dim, ...), narrow(x, dim, ...)
+    """x[idx] / select / slice / narrow / index_select: the input axis behind output ``axis`` if the hidden axis is
+    not indexed."""
+    if name in ("select", "slice", "narrow", "index_select"):  # aten.select(x, dim, i), slice / narrow /
+        # index_select(x, dim, ...)
         dim = int(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
         src = axis + 1 if name == "select" and axis >= dim else axis
         return src if src != dim and src < rank else None
