@@ -570,11 +570,13 @@ def _attention_roles(cap: Captured, sub: Sublayer, core: fx.Node, end: fx.Node) 
 
 
 def _users_through_reshapes(cap: Captured, node: fx.Node) -> list[fx.Node]:
-    """Users of ``node`` past pass-through ops and reshapes (DeBERTa views the probabilities (B*H, L, L) before
-    the bmm with v)."""
+    """Users of ``node`` past pass-through ops, reshapes and masking (DeBERTa views the probabilities (B*H, L, L)
+    before the bmm with v; SEW-D's XSoftmax zeroes the masked ones with masked_fill)."""
     out = []
     for u in cap.users(node):
-        out.extend(_users_through_reshapes(cap, u) if cap.op(u) in TRANSPARENT or _name(u) in _RESHAPES else [u])
+        through = cap.op(u) in TRANSPARENT or _name(u) in _RESHAPES or \
+            (_name(u) in ("masked_fill", "masked_fill_") and u.args[0] is node)
+        out.extend(_users_through_reshapes(cap, u) if through else [u])
     return out
 
 

@@ -917,3 +917,39 @@ def test_a_shared_norm_with_a_call_that_is_no_sublayer_is_refused_in_words():
     torch.manual_seed(0)
     with pytest.raises(NormconvError, match=r"norm module norm is called at 3 places, 2 of them post-LN sublayers"):
         api_deepnorm(SharedNorm().eval(), Inputs((torch.randn(2, 5, 16),)))
+
+
+class _MaskedProbsLayer(nn.Module):
+    """Post-LN attention whose probabilities are zeroed at masked keys after the softmax (SEW-D's XSoftmax)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.ln1, self.fc1, self.fc2, self.ln2 = nn.LayerNorm(d), nn.Linear(d, 32), nn.Linear(32, d), nn.LayerNorm(d)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        probs = torch.softmax(scores.masked_fill(~mask, -1e4), -1).masked_fill(~mask, 0.0)
+        x = self.ln1(x + self.o(probs @ self.v(x)))
+        return self.ln2(x + self.fc2(torch.relu(self.fc1(x))))
+
+
+class _MaskedProbsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_MaskedProbsLayer(), _MaskedProbsLayer()])
+
+    def forward(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+def test_probabilities_masked_after_the_softmax_still_name_v():
+    torch.manual_seed(0)
+    mask = torch.ones(2, 5, 5, dtype=torch.bool)
+    mask[:, :, -1] = False
+    new, report = api_deepnorm(_MaskedProbsNet().eval(), Inputs((torch.randn(2, 5, 16), mask)))
+    assert report.passed and len(applied(report)) == 4
+    subs = {r["norm"]: r for r in report.extra["sublayers"]}
+    assert subs["layers.0.ln1"]["projections"]["v"] == ["layers.0.v"]
