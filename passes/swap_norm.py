@@ -661,7 +661,11 @@ def _walk(cap: Captured, site: NormSite) -> tuple[set[str], list[tuple[Any, list
         src, path, axis = _source(cap, v, axis)
         is_add = isinstance(src, fx.Node) and cap.op(src) == "add" and len(src.args) >= 2 and \
             all(isinstance(a, fx.Node) for a in src.args[:2]) and src.kwargs.get("alpha", 1) == 1
-        parts = (_cat_parts(cap, src, axis) or _where_parts(cap, src, axis)) if isinstance(src, fx.Node) else None
+        parts = _cat_parts(cap, src, axis) if isinstance(src, fx.Node) else None
+        if parts is not None:
+            parts = [(a, axis) for a in parts]
+        elif isinstance(src, fx.Node):
+            parts = _where_parts(cap, src, axis)
         if is_add and axis is not None:
             values.update(n.name for n in path)
             values.add(src.name)
@@ -677,7 +681,7 @@ def _walk(cap: Captured, site: NormSite) -> tuple[set[str], list[tuple[Any, list
             # is zero in every part
             values.update(n.name for n in path)
             values.add(src.name)
-            stack.extend((a, axis) for a in parts)
+            stack.extend(parts)
         else:
             leaves.append((src, path, axis))
     return values, leaves
@@ -697,20 +701,23 @@ def _cat_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[fx.Node] 
     return list(parts)
 
 
-def _where_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[fx.Node] | None:
-    """The tensors ``where(cond, a, b)`` picks from whole hidden vectors (cond the same along the hidden axis:
-    Pocket-TTS puts a BOS embedding at masked tokens), a constant 0 left out; else None."""
+def _where_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[tuple[fx.Node, int]] | None:
+    """The tensors ``where(cond, a, b)`` picks whole hidden vectors from (cond the same along the hidden axis:
+    Pocket-TTS puts a BOS vector at masked tokens), each with its hidden axis (operands broadcast from the right), a
+    constant 0 left out; else None."""
     if axis is None or _fn_name(node) != "where" or len(node.args) != 3:
         return None
     out = cap.shape(node)
-    if not cap.broadcasts_along(node.args[0], out, axis):
+    if not out or not cap.broadcasts_along(node.args[0], out, axis):
         return None
     parts = []
     for v in node.args[1:]:
-        if isinstance(v, fx.Node) and cap.shape(v) == out:
-            parts.append(v)
+        shape = cap.shape(v) if isinstance(v, fx.Node) else None
+        j = axis - (len(out) - len(shape)) if shape is not None else -1
+        if shape is not None and j >= 0 and shape[j] == out[axis]:
+            parts.append((v, j))
         elif not (isinstance(v, (int, float)) and v == 0):
-            return None  # a broadcast operand or a constant other than 0: not a choice of whole zero-mean vectors
+            return None  # broadcast along the hidden axis, or a constant other than 0: not zero-mean vectors
     return parts
 
 

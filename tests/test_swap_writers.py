@@ -527,9 +527,9 @@ def test_multihead_attention_module_writes_and_reads_the_stream_exactly():
 class BOSAtMaskedTokens(nn.Module):
     """Pocket-TTS: a BOS embedding chosen at masked positions with torch.where, the token embeddings elsewhere."""
 
-    def __init__(self, zero_else=False):
+    def __init__(self, how="vector"):
         super().__init__()
-        self.zero_else = zero_else
+        self.how = how
         self.emb, self.bos = nn.Embedding(50, D), nn.Parameter(torch.randn(D))
         self.blocks = nn.Sequential(Block(), Block())
         self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, 5)
@@ -537,14 +537,19 @@ class BOSAtMaskedTokens(nn.Module):
     def forward(self, ids):
         x = self.emb(ids)
         mask = (ids == 0).unsqueeze(-1)
-        x = torch.where(mask, 0.0, x) if self.zero_else else torch.where(mask, self.bos.expand_as(x), x)
+        if self.how == "zero":
+            x = torch.where(mask, 0.0, x)
+        elif self.how == "vector":  # the (D,) vector broadcast from the right (Pocket-TTS)
+            x = torch.where(mask, self.bos, x)
+        else:  # x used as a shape template: no read of its values
+            x = torch.where(mask, self.bos.expand_as(x), x)
         return self.head(self.norm(self.blocks(x)))
 
 
-@pytest.mark.parametrize("zero_else", [False, True])
-def test_a_per_token_choice_of_stream_writers_swaps_exactly(zero_else):
+@pytest.mark.parametrize("how", ["vector", "expand_as", "zero"])
+def test_a_per_token_choice_of_stream_writers_swaps_exactly(how):
     torch.manual_seed(0)
-    model = _randomize(BOSAtMaskedTokens(zero_else)).eval()
+    model = _randomize(BOSAtMaskedTokens(how)).eval()
     ids = torch.randint(0, 50, (2, 8))
     ids[:, 0] = 0
     new, report = normconv.swap(model, ids)
