@@ -791,11 +791,18 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to, read) -> list[st
         return problems
     # each writer's output flows only into the stream (its adds, or straight into the first norm)
     allowed = set(st.values).union(*(sites[i].nodes for i in st.sites))
+    # a node on the way may feed several ways into the stream (a position table sliced into its class and patch
+    # parts, both joined into the stream by cat): its users are the next nodes of every way
+    nexts: dict[str, set[str]] = {}
     for leaf, path in chains:
         chain = [leaf] + list(reversed(path))
         for a, b in zip(chain, chain[1:]):
-            if [u.name for u in _live_users(cap, a)] != [b.name]:
-                other = next(u for u in _live_users(cap, a) if u is not b)
+            nexts.setdefault(a.name, set()).add(b.name)
+    for leaf, path in chains:
+        chain = [leaf] + list(reversed(path))
+        for a in chain[:-1]:
+            other = next((u for u in _live_users(cap, a) if u.name not in nexts[a.name]), None)
+            if other is not None:
                 problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by "
                                 f"{cap.describe(other)}")
         for u in _live_users(cap, chain[-1]):

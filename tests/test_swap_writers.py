@@ -99,6 +99,23 @@ class InterpolatedPosViT(ViT):
         return self.head(self.norm(self.blocks(x))[:, 0])
 
 
+class SlicedPosViT(ViT):
+    """DINOv2's interpolate_pos_encoding: one position table sliced into its class part and its patch grid, the
+    grid resized bicubically, both joined by cat: two ways from one parameter into the stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 1 + 4, D))
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        grid = self.pos[:, 1:].reshape(1, 2, 2, D).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=False)
+        pos = torch.cat([self.pos[:, :1], grid.permute(0, 2, 3, 1).reshape(1, 16, D)], dim=1)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + pos
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
 def _main(out):
     for key in ("logits", "last_hidden_state"):
         if hasattr(out, key):
@@ -131,6 +148,12 @@ def test_handwritten_vit_swaps_exactly(inplace):
 def test_a_bicubic_position_embedding_and_a_repeated_class_token_swap_exactly():
     torch.manual_seed(0)
     model = _randomize(InterpolatedPosViT()).eval()
+    _exact(model, torch.randn(2, 4, 32, 32), torch.randn(3, 4, 32, 32))
+
+
+def test_a_position_table_sliced_into_two_ways_into_the_stream_swaps_exactly():
+    torch.manual_seed(0)
+    model = _randomize(SlicedPosViT()).eval()
     _exact(model, torch.randn(2, 4, 32, 32), torch.randn(3, 4, 32, 32))
 
 
