@@ -174,12 +174,22 @@ def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
     if name in _EXPANDS:  # broadcast / repeat: axes align from the right; copying along the hidden axis is no pass
         j = axis - (len(b) - len(a))
         return j if j >= 0 and a[j] == b[axis] else None
-    if name in _RESAMPLES and (name != "interpolate" or node.kwargs.get("mode", "nearest") in ("nearest", "bilinear", "bicubic")):
+    if name in _RESAMPLES and (name != "interpolate" or
+                               node.kwargs.get("mode", "nearest") in ("nearest", "bilinear", "bicubic")):
         return axis if axis == 1 and len(a) == len(b) > 2 and a[1] == b[1] else None
     if name == "mean" and len(node.args) > 1:  # a mean over tokens keeps every token's zero mean (and a bias)
         return _mean_back(node, axis, len(a))
+    if name in ("add", "sub") and len(node.args) == 2 and isinstance(node.args[1], (int, float)) \
+            and node.args[1] == 0 and a == b:  # x + 0 (CTRL adds a token-type term of 0)
+        return axis
+    if name == "index" and len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) \
+            and len(node.args[1]) == 1 and isinstance(node.args[1][0], fx.Node):
+        # table[idx] (aten.index with one tensor on axis 0): out = idx's axes then the table's other axes
+        return _tensor_index_back(cap, node.args[1][0], axis, a, b)
     if name in ("select", "slice", "narrow", "index_select", "getitem"):  # picking rows on other axes keeps every
         # hidden vector
+        if name == "getitem" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+            return _tensor_index_back(cap, node.args[1], axis, a, b)  # table[positions]: one tensor index, axis 0
         return _index_back(node, name, axis, len(a), b)
     if name in _VIEWS:  # reshape keeps the hidden axis whole iff it has the same size and the same prefix product
         prefix = _prod(b[:axis])
@@ -221,6 +231,19 @@ def _index_back(node: fx.Node, name: str, axis: int, rank: int, out: tuple[int, 
         return None  # tensors, None, Ellipsis: not followed; the hidden (last) axis must stay whole
     kept = [j for j, i in enumerate(idx) if not isinstance(i, int)] + list(range(len(idx), rank))
     return kept[axis] if axis < len(kept) else None
+
+
+def _tensor_index_back(cap: Captured, idx: fx.Node, axis: int, a: tuple[int, ...], out: tuple[int, ...]) -> int | None:
+    """table[idx], one integer tensor indexing axis 0: the output's axes are idx's, then the table's axes 1.. (a
+    boolean mask, which flattens the axes it covers, is not followed)."""
+    shape, dtype = cap.shape(idx), cap.dtype(idx)
+    if shape is None or dtype is None or dtype.is_floating_point or dtype == torch.bool:
+        return None
+    lead = len(shape)
+    if tuple(out[lead:]) != tuple(a[1:]):
+        return None
+    j = axis - lead + 1
+    return j if 1 <= j < len(a) else None
 
 
 def _prod(xs) -> int:

@@ -586,27 +586,29 @@ def test_a_per_token_choice_of_stream_writers_swaps_exactly(how):
 class BufferPositions(nn.Module):
     """A position table kept in a buffer, added to the token embeddings (persistent or not)."""
 
-    def __init__(self, persistent, index_select=False):
+    def __init__(self, persistent, how="slice"):
         super().__init__()
-        self.index_select = index_select  # M2M100 / Speech2Text: table.index_select(0, positions)
+        self.how = how  # index_select: M2M100 / Speech2Text; index: CTRL's table[positions] + 0
         self.emb = nn.Embedding(50, D)
         self.register_buffer("pos", torch.randn(1, 16, D), persistent=persistent)
         self.blocks = nn.Sequential(Block(), Block())
         self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, 5)
 
     def forward(self, ids):
-        if self.index_select:
+        if self.how == "index_select":
             pos = self.pos[0].index_select(0, torch.arange(ids.shape[1])).unsqueeze(0)
+        elif self.how == "index":
+            pos = self.pos[0][torch.arange(ids.shape[1]).unsqueeze(0)] + 0
         else:
             pos = self.pos[:, : ids.shape[1]]
         return self.head(self.norm(self.blocks(self.emb(ids) + pos)))
 
 
-@pytest.mark.parametrize("index_select", [False, True])
-def test_a_saved_buffer_writer_is_centered_and_an_unsaved_one_refused_in_words(index_select):
+@pytest.mark.parametrize("how", ["slice", "index_select", "index"])
+def test_a_saved_buffer_writer_is_centered_and_an_unsaved_one_refused_in_words(how):
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (2, 8))
-    model = _randomize(BufferPositions(True, index_select)).eval()
+    model = _randomize(BufferPositions(True, how)).eval()
     new, report = normconv.swap(model, ids)
     assert report.passed and "pos" in new.state_dict()
     ids2 = torch.randint(0, 50, (3, 11))
@@ -615,4 +617,4 @@ def test_a_saved_buffer_writer_is_centered_and_an_unsaved_one_refused_in_words(i
     # persistent=False: a state_dict save drops the buffer and the model rebuilds it uncentered on load
     with pytest.raises(NormconvError, match=r"stream writer .* is the buffer pos, which the model does not save "
                                             r"\(persistent=False"):
-        normconv.swap(_randomize(BufferPositions(False, index_select)).eval(), ids)
+        normconv.swap(_randomize(BufferPositions(False, how)).eval(), ids)
