@@ -458,8 +458,9 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
             res["inspect"] = ("failed", f"sites vs hooks: {len(missed)} missed, {len(false)} false"
                               + (f" (e.g. {(missed or false)[0]})"))
         else:
-            res["inspect"] = ("ok", f"{len(sites)} sites" + (f", {len(explained)} norm-named modules listed as "
-                                                             f"near misses (e.g. {explained[0]})" if explained else ""))
+            res["inspect"] = ("ok", f"{len(sites)} sites" + (f", {len(explained)} norm-named modules listed apart (near "
+                                                             f"misses, norms of parameters; e.g. {explained[0]})"
+                                                             if explained else ""))
     except Exception as exc:  # noqa: BLE001
         res["inspect"] = classify(exc)
 
