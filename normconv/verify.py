@@ -96,12 +96,37 @@ def forward_guard(model: nn.Module):
 def run(model: nn.Module, inputs: Inputs) -> Any:
     """One guarded forward (``forward_guard``) on a copy of the inputs: a model that mutates its inputs or its
     buffers stays comparable and unchanged. A model whose output holds no tensor (it writes into buffers) is
-    judged by what it wrote: the changed buffers, by name."""
-    with forward_guard(model) as guard:
+    judged by what it wrote: the changed buffers, by name. Random ops draw the same numbers in every such forward
+    (``same_draws``)."""
+    with forward_guard(model) as guard, same_draws(model):
         out = model(*copy.deepcopy(inputs.args), **copy.deepcopy(inputs.kwargs))
     if not output_leaves(out) and guard.mutated:
         return {f"buffer {k}": v for k, v in sorted(guard.mutated.items())}
     return out
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    return sorted({t.device.index or 0 for t in list(model.parameters()) + list(model.buffers()) if t.is_cuda})
+
+
+@contextlib.contextmanager
+def rng_kept(model: nn.Module):
+    """The caller's random number state (CPU, and the model's CUDA devices) as it was after the block: normconv's
+    own draws (a pass building a layer initializes it randomly) do not move the user's random stream."""
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
+        yield
+
+
+@contextlib.contextmanager
+def same_draws(model: nn.Module):
+    """Random ops in the forward (MAE's random masking, VITS's noise) draw the same numbers in every checked
+    forward: the original and a rewrite are compared on the same draws. The caller's RNG state is restored."""
+    with rng_kept(model):
+        torch.default_generator.manual_seed(0)
+        for d in _cuda_devices(model):
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(0)
+        yield
 
 
 def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:

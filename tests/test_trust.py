@@ -484,3 +484,29 @@ def test_second_shape_of_an_image_model_changes_the_image_size():
     fixed = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 32 * 32, 4))
     _, report = normconv.fold(fixed.eval(), torch.randn(2, 3, 32, 32))  # takes 32x32 only: the batch changes
     assert report.validation[1].label == "torch, second shape ((1, 3, 32, 32):float32)"
+
+
+class _RandomMasking(nn.Module):
+    """MAE-style random masking in the forward: every call draws new noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        keep = torch.rand(y.shape[0], 1, *y.shape[2:]) > 0.5
+        return y * keep
+
+
+def test_random_ops_draw_the_same_numbers_in_the_original_and_the_rewrite():
+    model = _RandomMasking().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+    x = torch.randn(2, 3, 8, 8)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    folded, report = normconv.fold(model, x)
+    assert report.passed and report.validation[0].max_abs_error < 1e-5
+    assert sum(s.applied for s in report.sites) == 1
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's random stream is left where it was
