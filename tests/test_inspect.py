@@ -101,3 +101,27 @@ def test_a_module_called_at_several_places_is_one_row_with_its_count(cli):
     assert len(plan) == 1  # the plan of the three calls, once
     code, out, _ = cli("inspect", "tests.fixtures.user_models:shared_post_ln", "-i", "x:2,5,8", "--json")
     assert [(s["target"], s["calls"]) for s in json.loads(out)["sites"]] == [("norm", 3)] * 3  # JSON: per call
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "torch.export"])
+@pytest.mark.parametrize("spelling", ["normalize", "clamped_norm"])
+def test_l2_normalization_is_a_near_miss_with_why(capture, spelling):
+    # ZAYA's qk norm (x * s / ||x||.clamp_min(eps)) and F.normalize: L2 normalizations, listed apart, not sites
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import normconv
+    from normconv.verify import Inputs
+
+    class L2(nn.Module):
+        def forward(self, x):
+            if spelling == "normalize":
+                return F.normalize(x, dim=-1)
+            return x * (4.0 / x.norm(p=2, dim=-1, keepdim=True).clamp_min(1e-6))
+
+    model = nn.Sequential(nn.Linear(8, 8), L2())
+    report = normconv.inspect(model, Inputs((torch.randn(2, 3, 8),)), method=capture).to_json()
+    assert report["sites"] == []
+    misses = report["extra"]["near_misses"]
+    assert len(misses) == 1 and misses[0]["target"] == "1" and "L2 normalization" in misses[0]["computes"]

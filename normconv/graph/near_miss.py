@@ -60,6 +60,8 @@ def find_near_misses(cap: Captured, sites: Sequence[NormSite]) -> list[NearMiss]
             miss = _eps_outside(cap, node)  # eps-outside rule
         elif op == "rsqrt" and (x := _mean_square_base(cap, node)) is not None and not _multiplies(cap, node, x):
             miss = _factor_only(cap, node, x)  # factor-only rule
+        elif _fn(node) == "normalize" or _fn(node) in _L2_NORMS and _l2(node) and _divides(cap, node, through=_CLAMPS):
+            miss = _l2_normalization(cap, node)  # L2 rule
         if miss is not None:
             found.append(miss)
     return found
@@ -87,19 +89,40 @@ def _eps_added(cap: Captured, node: fx.Node) -> float | None:
     return None
 
 
-def _divides(cap: Captured, node: fx.Node, depth: int = 3) -> bool:
-    """``node`` (or node + eps, node ** 0.5, ...) ends up as a divisor within a few steps."""
+def _divides(cap: Captured, node: fx.Node, depth: int = 3, through: frozenset[str] = frozenset()) -> bool:
+    """``node`` (or node + eps, node ** 0.5, ...; ``through``: more op names to follow) ends up as a divisor
+    within a few steps."""
     frontier = [node]
     for _ in range(depth):
         nxt = []
         for n in frontier:
             for u in cap.users_through(n):
-                if cap.op(u) == "div" and len(u.args) > 1 and u.args[1] is n:
-                    return True
-                if cap.op(u) in ("add", "sqrt", "rsqrt", "pow"):
+                if cap.op(u) == "div" and len(u.args) > 1 and u.args[1] is n or _fn(u) == "reciprocal":
+                    return True  # s / n, or 1 / n (torch.export writes s / n as reciprocal(n) * s)
+                if cap.op(u) in ("add", "sqrt", "rsqrt", "pow") or _fn(u) in through:
                     nxt.append(u)
         frontier = nxt
     return False
+
+
+_L2_NORMS = frozenset({"norm", "linalg_vector_norm", "vector_norm"})
+_CLAMPS = frozenset({"clamp_min", "clamp", "clip", "maximum", "max", "expand_as"})
+
+
+def _fn(node: fx.Node) -> str:
+    """The function / method name of a call node (aten overloads by their packet's name)."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        t = getattr(node.target, "overloadpacket", node.target)
+        return getattr(t, "__name__", str(t)).split(".")[-1]
+    return ""
+
+
+def _l2(node: fx.Node) -> bool:
+    """A 2-norm: x.norm(p=2) / torch.norm(x) (its default on vectors) / linalg.vector_norm(x, ord=2)."""
+    p = arg(node, 1, "p", None) if _fn(node) == "norm" else arg(node, 1, "ord", 2)
+    return p in (None, 2, 2.0, "fro")
 
 
 def _mean_square_base(cap: Captured, node: fx.Node) -> fx.Node | None:
@@ -176,6 +199,13 @@ def _factor_only(cap: Captured, node: fx.Node, x: fx.Node) -> NearMiss:
                     f"{', '.join(into) or 'no product'} rather than into x (F.linear(x, W) * 1/rms(x) equals "
                     f"F.linear(rmsnorm(x), W) only for a bias-free linear); no native norm computes the factor "
                     f"alone, so it is left as written")
+
+
+def _l2_normalization(cap: Captured, node: fx.Node) -> NearMiss:
+    return NearMiss(_where(cap, node), node.name, "x / max(||x||_2, eps) (L2 normalization, F.normalize)",
+                    "not a norm layer: the L2 norm is clamped below by eps where RMSNorm adds eps under the root, "
+                    "and it is not divided by sqrt(n) (x / ||x|| = RMSNorm(x) / sqrt(n) only away from 0); no "
+                    "native norm computes it exactly, so it is left as written")
 
 
 __all__ = ["NearMiss", "find_near_misses"]
