@@ -36,7 +36,7 @@ from normconv.clone import clone_sharing_tensors, owned
 from normconv.graph.detect import NormSite, _ancestor, find_norms, producer_of
 from normconv.errors import NormconvError
 from normconv.graph.capture import Captured
-from normconv.graph.match import TRANSPARENT
+from normconv.graph.match import TRANSPARENT, call_name as _name
 from normconv.report import PassResult, Site, Validation
 from normconv.verify import Inputs, compare, run
 from normconv.nn.modules import BranchScale, InputScale
@@ -375,14 +375,6 @@ def _branch_nodes(cap: Captured, branch: fx.Node, res: fx.Node, norm_outputs: fr
         if _name(n) in ("tril", "triu") or (_is_attention_core(n) and n.kwargs.get("is_causal")):
             sub.causal = True
     return sorted(seen.values(), key=lambda n: cap.order[n.name])
-
-
-def _name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return n.target
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", str(n.target)).split(".")[0]
-    return ""
 
 
 def _is_attention_core(n: fx.Node) -> bool:

@@ -32,7 +32,7 @@ import torch.nn as nn
 from normconv.clone import adopt, owned
 from normconv.graph.detect import NormSite, find_norms, owns_only
 from normconv.graph.capture import Captured
-from normconv.graph.match import TRANSPARENT
+from normconv.graph.match import TRANSPARENT, call_name as _fn_name
 from normconv.nn.rmsnorm import RMSNorm
 from normconv.report import PassResult, Site
 from .base import replace_module
@@ -139,15 +139,6 @@ class Analysis:
 
 # ---------------------------------------------------------------------------------------------------------
 # graph helpers
-
-
-def _fn_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        t = getattr(node.target, "overloadpacket", node.target)
-        return getattr(t, "__name__", str(t))
-    return ""
 
 
 def _last(cap: Captured, v: Any) -> int | None:

@@ -182,3 +182,14 @@ def dims_of(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, (list, tuple)) and all(isinstance(d, int) for d in value):
         return tuple(value)
     return None
+
+
+def call_name(node: fx.Node) -> str:
+    """The function / method name of a call node ("view" for x.view, torch.view and aten.view.default alike); ''
+    for placeholders, attributes, modules and the output."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        t = getattr(node.target, "overloadpacket", node.target)
+        return getattr(t, "__name__", str(t)).split(".")[0]
+    return ""

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from normconv.graph.detect import NormSite, square_base
 from normconv.graph.capture import Captured
-from normconv.graph.match import arg, dims_of, scalar
+from normconv.graph.match import arg, call_name as _fn, dims_of, scalar
 
 
 @dataclass(frozen=True)
@@ -107,16 +107,6 @@ def _divides(cap: Captured, node: fx.Node, depth: int = 3, through: frozenset[st
 
 _L2_NORMS = frozenset({"norm", "linalg_vector_norm", "vector_norm"})
 _CLAMPS = frozenset({"clamp_min", "clamp", "clip", "maximum", "max", "expand_as"})
-
-
-def _fn(node: fx.Node) -> str:
-    """The function / method name of a call node (aten overloads by their packet's name)."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        t = getattr(node.target, "overloadpacket", node.target)
-        return getattr(t, "__name__", str(t)).split(".")[-1]
-    return ""
 
 
 def _l2(node: fx.Node) -> bool:
