@@ -538,7 +538,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     def plan_sites(cap: Captured) -> None:
         norms.extend(find_norms(cap))
         canon, folds = _plan_of(cap, norms, "canonicalize", canonicalize), _plan_of(cap, norms, "fold", fold)
-        report.sites.extend(onnx_export.plan(norms, target, opset, canon, folds, skip_fusion, cap.live))
+        float32 = _float32_sites(cap, norms) if half is None else frozenset()  # a half export keeps its casts
+        report.sites.extend(onnx_export.plan(norms, target, opset, canon, folds, skip_fusion, cap.live, float32))
         if half is not None:
             report.sites.extend(_precisions(cap, norms, half, keep_fp32, canon, folds, report, wide))
 
@@ -728,6 +729,12 @@ def _plan_of(cap: Captured, norms: Sequence[NormSite], which: str, on: bool) -> 
     return {p.target: (p.applied, p.reason) for p in mod.plan(cap, norms)}
 
 
+def _float32_sites(cap: Captured, norms: Sequence[NormSite]) -> frozenset[str]:
+    """The sites whose input and output are float32 in this graph (their upcasts are no-op casts)."""
+    return frozenset(s.target for s in norms
+                     if cap.dtype(cap.nodes[s.input]) == cap.dtype(cap.nodes[s.node]) == torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # inspect: every pass's plan, nothing applied
 
@@ -738,7 +745,8 @@ def plans(cap: Captured, norms: list[NormSite]) -> dict[str, list[Site]]:
 
     planners = (fold_batchnorm.plan, canonicalize_pass.plan, swap_norm.plan, deepnorm_pass.plan,
                 lambda c, n: onnx_export.plan(n, canon=_plan_of(c, n, "canonicalize", True),
-                                              folds=_plan_of(c, n, "fold", True), live=c.live))
+                                              folds=_plan_of(c, n, "fold", True), live=c.live,
+                                              float32=_float32_sites(c, n)))
     by_target: dict[str, list[Site]] = {}
     for planner in planners:
         for site in planner(cap, norms):

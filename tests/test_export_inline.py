@@ -134,3 +134,46 @@ def test_inline_layernorm_becomes_one_layernormalization(tmp_path, eps):
     assert report.passed and report.extra["inline_fused"] == 1 and report.extra["fused_matches_sites"]
     ops = _ops(tmp_path / "m.onnx")
     assert ops.get("LayerNormalization") == 1 and not DECOMPOSED & set(ops) and "Sub" not in ops
+
+
+class MultiHeadLayerNorm(nn.Module):
+    """transformers' xLSTMMultiHeadLayerNorm, as written there: per head, x - mean(x) scaled by the inverse root of
+    torch.var(x) (its own mean again; exported as a keepdims=0 mean put back by a Reshape), float32 casts around
+    it, then the heads joined and one weight over all of them."""
+
+    def __init__(self, heads, head_dim, inverse="rsqrt", eps=1e-6):
+        super().__init__()
+        self.heads, self.inverse, self.eps = heads, inverse, eps
+        self.weight = nn.Parameter(1 + 0.3 * torch.randn(heads * head_dim))
+
+    def forward(self, x):
+        b, s, _, _ = x.shape
+        dtype = x.dtype
+        x = x.float()
+        centered = x - x.mean(dim=-1, keepdim=True)
+        var = x.var(dim=-1, keepdim=True, unbiased=False) + self.eps
+        y = centered * torch.rsqrt(var) if self.inverse == "rsqrt" else centered / torch.sqrt(var)
+        return y.to(dtype).reshape(b, s, -1) * self.weight
+
+
+class HeadsBlock(nn.Module):
+    def __init__(self, inverse, d=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.fc, self.norm, self.out = nn.Linear(d, d), MultiHeadLayerNorm(heads, d // heads, inverse), nn.Linear(d, d)
+
+    def forward(self, hidden_states):
+        b, s, d = hidden_states.shape
+        return self.out(self.norm(self.fc(hidden_states).view(b, s, self.heads, d // self.heads)))
+
+
+@pytest.mark.parametrize("inverse", ["rsqrt", "div"])
+def test_per_head_layernorm_with_var_of_x_becomes_one_op(tmp_path, inverse):
+    torch.manual_seed(0)
+    model = HeadsBlock(inverse).eval()
+    report = normconv.export(model, _inputs(), tmp_path / "m.onnx")
+    assert report.passed and report.extra["inline_fused"] == 1 and report.extra["fused_matches_sites"]
+    site = [s for s in report.sites if s.pass_name == "export"]
+    assert len(site) == 1 and site[0].applied and "matched in the exported ONNX graph" in site[0].reason
+    ops = _ops(tmp_path / "m.onnx")
+    assert ops.get("LayerNormalization") == 1 and not DECOMPOSED & set(ops) and "Sub" not in ops

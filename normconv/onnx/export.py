@@ -76,11 +76,13 @@ def _op_for(kind: str, target: str, opset: int) -> str:
 
 def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET,
          canon: dict[str, tuple[bool, str]] | None = None, folds: dict[str, tuple[bool, str]] | None = None,
-         skip_fusion: bool = False, live: frozenset[str] | None = None) -> list[Site]:
+         skip_fusion: bool = False, live: frozenset[str] | None = None,
+         float32: frozenset[str] = frozenset()) -> list[Site]:
     """Per norm site: the one op it becomes at this target and opset, or why it stays several ops.
 
     ``canon`` / ``folds``: target -> (applied, reason) from the canonicalize / fold plans (None: switched off);
-    ``live``: the captured graph's nodes that reach an output (None: all)."""
+    ``live``: the captured graph's nodes that reach an output (None: all); ``float32``: the sites exported in
+    float32 throughout (input and output), whose casts to float32 are no-ops the exporter drops."""
     fuse_inline = canon is not None  # --no-canonicalize leaves hand-written norms as written, in ONNX too
     canon, folds = canon or {}, folds or {}
     out = []
@@ -101,7 +103,9 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
         elif s.source == "handwritten":
             ok, why = canon.get(s.target, (False, "canonicalize is switched off"))
             # hand-written norm  =>  canonicalized to a native module, then one op; else it stays primitive ops
-            applied = ok or (fuse_inline and s.kind in ("rmsnorm", "layernorm") and not s.upcast and s.self_contained
+            # (an upcast of a float32 input is no cast at all in the ONNX graph)
+            applied = ok or (fuse_inline and s.kind in ("rmsnorm", "layernorm") and s.self_contained
+                             and (not s.upcast or s.target in float32)
                              and s.dims is not None and len(s.dims) == 1 and s.dims[0] == -1)
             if ok:
                 reason = f"one {op} after canonicalize"

@@ -1,17 +1,19 @@
 """Inline norms fused in the exported ONNX graph: the decomposed form a norm written inside a bigger module leaves
-after torch.onnx.export (Mamba2's gated RMSNorm: the module also gates and regroups, so it is not replaced in torch),
-matched op by op; an RMSNorm becomes normconv's RMSNorm placeholder (lowered like the others, per target/opset):
+after torch.onnx.export (Mamba2's gated RMSNorm: the module also gates and regroups, so it is not replaced in torch;
+xLSTM's per-head LayerNorm), matched op by op; an RMSNorm becomes normconv's RMSNorm placeholder (lowered like the
+others, per target/opset):
 
-    y = x * Reciprocal(Sqrt(ReduceMean(x^2, axes=[-1], keepdims=1) + eps))      (x^2: Pow(x, 2) or Mul(x, x))
-    y = x / Sqrt(ReduceMean(x^2, axes=[-1], keepdims=1) + eps)
+    y = x / Sqrt(mean(x^2) + eps)   or   x * Reciprocal(Sqrt(mean(x^2) + eps))          (x^2: Pow(x, 2) or Mul(x, x))
         =>  y = normconv.RMSNorm(x, ones(D), axes=[-1], epsilon=eps)           (D = x's last dim)
-    d = x - ReduceMean(x, axes=[-1]);  y = d / Sqrt(ReduceMean(d^2, axes=[-1]) + eps)  [* w] [+ b]
+    d = x - mean(x);  y = d / Sqrt(mean(d'^2) + eps)   or   d * Reciprocal(Sqrt(mean(d'^2) + eps))  [* w] [+ b]
+        (d' = d, or x - mean(x) computed a second time: torch.var(x) beside x - x.mean())
         =>  y = LayerNormalization(x, w or ones(D), b or zeros(D), axis=-1, epsilon=eps)   (I-BERT's IntLayerNorm:
             a module returning (y, None), kept as written in torch)
 
-Only the exact chain is matched: every intermediate value read once (by the next op of the chain), the reduction
-over the last axis only, eps a constant scalar, x of a float type and a static last dim; anything else (a cast
-inside, another reader of the mean) is left as it is. onnxruntime's validation against torch checks the result.
+mean(.) is ReduceMean over the last axis with keepdims=1, or with keepdims=0 put back to the kept shape by a Reshape /
+Unsqueeze (torch.var's export). Only the exact chain is matched: no value inside it read outside it, eps a constant
+scalar, x of a float type and a static last dim; anything else (a cast inside, another reader of the mean) is left
+as it is. onnxruntime's validation against torch checks the result.
 """
 
 from __future__ import annotations
@@ -63,14 +65,14 @@ def _normalizable(x: ir.Value | None) -> bool:
     return x is not None and x.dtype in _FLOATS and x.shape is not None and isinstance(x.shape[-1], int)
 
 
-def _last_axis_mean(v: ir.Value, x: ir.Value | None = None) -> ir.Node | None:
-    """The ReduceMean producing ``v``, over the last axis with keepdims=1, of ``x`` when given."""
+def _last_axis_mean(v: ir.Value, x: ir.Value | None = None, keepdims: int = 1) -> ir.Node | None:
+    """The ReduceMean producing ``v``, over the last axis with this ``keepdims``, of ``x`` when given."""
     node = v.producer() if v is not None else None
     if node is None or node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx"):
         return None
     src = node.inputs[0]
     axes = _const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else _attr(node, "axes")
-    if axes is None or int(_attr(node, "keepdims", 1)) != 1 or src is None or src.shape is None:
+    if axes is None or int(_attr(node, "keepdims", 1)) != keepdims or src is None or src.shape is None:
         return None
     rank = len(src.shape)
     if [int(a) % rank for a in np.asarray(axes).reshape(-1)] != [rank - 1] or (x is not None and src is not x):
@@ -78,60 +80,108 @@ def _last_axis_mean(v: ir.Value, x: ir.Value | None = None) -> ir.Node | None:
     return node
 
 
-def _match_rms(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
-    """(x, eps, the chain's nodes) if ``out`` (a Mul or Div) ends a decomposed RMSNorm."""
-    if out.domain not in ("", "ai.onnx") or out.op_type not in ("Mul", "Div") or len(out.inputs) != 2:
+def _kept_mean(v: ir.Value) -> list[ir.Node] | None:
+    """[the ReduceMean, ...] if ``v`` is a last-axis mean with the axis kept: keepdims=1, or keepdims=0 put back
+    by a Reshape / Unsqueeze to the input's shape with a last dim of 1 (torch.var's export); the mean first."""
+    mean = _last_axis_mean(v)
+    if mean is not None:
+        return [mean]
+    back = v.producer() if v is not None else None
+    if back is None or back.op_type not in ("Reshape", "Unsqueeze") or back.domain not in ("", "ai.onnx"):
         return None
-    candidates = ([(out.inputs[0], out.inputs[1]), (out.inputs[1], out.inputs[0])] if out.op_type == "Mul"
-                  else [(out.inputs[0], out.inputs[1])])
-    for x, r in candidates:
-        chain = [out]
-        if out.op_type == "Mul":
+    mean = _last_axis_mean(back.inputs[0], keepdims=0)
+    src = mean.inputs[0] if mean is not None else None
+    # the restored shape must be the input's with the last axis 1 (a symbolic dim compares by name)
+    if src is None or v.shape is None or list(v.shape) != list(src.shape)[:-1] + [1]:
+        return None
+    return [mean, back]
+
+
+def _closed(chain: list[ir.Node], last: ir.Node) -> bool:
+    """No value the chain computes is read outside it (nor is a graph output), but the last node's."""
+    inside = set(map(id, chain))
+    return all(n is last or (not o.is_graph_output() and all(id(u.node) in inside for u in o.uses()))
+               for n in chain for o in n.outputs)
+
+
+def _inverse_root(out: ir.Node) -> list[tuple[ir.Value, list[ir.Node], ir.Node]]:
+    """Each (numerator, [out, ..., Sqrt], Sqrt) reading of ``out`` as n / Sqrt(s) or n * Reciprocal(Sqrt(s))."""
+    if out.domain not in ("", "ai.onnx") or len(out.inputs) != 2:
+        return []
+    found = []
+    if out.op_type == "Div":
+        sqrt = _only(out.inputs[1], "Sqrt")
+        if sqrt is not None:
+            found.append((out.inputs[0], [out, sqrt], sqrt))
+    elif out.op_type == "Mul":
+        for n, r in ((out.inputs[0], out.inputs[1]), (out.inputs[1], out.inputs[0])):
             recip = _only(r, "Reciprocal")
             sqrt = _only(recip.inputs[0], "Sqrt") if recip is not None else None
-            chain += [recip, sqrt]
-        else:
-            sqrt = _only(r, "Sqrt")
-            chain += [sqrt]
-        add = _only(sqrt.inputs[0], "Add") if sqrt is not None else None
-        if add is None:
-            continue
-        eps = mean = None
-        for m, e in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
-            value = _const(e)
-            mean = _last_axis_mean(m) if len(m.uses()) == 1 else None
-            if value is not None and value.size == 1 and mean is not None:
-                eps = float(value.reshape(-1)[0])
-                break
-        if eps is None or _square_of(mean.inputs[0]) is not x or not _normalizable(x):
-            continue
-        return x, eps, chain + [add, mean, mean.inputs[0].producer()]  # out .. x^2
+            if sqrt is not None:
+                found.append((n, [out, recip, sqrt], sqrt))
+    return found
+
+
+def _plus_eps(sqrt: ir.Node) -> list[tuple[ir.Value, float, list[ir.Node]]]:
+    """Each (s, eps, [the Add]) with Sqrt(s + eps), eps a constant scalar; (s, 0.0, []) where the exporter
+    dropped a + 0."""
+    add = _only(sqrt.inputs[0], "Add")
+    if add is None:
+        return [(sqrt.inputs[0], 0.0, [])]
+    found = []
+    for s, e in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        eps = _const(e)
+        if eps is not None and eps.size == 1:
+            found.append((s, float(eps.reshape(-1)[0]), [add]))
+    return found
+
+
+def _match_rms(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
+    """(x, eps, the chain's nodes) if ``out`` (a Mul or Div) ends a decomposed RMSNorm:
+    x / Sqrt(mean(x^2) + eps) or x * Reciprocal(Sqrt(mean(x^2) + eps))."""
+    for x, chain, sqrt in _inverse_root(out):
+        for s, eps, add in _plus_eps(sqrt):
+            if eps == 0.0 and not add:
+                continue  # an RMSNorm without eps is not matched (a plain x / |x| is not a norm op)
+            mean = _kept_mean(s) if len(s.uses()) == 1 else None
+            square = mean[0].inputs[0] if mean else None
+            if mean is None or _square_of(square) is not x or not _normalizable(x):
+                continue
+            nodes = chain + add + mean[::-1] + [square.producer()]  # out .. x^2
+            if _closed(nodes, out):
+                return x, eps, nodes
     return None
 
 
-def _match_layernorm(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
-    """(x, eps, the chain's nodes) if ``out`` (a Div) is (x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps)."""
-    if out.domain not in ("", "ai.onnx") or out.op_type != "Div":
-        return None
-    d, r = out.inputs[0], out.inputs[1]
+def _centered(d: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(x, [Sub, ReduceMean]) if ``d`` is x - mean(x) over the last axis, the axis kept."""
     sub = d.producer() if d is not None else None
-    if sub is None or sub.op_type != "Sub" or sub.domain not in ("", "ai.onnx") or len(d.uses()) != 2:
-        return None  # d is read by the square and by this division, nothing else
+    if sub is None or sub.op_type != "Sub" or sub.domain not in ("", "ai.onnx"):
+        return None
     x, m = sub.inputs[0], sub.inputs[1]
     mean = _last_axis_mean(m, x)
-    sqrt = _only(r, "Sqrt")
-    if mean is None or len(m.uses()) != 1 or sqrt is None or not _normalizable(x):
-        return None
-    add = _only(sqrt.inputs[0], "Add")
-    # sqrt(var + eps), or sqrt(var) where eps is 0 (the exporter drops the + 0)
-    pairs = [(add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])] if add is not None else \
-        [(sqrt.inputs[0], None)]
-    for v, e in pairs:
-        eps = _const(e) if e is not None else np.zeros(1)
-        var = _last_axis_mean(v) if len(v.uses()) == 1 else None
-        if eps is not None and eps.size == 1 and var is not None and _square_of(var.inputs[0]) is d:
-            chain = [out, sqrt] + ([add] if add is not None else []) + [var, var.inputs[0].producer(), sub, mean]
-            return x, float(eps.reshape(-1)[0]), chain
+    return (x, [sub, mean]) if mean is not None else None
+
+
+def _match_layernorm(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
+    """(x, eps, the chain's nodes) if ``out`` ends a decomposed LayerNorm: d = x - mean(x), then
+    d / Sqrt(var + eps) or d * Reciprocal(Sqrt(var + eps)), var = mean(d'^2) (mean kept or put back by a
+    reshape) where d' is d itself or x - mean(x) computed again (torch.var(x) beside x - x.mean())."""
+    for d, chain, sqrt in _inverse_root(out):
+        centered = _centered(d)
+        if centered is None or not _normalizable(centered[0]):
+            continue
+        x = centered[0]
+        for s, eps, add in _plus_eps(sqrt):
+            var = _kept_mean(s) if len(s.uses()) == 1 else None
+            square = var[0].inputs[0] if var else None
+            d2 = _square_of(square) if square is not None else None
+            again = _centered(d2) if d2 is not None and d2 is not d else None
+            if d2 is None or (d2 is not d and (again is None or again[0] is not x)):
+                continue
+            nodes = chain + add + var[::-1] + [square.producer()] + (again[1] if again else []) + centered[1]
+            if _closed(nodes, out):
+                return x, eps, nodes
     return None
 
 
