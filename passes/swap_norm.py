@@ -821,7 +821,12 @@ def _check_writers(cap, st: Stream, chains, readers, sites, to, read) -> list[st
                                 f"{cap.describe(other)}")
         for u in _live_users(cap, chain[-1]):
             if u.name not in allowed:
-                problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by {cap.describe(u)}")
+                # a residual add past the last norm carries the writer on: name where it ends up (SigLIP's head)
+                end = _stream_end(cap, u)
+                onward = (f", which carries it on to {_reader(cap, end)}, not a LayerNorm (centering the writer "
+                          f"would change it)" if end is not u else "")
+                problems.append(f"the output of stream writer {cap.describe(leaf)} is also read by "
+                                f"{cap.describe(u)}{onward}")
     # each writer's parameters are read by the writers only (or by another name: a tie we can clone away)
     # a parameter writer is read by the pass-through ops that carry it into the stream (class_token.expand)
     writer_nodes = set(st.writers).union(st.values, *({n.name for n in path} for _, path in chains),

@@ -258,6 +258,26 @@ def test_stream_returned_as_output_is_refused_by_name():
         normconv.swap(RawStream().eval(), torch.randint(0, 50, (2, 8)))
 
 
+class PoolingHead(nn.Module):
+    """SigLIP's attention-pooling head: a pre-LN block whose stream starts at the pooling projection, with no norm
+    after its residual add (the pooled output is the raw stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pool, self.ln = nn.Embedding(50, D), nn.Linear(D, D), nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, ids):
+        h = self.pool(self.emb(ids).mean(1))
+        return h + self.mlp(self.ln(h))
+
+
+def test_writer_carried_on_to_the_output_by_a_residual_add_is_named():
+    with pytest.raises(NormconvError, match=r"stream writer pool is also read by add, which carries it on to the "
+                                            r"model's output, not a LayerNorm"):
+        normconv.swap(_randomize(PoolingHead()).eval(), torch.randint(0, 50, (2, 8)))
+
+
 class UnreadProbe(nn.Module):
     """A debugging probe left in the forward: a module reads the stream and nothing reads its result."""
 
