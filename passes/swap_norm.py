@@ -177,6 +177,10 @@ def _back(cap: Captured, node: fx.Node, axis: int | None) -> int | None:
             and len(node.args[1]) == 1 and isinstance(node.args[1][0], fx.Node):
         # table[idx] (aten.index with one tensor on axis 0): out = idx's axes then the table's other axes
         return _tensor_index_back(cap, node.args[1][0], axis, a, b)
+    if name == "gather":  # whole hidden vectors picked along another axis (ViT-MAE's masking keeps some patches)
+        return _gather_back(cap, node, axis, a, b)
+    if name in ("pad", "constant_pad_nd"):  # rows added along other axes: zeros or copies of rows, zero-mean too
+        return _pad_back(node, name, axis, a, b)
     if name in ("select", "slice", "narrow", "index_select", "getitem"):  # picking rows on other axes keeps every
         # hidden vector
         if name == "getitem" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
@@ -222,6 +226,49 @@ def _index_back(node: fx.Node, name: str, axis: int, rank: int, out: tuple[int, 
         return None  # tensors, None, Ellipsis: not followed; the hidden (last) axis must stay whole
     kept = [j for j, i in enumerate(idx) if not isinstance(i, int)] + list(range(len(idx), rank))
     return kept[axis] if axis < len(kept) else None
+
+
+def _gather_back(cap: Captured, node: fx.Node, axis: int, a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
+    """gather(x, dim, idx) along another axis: ``axis`` if idx is the same for every feature of a row, i.e. copied
+    from a tensor with size 1 there (ids.unsqueeze(-1).repeat(1, 1, D) / .expand): each output row is a row of x."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+    if not isinstance(dim, int) or not isinstance(idx, fx.Node) or len(a) != len(b) or dim % len(a) == axis \
+            or a[axis] != b[axis]:
+        return None
+    from_end = len(b) - axis  # axes align from the right through broadcasting copies
+    v = idx
+    while isinstance(v, fx.Node):
+        shape = cap.shape(v)
+        if shape is None:
+            return None
+        j = len(shape) - from_end
+        if j < 0 or shape[j] == 1:
+            return axis  # size 1 on the hidden axis: one index per row, copied to every feature
+        if not (_fn_name(v) in _EXPANDS or cap.op(v) in TRANSPARENT) or not v.args:
+            return None
+        v = v.args[0]
+    return None
+
+
+def _pad_back(node: fx.Node, name: str, axis: int, a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
+    """F.pad / constant_pad_nd: ``axis`` if the hidden axis is not padded and the new rows are zeros (value 0) or
+    copies of rows (reflect / replicate / circular): either way zero-mean."""
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    if name == "constant_pad_nd":
+        mode, value = "constant", node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    else:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+    if not isinstance(pad, (list, tuple)) or not all(isinstance(p, int) for p in pad) or len(a) != len(b) \
+            or a[axis] != b[axis]:
+        return None
+    k = len(a) - 1 - axis  # pad pairs run from the last axis backwards
+    if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
+        return None
+    if mode not in ("constant", "reflect", "replicate", "circular") or (mode == "constant" and value not in (None, 0)):
+        return None
+    return axis
 
 
 def _tensor_index_back(cap: Captured, idx: fx.Node, axis: int, a: tuple[int, ...], out: tuple[int, ...]) -> int | None:

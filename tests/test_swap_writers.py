@@ -157,6 +157,41 @@ def test_a_position_table_sliced_into_two_ways_into_the_stream_swaps_exactly():
     _exact(model, torch.randn(2, 4, 32, 32), torch.randn(3, 4, 32, 32))
 
 
+class MaskedViT(ViT):
+    """ViT-MAE's random masking: half of the patch tokens kept by gather, the index one per token and copied to every
+    feature by repeat or expand; or the tokens padded to a block length with zero rows (PEGASUS-X: F.pad); "mixed"
+    gathers each feature from another token, which mixes rows (no weights-only rewrite)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos[:, 1:]
+        b, n, d = x.shape
+        if self.how == "pad":
+            x = F.pad(x, (0, 0, 0, 3))
+        elif self.how == "mixed":
+            x = torch.gather(x, 1, torch.randint(0, n, (b, n // 2, d), device=x.device))
+        else:
+            idx = torch.argsort(torch.rand(b, n, device=x.device), dim=1)[:, : n // 2].unsqueeze(-1)
+            x = torch.gather(x, 1, idx.repeat(1, 1, d) if self.how == "repeat" else idx.expand(-1, -1, d))
+        x = torch.cat([self.cls.expand(b, -1, -1), x], dim=1)
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+@pytest.mark.parametrize("how", ["repeat", "expand", "pad"])
+def test_tokens_gathered_or_padded_along_the_sequence_swap_exactly(how):
+    torch.manual_seed(0)
+    _exact(_randomize(MaskedViT(how)).eval(), torch.randn(2, 4, 32, 32), torch.randn(3, 4, 32, 32))
+
+
+def test_gather_mixing_rows_per_feature_is_refused_by_name():
+    torch.manual_seed(0)
+    with pytest.raises(NormconvError, match="stream writer gather is gather"):
+        normconv.swap(_randomize(MaskedViT("mixed")).eval(), torch.randn(2, 4, 32, 32))
+
+
 def test_grouped_conv_writer_is_refused_by_name():
     torch.manual_seed(0)
     model = ViT(groups=2).eval()
