@@ -520,6 +520,11 @@ def _writer(cap: Captured, leaf: Any, axis: int | None = None, read=None) -> Wri
                 f"{tuple(cap.shape(leaf) or ())} whose input holds the hidden axis merged with other axes (patch "
                 f"unfolding): swap follows only views that keep the hidden axis whole, so it cannot reach the writers")
     what = op or name or leaf.op
+    if name in ("getitem", "getattr") and len(leaf.args) == 2 and isinstance(leaf.args[0], fx.Node) \
+            and isinstance(leaf.args[1], (int, str)):
+        # one output of a multi-output op: name that op (Hiera's max pooling, max(...).values)
+        inner = leaf.args[0]
+        what = f"output {leaf.args[1]} of {cap.op(inner) or _fn_name(inner) or inner.op} ({inner.name})"
     return (f"stream writer {cap.describe(leaf)} is {what}, not a linear layer or an embedding (nor a conv or a "
             f"parameter): it has no weights that center its output")
 

@@ -192,6 +192,27 @@ def test_gather_mixing_rows_per_feature_is_refused_by_name():
         normconv.swap(_randomize(MaskedViT("mixed")).eval(), torch.randn(2, 4, 32, 32))
 
 
+class MaxPooledStage(nn.Module):
+    """Hiera's stage change: the projected stream max-pooled over query positions (max(...).values): a maximum of
+    centered rows is not centered, and no weights make it so."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.proj, self.block = nn.Embedding(50, D), nn.Linear(D, D), Block()
+
+    def forward(self, ids):
+        h = self.proj(self.emb(ids))
+        b, n, d = h.shape
+        return self.block(h.view(b, 2, n // 2, d).max(dim=1).values)
+
+
+@pytest.mark.parametrize("keyword", [False, True])  # symbolic_trace (getattr .values) / torch.export (getitem 0)
+def test_writer_that_is_one_output_of_max_is_named_as_such(keyword):
+    ids = torch.randint(0, 50, (2, 8))
+    with pytest.raises(NormconvError, match=r"stream writer \w+ is output (0|values) of max \(max\w*\), not a linear"):
+        normconv.swap(_randomize(MaxPooledStage()).eval(), Inputs((), {"ids": ids}) if keyword else ids)
+
+
 def test_grouped_conv_writer_is_refused_by_name():
     torch.manual_seed(0)
     model = ViT(groups=2).eval()
