@@ -60,12 +60,13 @@ def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = 
 
 def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate: bool = False, *,
          atol: float | None = None, rtol: float | None = None, method: str = "auto",
-         canonicalize: bool = True, fold_scales: bool = False) -> tuple[nn.Module, Report]:
+         canonicalize: bool = True, fold_scales: bool = False, partial: bool = False) -> tuple[nn.Module, Report]:
     """LayerNorm -> RMSNorm (exact on pre-LN models) or back; ``approximate`` swaps the rest and reports the drift;
+    ``partial`` swaps only the sites that are exact and keeps the others (the result stays exact);
     ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers).
     Returns (new model, report)."""
     report, new = flow.swap(_loaded(model, example_inputs), to, approximate, atol=atol, rtol=rtol, method=method,
-                            canonicalize=canonicalize, fold_scales_=fold_scales)
+                            canonicalize=canonicalize, fold_scales_=fold_scales, partial=partial)
     return new, report
 
 

@@ -369,16 +369,16 @@ def _canonicalize_notes(report: Report, model: nn.Module | None) -> list[str]:
 def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol: float | None = None,
          rtol: float | None = None, output: str | None = None, in_place: bool = False, method: str = "auto",
          canonicalize: bool = True, bench: bool = False, fold_scales_: bool = False,
-         keep_normconv: bool = False) -> tuple[Report, nn.Module]:
+         keep_normconv: bool = False, partial: bool = False) -> tuple[Report, nn.Module]:
     """``normconv swap``: canonicalize, swap, verify against the original, then write (exact: only if verified).
     ``fold_scales_``: then fold every RMSNorm scale into the linears reading it (weight-free norms; a model with
-    no LayerNorm to swap is then only folded)."""
+    no LayerNorm to swap is then only folded). ``partial``: only the exact sites, the others kept (still exact)."""
     inputs = loaded.require_inputs()
     if output is not None:
         check_output_path(loaded, output, in_place)  # fail before the work, not after
     if fold_scales_ and to != "rmsnorm":
         raise NormconvError("--fold-scales folds RMSNorm scales: it goes with --to rmsnorm")
-    swap_pass = swap_norm.SwapPass(to, approximate, require=not fold_scales_)
+    swap_pass = swap_norm.SwapPass(to, approximate, require=not fold_scales_, partial=partial)
     fold_pass = fold_scales.FoldScales()
     # hand-written and functional norms -> native modules first: swap replaces modules
     passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass] + \
@@ -399,7 +399,7 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
     agree = argmax_agreement(output_leaves(seen["reference"]), output_leaves(seen["rewritten"]))
     plans = swap_pass.analysis.plans if swap_pass.analysis else []
     report.extra.update({
-        "to": to, "approximate": approximate, "exact": swap_pass.exact,
+        "to": to, "approximate": approximate, "partial": partial, "exact": swap_pass.exact,
         "swapped": sum(p.module is not None and (p.exact or approximate) for p in plans),
         "exact_sites": sum(p.exact for p in plans), "refused": sum(not p.exact for p in plans),
         "argmax_agreement": agree,
@@ -440,7 +440,7 @@ def rotate(loaded: Loaded, rotation: str = "hadamard", seed: int = 0, *, atol: f
     except NormconvError as exc:
         if isinstance(exc, VerificationError) or str(exc).startswith(("rotate", "fold-scales")):
             raise
-        why = str(exc).split(". Pass --approximate")[0]  # rotate has no approximate mode
+        why = str(exc).split(". Pass --partial")[0]  # rotate has no partial or approximate mode
         raise NormconvError(f"rotate needs the exact LayerNorm -> RMSNorm swap first, and it refused: {why}") from exc
     report.notes.extend(swap_pass.notes + fold_pass.notes + rot.notes)
     plan = rot.plan_

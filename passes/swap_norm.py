@@ -1260,12 +1260,15 @@ class SwapPass:
 
     name = NAME
 
-    def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True):
-        if to not in SOURCE_KIND:
-            from normconv.errors import NormconvError
+    def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True, partial: bool = False):
+        from normconv.errors import NormconvError
 
+        if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
+        if partial and approximate:
+            raise NormconvError("choose --partial (swap only the exact sites) or --approximate (swap them all)")
         self.to, self.approximate = to, approximate
+        self.partial = partial  # swap the exact sites, keep the others as they are: the result stays exact
         self.require = require  # False: a model with no norm to swap passes through unchanged (rotate, fold-scales)
         self.exact = True  # False once an approximate site was applied
         self.notes: list[str] = []
@@ -1285,9 +1288,16 @@ class SwapPass:
         if not a.plans:
             raise NormconvError(f"swap: {type(model).__name__} has no {kind} to swap to {self.to}")
         why = refusal(a)
-        if why and not self.approximate:
-            raise NormconvError(f"{why}. Pass --approximate to swap anyway and measure the drift "
-                                f"(normconv inspect lists every site)")
+        if why and self.partial and not any(p.exact and p.module is not None for p in a.plans):
+            raise NormconvError(f"{why}. --partial: no site can be swapped exactly, so nothing would change")
+        if why and not self.approximate and not self.partial:
+            raise NormconvError(f"{why}. Pass --partial to swap only the exact sites, or --approximate to swap "
+                                f"them all and measure the drift (normconv inspect lists every site)")
+        if why and self.partial:
+            # the kept norms read streams whose writers may be centered: a LayerNorm does not see a mean shift
+            kept = sum(not p.exact for p in a.plans)
+            self.notes.append(f"--partial: {len(a.plans) - kept} of {len(a.plans)} {kind} sites swapped exactly, "
+                              f"{kept} kept as they are (each row says why)")
         plan = edits(cap, a, self.approximate)
         with torch.no_grad():
             self._untie(model, cap, plan)

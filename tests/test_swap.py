@@ -187,6 +187,44 @@ def test_stream_from_the_raw_input_is_refused():
         swap(model, Inputs((torch.randn(2, 3, 16),)))
 
 
+class _TwoStreams(nn.Module):
+    """A pre-LN stack (exact) beside a LayerNorm of a ReLU's output (no weights center a ReLU)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stack, self.side, self.side_ln = _Stack(d=d), nn.Linear(6, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.stack(x), self.side_ln(torch.relu(self.side(x)))
+
+
+def test_partial_swaps_the_exact_sites_and_keeps_the_others():
+    model = _randomize_norms(_TwoStreams().eval())
+    inputs = Inputs((torch.randn(2, 3, 6),))
+    with pytest.raises(NormconvError, match="Pass --partial to swap only the exact sites"):
+        swap(model, inputs)
+    new, report = swap(model, inputs, partial=True)
+    assert isinstance(new.stack.block.ln, nn.RMSNorm) and isinstance(new.stack.ln_f, nn.RMSNorm)
+    assert type(new.side_ln) is nn.LayerNorm  # kept, and said why
+    assert report.passed and report.extra["exact"] and report.extra["partial"]
+    assert (report.extra["swapped"], report.extra["refused"]) == (2, 1)
+    kept = [s for s in report.sites if s.pass_name == "swap" and not s.applied]
+    assert [s.target for s in kept] == ["side_ln"] and "not a linear layer" in kept[0].reason
+    assert any(n.startswith("--partial: 2 of 3 layernorm sites swapped exactly") for n in report.notes)
+    x2 = Inputs((torch.randn(3, 5, 6),))  # another shape: still exact
+    for a, b in zip(run(new, x2), run(model, x2)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_partial_with_no_exact_site_or_with_approximate_is_refused():
+    model = _randomize_norms(_Stack(kind="relu_writer").eval())
+    inputs = Inputs((torch.randn(2, 3, 6),))
+    with pytest.raises(NormconvError, match="--partial: no site can be swapped exactly"):
+        swap(model, inputs, partial=True)
+    with pytest.raises(NormconvError, match="choose --partial .* or --approximate"):
+        swap(model, inputs, partial=True, approximate=True)
+
+
 # -- property: random pre-LN stacks swap exactly ---------------------------------------------------------------
 
 
@@ -248,6 +286,14 @@ def test_cli_post_ln_refused_without_approximate(cli, tmp_path):
     assert code == 0 and out.exists()
     drift = json.loads(stdout)["extra"]["drift"]
     assert drift["max_abs_error"] > 0 and drift["cosine"] < 1
+
+
+def test_cli_partial_on_a_model_with_no_exact_site_exits_2_and_writes_nothing(cli, tmp_path):
+    out = tmp_path / "bert.pt"
+    code, _, stderr = cli("swap", "zoo:bert", "--partial", "-o", out)
+    assert code == 2 and "--partial: no site can be swapped exactly" in stderr and not out.exists()
+    code, stdout, _ = cli("swap", "zoo:gpt", "--partial", "-o", out, "--json")  # every site exact: all swapped
+    assert code == 0 and json.loads(stdout)["extra"]["swapped"] == 5 and out.exists()
 
 
 def test_cli_tolerance_miss_exits_1_and_writes_nothing(cli, tmp_path):

@@ -20,6 +20,9 @@ def register(app: typer.Typer) -> None:
         output: OutputOpt = None,
         approximate: Annotated[bool, typer.Option(
             "--approximate", help="swap sites that cannot be made exact too, and report the output drift")] = False,
+        partial: Annotated[bool, typer.Option(
+            "--partial", help="swap only the sites that can be made exact and keep the others as they are (the "
+                              "result stays exact; each kept site says why)")] = False,
         no_canonicalize: Annotated[bool, typer.Option(
             "--no-canonicalize", help="do not convert hand-written norms to native modules first")] = False,
         fold_scales: Annotated[bool, typer.Option(
@@ -52,6 +55,7 @@ def register(app: typer.Typer) -> None:
 
             check_stream_flags("rewrites an exact LayerNorm -> RMSNorm swap of a Hugging Face folder",
                                [("--to layernorm", to != "rmsnorm"), ("--approximate", approximate),
+                                ("--partial", partial),
                                 ("--fold-scales", fold_scales), ("--weights", weights is not None),
                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
                                 ("--in-place", in_place), ("--bench", bench), ("--no-canonicalize", no_canonicalize),
@@ -62,5 +66,5 @@ def register(app: typer.Typer) -> None:
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = flow.swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
                               canonicalize=not no_canonicalize, bench=bench, fold_scales_=fold_scales,
-                              keep_normconv=normconv_modules)
+                              keep_normconv=normconv_modules, partial=partial)
         emit(report, as_json)
