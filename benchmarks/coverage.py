@@ -241,6 +241,14 @@ def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
             feat = (getattr(cfg, "input_feat_per_channel", None) or getattr(cfg, "num_mel_bins", None)
                     or getattr(cfg, "feature_size", 80)) * (getattr(cfg, "input_channels", 1) or 1)
             kw["input_features"] = torch.randn(batch, 4 * seq, feat, generator=g)
+    elif {"hidden_states", "grid_thw"} <= set(params) and getattr(cfg, "patch_size", None):
+        # Qwen2-VL-style vision towers: the flattened patches of `batch` images, each 1 x (m*k) x (2m) patches
+        # (m = spatial_merge_size: the merger groups m x m patches; k grows with seq, so the second shape differs)
+        m = getattr(cfg, "spatial_merge_size", 2) or 2
+        dim = (getattr(cfg, "in_channels", 3) or 3) * (getattr(cfg, "temporal_patch_size", 1) or 1) * cfg.patch_size ** 2
+        h, w = m * max(1, seq // 8), 2 * m
+        kw["grid_thw"] = torch.tensor([[1, h, w]] * batch)
+        kw["hidden_states"] = torch.randn(batch * h * w, dim, generator=g)
     if "input_ids" in params and ("pixel_values" not in kw or "text" in str(type(cfg)).lower()
                                   or hasattr(cfg, "text_config")):
         vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
@@ -254,6 +262,30 @@ def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
         vocab = getattr(cfg, "vocab_size", None) or VOCAB
         kw["decoder_input_ids"] = torch.randint(0, min(vocab, 100), (batch, max(seq // 2, 1)), generator=g)
     return kw
+
+
+def input_repairs(model, kw: dict) -> list[dict]:
+    """Other spellings of the same inputs, tried in order when the model rejects the first: mono audio as
+    (B, 1, T) (codecs), a clip of frames (B, T, C, H, W) (video models), token ids beside the pixels (captioning /
+    VQA models whose config has no text_config)."""
+    import torch
+
+    cfg, out = model.config, []
+    from normconv.io import forward_params
+
+    params = forward_params(model)
+    if "input_values" in kw and kw["input_values"].dim() == 2:
+        out.append({**kw, "input_values": kw["input_values"].unsqueeze(1)})
+    if "pixel_values" in kw and kw["pixel_values"].dim() == 4:
+        frames = getattr(cfg, "num_frames", None) or getattr(getattr(cfg, "vision_config", None), "num_frames", None) or 2
+        out.append({**kw, "pixel_values": kw["pixel_values"].unsqueeze(1).expand(-1, frames, -1, -1, -1).contiguous()})
+    if "input_ids" not in kw and "input_ids" in params:
+        vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
+        if vocab:
+            b = next(iter(kw.values())).shape[0]
+            ids = torch.randint(3 if vocab > 8 else 0, min(vocab, 100), (b, SEQ), generator=torch.Generator().manual_seed(7))
+            out.append({**kw, "input_ids": ids})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -422,15 +454,24 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
                 __import__("normconv.io", fromlist=["x"]).forward_params(model)[:4]) + ")"
             rec["built"] = False
             return rec
-        rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
-        try:
-            ref1 = limited(lambda: forward(model, x1))
-            ref2 = limited(lambda: forward(model, x2))
-            calls, _ = limited(lambda: norm_hooks(model, x1))
-            break
-        except Exception as exc:  # noqa: BLE001
-            rec["forward_error"] = f"{type(exc).__name__}: {_first_line(exc)}"
+        first_error = None
+        for r1, r2 in [(x1, x2)] + list(zip(input_repairs(model, x1), input_repairs(model, x2))):
+            rec["inputs"] = {k: list(v.shape) for k, v in r1.items()}
+            try:
+                ref1 = limited(lambda: forward(model, r1))
+                ref2 = limited(lambda: forward(model, r2))
+                calls, _ = limited(lambda: norm_hooks(model, r1))
+                x1, x2 = r1, r2
+                break
+            except Exception as exc:  # noqa: BLE001 - the first inputs' error is the one recorded
+                first_error = first_error or exc
+        else:
+            rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
+            rec["forward_error"] = f"{type(first_error).__name__}: {_first_line(first_error)}"
             rec.setdefault("tiny_error", rec["forward_error"])
+            continue
+        rec.pop("forward_error", None)
+        break
     if not rec["built"] or "forward_error" in rec:
         return rec
     rec["hook_calls"] = sum(calls.values())
@@ -792,9 +833,10 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
              f"CPU, random weights, tiny configs: hidden <= {HIDDEN}, {LAYERS} layers, {HEADS} heads, vocab "
              f"{VOCAB}, 32 px images).", "",
              f"**Swept {len(recs)} of the {total_types} model types** in the auto-model mappings; "
-             f"{len(built)} built and ran a forward on their example inputs. The rest of the types were not run "
-             "(the sweep is resumable: `python benchmarks/coverage.py` continues from "
-             "`benchmarks/results/coverage.jsonl`).", "",
+             f"{len(built)} built and ran a forward on their example inputs (the rest: see *Not built / no "
+             "forward*, each with its reason)."
+             + (" The types not swept were not run (the sweep is resumable: `python benchmarks/coverage.py` "
+                "continues from `benchmarks/results/coverage.jsonl`)." if len(recs) < total_types else ""), "",
              "Verdicts are computed outside normconv: *sites* = norm calls inspect reports / calls seen by forward "
              "hooks on innermost modules whose class name contains `Norm`; a rewrite is *ok* only if the returned "
              f"model matches the original on fresh inputs of a second shape (batch {BATCH2}, seq {SEQ2}); export "
