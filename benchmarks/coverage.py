@@ -288,6 +288,20 @@ def input_repairs(model, kw: dict) -> list[dict]:
     return out
 
 
+def runnable_inputs(model, x1: dict, x2: dict, limited=lambda fn: fn()) -> tuple[dict, dict, object, object]:
+    """(x1, x2, outputs on x1, outputs on x2) for the first spelling of the inputs (as made, then each of
+    input_repairs) the model runs at both shapes; raises the first spelling's error when none runs."""
+    first_error = None
+    for r1, r2 in [(x1, x2)] + list(zip(input_repairs(model, x1), input_repairs(model, x2))):
+        try:
+            ref1 = limited(lambda: forward(model, r1))
+            ref2 = limited(lambda: forward(model, r2))
+            return r1, r2, ref1, ref2
+        except Exception as exc:  # noqa: BLE001 - the inputs as made give the error worth reporting
+            first_error = first_error or exc
+    raise first_error
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # checks made outside normconv
 
@@ -454,24 +468,15 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
                 __import__("normconv.io", fromlist=["x"]).forward_params(model)[:4]) + ")"
             rec["built"] = False
             return rec
-        first_error = None
-        for r1, r2 in [(x1, x2)] + list(zip(input_repairs(model, x1), input_repairs(model, x2))):
-            rec["inputs"] = {k: list(v.shape) for k, v in r1.items()}
-            try:
-                ref1 = limited(lambda: forward(model, r1))
-                ref2 = limited(lambda: forward(model, r2))
-                calls, _ = limited(lambda: norm_hooks(model, r1))
-                x1, x2 = r1, r2
-                break
-            except Exception as exc:  # noqa: BLE001 - the first inputs' error is the one recorded
-                first_error = first_error or exc
-        else:
+        try:
+            x1, x2, ref1, ref2 = runnable_inputs(model, x1, x2, limited)
+            calls, _ = limited(lambda: norm_hooks(model, x1))
             rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
-            rec["forward_error"] = f"{type(first_error).__name__}: {_first_line(first_error)}"
+            break
+        except Exception as exc:  # noqa: BLE001
+            rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
+            rec["forward_error"] = f"{type(exc).__name__}: {_first_line(exc)}"
             rec.setdefault("tiny_error", rec["forward_error"])
-            continue
-        rec.pop("forward_error", None)
-        break
     if not rec["built"] or "forward_error" in rec:
         return rec
     rec["hook_calls"] = sum(calls.values())
