@@ -731,8 +731,11 @@ def _plan_of(cap: Captured, norms: Sequence[NormSite], which: str, on: bool) -> 
 
 def _float32_sites(cap: Captured, norms: Sequence[NormSite]) -> frozenset[str]:
     """The sites whose input and output are float32 in this graph (their upcasts are no-op casts)."""
-    return frozenset(s.target for s in norms
-                     if cap.dtype(cap.nodes[s.input]) == cap.dtype(cap.nodes[s.node]) == torch.float32)
+    def dtype(name: str):
+        node = cap.nodes.get(name)
+        return cap.dtype(node) if node is not None else None
+
+    return frozenset(s.target for s in norms if dtype(s.input) == dtype(s.node) == torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
