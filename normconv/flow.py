@@ -174,7 +174,7 @@ def _second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: fl
     alt_inputs, reference = alt
     label = f"torch, second shape ({alt_inputs.describe()})"
     try:
-        candidate = run(rewritten, alt_inputs)
+        candidate = run(clone_sharing_tensors(rewritten), alt_inputs)  # the result keeps no state of this shape
     except Exception as exc:
         return [Validation(float("inf"), float("inf"), atol or 0.0, rtol or 0.0, False, 0.0,
                            (OutputError("output", float("inf"), float("inf"), 0.0, False),),
@@ -328,7 +328,8 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, *, atol: float | None,
                     label=f"torch {label} after canonicalize vs float32 model")]
     if alt32 is not None:
         alt_inputs, alt_ref = alt32
-        vs32.append(compare(alt_ref, _cast_floats(run(model, alt_inputs.to(half)), torch.float32), atol, rtol,
+        vs32.append(compare(alt_ref, _cast_floats(run(clone_sharing_tensors(model), alt_inputs.to(half)),
+                                                  torch.float32), atol, rtol,
                             label=f"torch {label} after canonicalize vs float32 model, second shape"))
     given = compare(ref32, _cast_floats(seen["reference"], torch.float32), atol, rtol)
     vs_half = report.validation

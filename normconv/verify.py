@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
+from normconv.clone import clone_sharing_tensors
 from normconv.report import OutputError, Validation
 
 # documented defaults: exact passes are float reassociation only, so fp32 stays within these
@@ -135,7 +136,8 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     activations) length - 1, and for images ((B, C, H, W) floats) H and W 32 smaller (32 larger below 96: a
     multiple of every usual stride), then batch + 1. Each candidate is tried on ``model``; the first it accepts
     with an output that can fail a comparison (not every output 0: one sample through a final ReLU can be) is
-    returned with that output, None when it takes no other shape (fixed sizes)."""
+    returned with that output, None when it takes no other shape (fixed sizes). ``model`` itself never runs: each
+    candidate runs on a copy sharing its tensors."""
     tensors = [x for x in list(inputs.args) + list(inputs.kwargs.values()) if isinstance(x, torch.Tensor)]
     if not tensors or any(t.dim() == 0 for t in tensors):
         return None
@@ -172,7 +174,9 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
         alt = Inputs(tuple(reshape(x, new_batch, dl, spatial) for x in inputs.args),
                      {k: reshape(v, new_batch, dl, spatial) for k, v in inputs.kwargs.items()})
         try:
-            out = run(model, alt)
+            # on a copy sharing the tensors: a forward may rewrite the module's own attributes for the shape it
+            # sees (Swin shrinks its window to a smaller image), and the user's model must stay as it was
+            out = run(clone_sharing_tensors(model), alt)
         except Exception:
             continue
         if output_leaves(out) and not all_zero(output_leaves(out)):

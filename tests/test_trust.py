@@ -486,6 +486,37 @@ def test_second_shape_of_an_image_model_changes_the_image_size():
     assert report.validation[1].label == "torch, second shape ((1, 3, 32, 32):float32)"
 
 
+class _WindowToImage(nn.Module):
+    """Swin's set_shift_and_window_size: the forward shrinks its window to an image smaller than it, and keeps
+    that window for later calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.window = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), 80
+
+    def forward(self, x):
+        self.window = min(self.window, x.shape[-1])
+        y = self.bn(self.conv(x))
+        return y[..., : self.window, : self.window].mean((-2, -1))
+
+
+@pytest.mark.parametrize("command", ["fold", "canonicalize", "export"])
+def test_the_checks_at_a_second_shape_leave_the_model_and_the_result_as_they_were(command, tmp_path):
+    torch.manual_seed(0)
+    model = _WindowToImage().eval()
+    x = torch.randn(1, 3, 96, 96)  # the second shape is 64 x 64: smaller than the window
+    if command == "export":
+        normconv.export(model, x, tmp_path / "m.onnx")
+        new = None
+    else:
+        new, report = getattr(normconv, command)(model, x)
+        assert report.validation[-1].label.startswith("torch, second shape ((2, 3, 64, 64)")
+    assert model.window == 80  # the user's model: its forward never ran at the second shape
+    if new is not None:
+        assert new.window == 80  # nor did the result's, which is returned as the original was
+        torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-4)
+
+
 class _RandomMasking(nn.Module):
     """MAE-style random masking in the forward: every call draws new noise."""
 
