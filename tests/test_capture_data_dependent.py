@@ -79,3 +79,17 @@ def test_a_norm_on_a_value_dependent_size_is_found():
     inputs = Inputs((), {"hidden_states": torch.randn(2, 5, 8), "mask": torch.rand(2, 5) > 0.5})
     report = normconv.inspect(MaskedRows().eval(), inputs).to_json()
     assert [(s["target"], s["kind"], s["normalized_shape"]) for s in report["sites"]] == [("norm", "layernorm", [8])]
+
+
+def test_a_draft_graph_that_is_not_the_eager_computation_is_refused():
+    # draft_export may take a data-dependent branch otherwise than eager (LightGlue: its no-keypoint early return,
+    # so no norm is in the graph); the capture checks the graph against the eager output on the example inputs
+    from normconv.graph.capture import _check_draft
+
+    torch.manual_seed(0)
+    model, other = PaddingBranch().eval(), PaddingBranch().eval()  # the same code, other weights
+    inputs = Inputs((), {"input_ids": torch.tensor([[0, 3, 4, 5, 6], [7, 8, 0, 9, 1]])})
+    ep = torch.export.draft_export(other, (), inputs.kwargs, strict=False)
+    _check_draft(other, ep, inputs)  # its own graph: the eager output
+    with pytest.raises(NormconvError, match="draft_export's graph is not the model's computation on these inputs"):
+        _check_draft(model, ep, inputs)

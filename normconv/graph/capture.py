@@ -291,6 +291,22 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
     raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}")
 
 
+def _check_draft(model: nn.Module, ep: Any, inputs: Inputs, reference: Any = None) -> None:
+    """The trust check of a draft_export graph: on the example inputs it computes the eager output. Its branches on
+    data-dependent sizes can be another than eager takes (LightGlue: the no-keypoint early return, so its
+    transformer and norms are not in the graph); such a graph would describe another model, and is refused."""
+    reference = run(model, inputs) if reference is None or not output_leaves(reference) else reference
+    try:
+        graph_out = run(ep.module(), inputs)
+        check = compare(reference, graph_out, atol=1e-5, rtol=1e-5)
+        ok, why = check.passed and bool(output_leaves(graph_out)), f"max abs error {check.max_abs_error:.3g}"
+    except Exception as exc:  # noqa: BLE001 - another output structure or shape: not the eager computation
+        ok, why = False, _one_line(exc)
+    if not ok:
+        raise NormconvError(f"torch.export.draft_export's graph is not the model's computation on these inputs "
+                            f"(a branch on data-dependent sizes taken otherwise than eager: {why})")
+
+
 def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, str],
                   reference: Any = None) -> Captured:
     if m == "symbolic_trace":
@@ -320,6 +336,7 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
                 # draft_export takes each such branch as the example inputs take it. The graph then serves the
                 # analysis (every rewrite is verified on the model itself), never the ONNX export
                 ep = torch.export.draft_export(model, inputs.args, inputs.kwargs, strict=False)
+                _check_draft(model, ep, inputs, reference)
                 attempts[m] = (f"{_one_line(exc)}; captured with torch.export.draft_export instead (branches on "
                                f"tensor values taken as on the example inputs)")
                 return Captured(model, ep.graph_module, m, inputs, exported=ep, attempts=attempts, specialized=True)
