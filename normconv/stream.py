@@ -478,24 +478,31 @@ class _OnDemand:
     def run_many(self, shapes: list[Inputs]) -> list[tuple[Any, list[torch.Tensor]]]:
         """``run`` for several inputs at once, in lockstep: one thread per input, meeting at every block, so each
         block is read from the checkpoint once for all of them (verification at two shapes read it twice)."""
-        barrier = threading.Barrier(len(shapes))
+        # the timeout only backs up the check below (a forward that ends just as another starts waiting)
+        barrier = threading.Barrier(len(shapes), timeout=_LOCKSTEP_TIMEOUT_S)
+        finished = threading.Event()
         mine = threading.local()
         results: list[Any] = [None] * len(shapes)
         errors: list[BaseException | None] = [None] * len(shapes)
 
+        def meet() -> int:
+            if finished.is_set():  # another forward is over while this one still calls blocks: their flows differ
+                raise threading.BrokenBarrierError
+            return barrier.wait()
+
         def before(slots):
-            if barrier.wait() == 0:  # one thread loads the block for all
+            if meet() == 0:  # one thread loads the block for all
                 self._saved = self._fill(slots)
-            barrier.wait()
+            meet()
 
         def after(out):
             first = out[0] if isinstance(out, (tuple, list)) else out
             mine.outputs.append(first.detach())
-            if barrier.wait() == 0:  # every thread is done with the block: one drops it
+            if meet() == 0:  # every thread is done with the block: one drops it
                 self._restore(self._saved)
                 self._saved = []
                 _trim_heap()
-            barrier.wait()
+            barrier.wait()  # the last meeting of a block: the others may be over once it releases
 
         def work(k: int) -> None:
             mine.outputs = []
@@ -505,7 +512,11 @@ class _OnDemand:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                 errors[k] = exc
             finally:
-                barrier.abort()  # a thread still waiting now would wait forever: its forward ran other blocks
+                finished.set()
+                # a thread waiting now would wait forever (its forward calls a block this one did not, or this one
+                # failed); one still leaving the last meeting is not waiting, and an abort would break it there
+                if errors[k] is not None or barrier.n_waiting:
+                    barrier.abort()
 
         hooks = []
         for block, slots in self.block_slots:  # hooks for these forwards only (a model runs at several shapes)
@@ -531,6 +542,9 @@ class _OnDemand:
         if any(e is not None for e in errors):  # the inputs made the model call its blocks differently: one by one
             return [self.run(inputs) for inputs in shapes]
         return results
+
+
+_LOCKSTEP_TIMEOUT_S = 600.0  # a block meeting waits this long at most, then the shapes run one by one
 
 
 def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float | None, rtol: float | None,

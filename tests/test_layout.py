@@ -17,8 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # layer of each package / module: a module may import its own package and anything of a lower layer
 # stream: the streaming flow (checkpoint -> passes' edits -> shards), under the api that offers it
 LAYERS = {"cli": 4, "api": 3, "flow": 3, "stream": 2.9, "passes": 2, "onnx": 2, "graph": 1,
-          # the core, itself ordered: io loads and saves (checks with verify), verify reports, all raise errors
-          "io": 0.3, "outputs": 0.25, "verify": 0.2, "clone": 0.2, "report": 0.1, "nn": 0.1, "errors": 0, "quiet": 0, "models": 0}
+          # the core, itself ordered: io loads and saves (checks with verify), verify reports (and runs its checks
+          # on clones), all raise errors
+          "io": 0.3, "outputs": 0.25, "verify": 0.2, "clone": 0.15, "report": 0.1, "nn": 0.1, "errors": 0, "quiet": 0, "models": 0}
 
 
 def _unit(module: str) -> str:
