@@ -864,6 +864,8 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
                  f"`--stale` reruns them): {', '.join(stale[:12])}{' ...' if len(stale) > 12 else ''}" if stale else "")
               + ".", ""]
     lines += ["## Failures grouped by cause", ""]
+    if not any(verdict(c, r)[0] == "failed" for c in COMMANDS for r in built):
+        lines += ["None: no command failed on any type that built and ran.", ""]
     for c in COMMANDS:
         groups = defaultdict(list)
         for r in built:
