@@ -251,10 +251,9 @@ def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
         kw["hidden_states"] = torch.randn(batch * h * w, dim, generator=g)
     if "input_ids" in params and ("pixel_values" not in kw or "text" in str(type(cfg)).lower()
                                   or hasattr(cfg, "text_config")):
-        vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
-        if vocab:
-            hi = min(vocab, 100)
-            kw["input_ids"] = torch.randint(3 if hi > 8 else 0, hi, (batch, seq), generator=g)
+        ids = _token_ids(cfg, (batch, seq), g)
+        if ids is not None:
+            kw["input_ids"] = ids
     if not kw:
         return None
     dec = "decoder_input_ids" in params and (getattr(cfg, "is_encoder_decoder", False) or "input_features" in kw)
@@ -270,9 +269,9 @@ def input_repairs(model, kw: dict) -> list[dict]:
     VQA models whose config has no text_config)."""
     import torch
 
-    cfg, out = model.config, []
     from normconv.io import forward_params
 
+    cfg, out = model.config, []
     params = forward_params(model)
     if "input_values" in kw and kw["input_values"].dim() == 2:
         out.append({**kw, "input_values": kw["input_values"].unsqueeze(1)})
@@ -280,12 +279,21 @@ def input_repairs(model, kw: dict) -> list[dict]:
         frames = getattr(cfg, "num_frames", None) or getattr(getattr(cfg, "vision_config", None), "num_frames", None) or 2
         out.append({**kw, "pixel_values": kw["pixel_values"].unsqueeze(1).expand(-1, frames, -1, -1, -1).contiguous()})
     if "input_ids" not in kw and "input_ids" in params:
-        vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
-        if vocab:
-            b = next(iter(kw.values())).shape[0]
-            ids = torch.randint(3 if vocab > 8 else 0, min(vocab, 100), (b, SEQ), generator=torch.Generator().manual_seed(7))
+        ids = _token_ids(cfg, (next(iter(kw.values())).shape[0], SEQ), torch.Generator().manual_seed(7))
+        if ids is not None:
             out.append({**kw, "input_ids": ids})
     return out
+
+
+def _token_ids(cfg, shape: tuple[int, int], g):
+    """Token ids of ``shape`` within the (text) vocabulary, above the usual special ids; None without a vocab."""
+    import torch
+
+    vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
+    if not vocab:
+        return None
+    hi = min(vocab, 100)
+    return torch.randint(3 if hi > 8 else 0, hi, shape, generator=g)
 
 
 def runnable_inputs(model, x1: dict, x2: dict, limited=lambda fn: fn()) -> tuple[dict, dict, object, object]:
@@ -471,12 +479,12 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
         try:
             x1, x2, ref1, ref2 = runnable_inputs(model, x1, x2, limited)
             calls, _ = limited(lambda: norm_hooks(model, x1))
-            rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
             break
         except Exception as exc:  # noqa: BLE001
-            rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
             rec["forward_error"] = f"{type(exc).__name__}: {_first_line(exc)}"
             rec.setdefault("tiny_error", rec["forward_error"])
+        finally:  # the inputs the model ran on (or the first spelling, when none ran)
+            rec["inputs"] = {k: list(v.shape) for k, v in x1.items()}
     if not rec["built"] or "forward_error" in rec:
         return rec
     rec["hook_calls"] = sum(calls.values())

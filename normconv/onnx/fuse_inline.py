@@ -143,7 +143,7 @@ def _match_rms(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | None:
         for s, eps, add in _plus_eps(sqrt):
             if eps == 0.0 and not add:
                 continue  # an RMSNorm without eps is not matched (a plain x / |x| is not a norm op)
-            mean = _kept_mean(s) if len(s.uses()) == 1 else None
+            mean = _kept_mean(s)
             square = mean[0].inputs[0] if mean else None
             if mean is None or _square_of(square) is not x or not _normalizable(x):
                 continue
@@ -173,7 +173,7 @@ def _match_layernorm(out: ir.Node) -> tuple[ir.Value, float, list[ir.Node]] | No
             continue
         x = centered[0]
         for s, eps, add in _plus_eps(sqrt):
-            var = _kept_mean(s) if len(s.uses()) == 1 else None
+            var = _kept_mean(s)
             square = var[0].inputs[0] if var else None
             d2 = _square_of(square) if square is not None else None
             again = _centered(d2) if d2 is not None and d2 is not d else None
