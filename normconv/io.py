@@ -511,6 +511,8 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    from normconv.hf_inputs import hf_example_inputs  # it reads forward_params from here
+
     return Loaded(model.eval(), hf_example_inputs(model), spec, "hf", path)
 
 
@@ -526,34 +528,6 @@ def remote_code(config_json: Path) -> str | None:
         return None
     values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
     return ", ".join(sorted({str(v if isinstance(v, str) else v[0]) for v in values}))[:200]
-
-
-def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ_LEN) -> Inputs | None:
-    """Inputs a Hugging Face model takes, built from its config (ids, masks, decoder ids or pixels)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    g = torch.Generator().manual_seed(0)
-    params = forward_params(model)
-    kwargs: dict[str, Any] = {}
-    if "pixel_values" in params:
-        channels = getattr(config, "num_channels", 3)
-        size = getattr(config, "image_size", 32)
-        size = size if isinstance(size, int) and size <= 64 else 32
-        kwargs["pixel_values"] = torch.randn(batch, channels, size, size, generator=g)
-        return Inputs((), kwargs)
-    vocab = getattr(config, "vocab_size", None)
-    if "input_ids" not in params or not vocab:
-        return None
-    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or seq
-    seq = min(seq, max_pos)
-    kwargs["input_ids"] = torch.randint(0, vocab, (batch, seq), generator=g)
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        kwargs["decoder_input_ids"] = torch.randint(0, vocab, (batch, max(seq // 2, 1)), generator=g)
-    elif "attention_mask" in params and not getattr(config, "is_decoder", False) and \
-            getattr(config, "model_type", "") in ("bert", "roberta", "distilbert", "electra", "albert", "deberta"):
-        kwargs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
-    return Inputs((), kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -577,14 +551,32 @@ def without_kv_cache(model: nn.Module, inputs: Inputs | None) -> Inputs | None:
 
     A Hugging Face model built from a default config (``use_cache=True``) returns its KV cache, a DynamicCache that
     torch.export cannot capture and no check can compare. The cache is what generation reuses, not a result of the
-    forward; the rewritten model is the same module and takes ``use_cache`` as before."""
+    forward; the rewritten model is the same module and takes ``use_cache`` as before. Forward takes it by name,
+    or through ``**kwargs`` on a Hugging Face model whose config (or text config) caches: a VLM such as LLaVA
+    hands its kwargs to the language model."""
     if inputs is None:
         return None
     params = forward_params(model)
+    if "use_cache" in inputs.kwargs:
+        return inputs
+    if "use_cache" not in params:
+        return Inputs(inputs.args, {**inputs.kwargs, "use_cache": False}) if _caches_through_kwargs(model) else inputs
     # unset: not among the keyword arguments, and not reached by the positional ones
-    if "use_cache" not in params or "use_cache" in inputs.kwargs or len(inputs.args) > params.index("use_cache"):
+    if len(inputs.args) > params.index("use_cache"):
         return inputs
     return Inputs(inputs.args, {**inputs.kwargs, "use_cache": False})
+
+
+def _caches_through_kwargs(model: nn.Module) -> bool:
+    """Whether forward takes ``**kwargs`` and the model's config, or its text config, has ``use_cache`` on."""
+    try:
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                           for p in inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    config = getattr(model, "config", None)
+    return takes_kwargs and any(getattr(c, "use_cache", False) is True
+                                for c in (config, getattr(config, "text_config", None)) if c is not None)
 
 
 def with_attention_mask(model: nn.Module, inputs: Inputs) -> Inputs | None:

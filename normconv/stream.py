@@ -36,8 +36,9 @@ import torch.nn as nn
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
-from normconv.io import (HF_SEQ_LEN, TEMP_SUFFIX, check_writable, hf_example_inputs, remote_code,
-                         remove_stale_temps, temp_name, write_error)
+from normconv.hf_inputs import hf_example_inputs
+from normconv.io import (HF_SEQ_LEN, TEMP_SUFFIX, check_writable, remote_code, remove_stale_temps, temp_name,
+                         write_error)
 from normconv.passes import swap_norm
 from normconv.report import Report, Validation
 from normconv.verify import Inputs, compare, default_tolerance

@@ -33,7 +33,7 @@ from normconv import stream
 from normconv.errors import NormconvError
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
-from normconv.io import hf_example_inputs
+from normconv.hf_inputs import hf_example_inputs
 from normconv.passes import fold_batchnorm
 from normconv.passes.base import skip
 from normconv.report import Report

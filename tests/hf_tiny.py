@@ -229,3 +229,18 @@ def cached_llama():
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
     return _build(LlamaForCausalLM, cfg), Inputs((), {"input_ids": _ids()})
+
+
+def tiny_llava():
+    """LLaVA (CLIP vision tower, Llama language model) as users build it: use_cache on in its text config, taken
+    through forward's **kwargs; its example inputs are the ones normconv makes (one image token per feature)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaModel
+
+    from normconv.hf_inputs import hf_example_inputs
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = _build(LlavaModel, LlavaConfig(vision_config=vision, text_config=text, image_token_index=5))
+    return model, hf_example_inputs(model)

@@ -3,6 +3,8 @@
 - LMs built with their default config return a KV cache (a DynamicCache) from a plain forward, which torch.export
   cannot capture: every command failed on them. normconv runs the model with use_cache=False unless the caller sets
   it; the rewritten model keeps taking use_cache, and the user's model is untouched.
+- A VLM (LLaVA) takes use_cache only through forward's **kwargs, which it hands to its language model: normconv
+  passes use_cache=False there too when the config (or its text config) caches.
 - A tokenizer's output (a BatchEncoding, a UserDict rather than a dict) was taken as one positional input."""
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import json
 import onnx
 import torch
 
-from hf_tiny import cached_gpt2, cached_llama
+from hf_tiny import cached_gpt2, cached_llama, tiny_llava
 from transformers import BatchEncoding
 
-from normconv.api import export, inspect, swap
+from normconv.api import export, fold, inspect, swap
 
 
 def test_swap_on_an_lm_with_its_default_cache():
@@ -60,3 +62,11 @@ def test_a_tokenizers_batch_encoding_is_keyword_inputs():
                            "attention_mask": torch.ones_like(inputs.kwargs["input_ids"])})
     rep = inspect(model, batch)
     assert len(rep.sites) == 5 and "attention_mask=" in rep.extra["inputs"]
+
+
+def test_a_vlm_taking_use_cache_through_kwargs_is_captured():
+    model, inputs = tiny_llava()
+    assert model.config.text_config.use_cache and "use_cache" not in inputs.kwargs
+    _, report = fold(model, inputs.kwargs)  # refused before: "Found DynamicCache in output" from torch.export
+    assert report.passed and report.validation and report.validation[0].max_abs_error < 1e-4
+    assert "use_cache" not in inputs.kwargs and model.config.text_config.use_cache  # the user's inputs untouched

@@ -13,7 +13,7 @@ import torch.nn as nn
 import normconv
 from normconv import stream
 from normconv.errors import NormconvError, VerificationError
-from normconv.io import hf_example_inputs
+from normconv.hf_inputs import hf_example_inputs
 from tests.hf_tiny import VOCAB
 
 

@@ -1,0 +1,138 @@
+"""Example inputs for a Hugging Face model, made from its config when the user gives none.
+
+One spelling per kind of model:
+
+- text: token ids (``batch x seq``), decoder ids for an encoder-decoder, an all-ones mask where BERT-likes want one;
+- vision: pixels at the model's own image size (a ViT's position embeddings fit one size only);
+- vision-language (a config with a ``text_config`` and an image token): the pixels, then token ids that hold one
+  image token per feature the vision tower makes of them, then text. Qwen2-VL-style towers take flattened
+  patches with an ``image_grid_thw``; M-RoPE models also get ``mm_token_type_ids`` (text 0, image 1). Where the
+  image tokens cannot be counted, the language model alone is run (token ids, no pixels);
+- dual encoders (CLIP, SigLIP: a text and a vision config, no image token): pixels and token ids side by side.
+
+Token ids are drawn away from every id the config names (``*_token_id``, ``*_token_index``), so text never holds
+a stray image or end-of-text token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from normconv.io import HF_BATCH, HF_SEQ_LEN, forward_params
+from normconv.verify import Inputs
+
+_DEFAULT_IMAGE = 32  # pixels per side for a model whose config names no image size (a CNN takes any)
+_PIXEL_KEYS = ("pixel_values", "image_grid_thw")
+
+
+def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ_LEN) -> Inputs | None:
+    """Inputs a Hugging Face model takes, built from its config (see the module docstring); None if none fit."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    params = forward_params(model)
+    kwargs: dict[str, Any] = _pixels(config, params, batch, seq, g) if "pixel_values" in params else {}
+    text = getattr(config, "text_config", None)
+    vocab = getattr(text if text is not None else config, "vocab_size", None)
+    if kwargs and (text is None or "input_ids" not in params or not vocab):
+        return Inputs((), kwargs)  # a vision model: pixels alone
+    if "input_ids" not in params or not vocab:
+        return None
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or seq
+    seq = min(seq, max_pos)
+    kwargs["input_ids"] = _token_ids(config, vocab, (batch, seq), g)
+    if "pixel_values" in kwargs:
+        tokens = image_tokens(model, kwargs)
+        if tokens:
+            kwargs.update(tokens)
+        elif _image_token(config) is not None:  # image tokens it could not place: the language model alone
+            kwargs = {k: v for k, v in kwargs.items() if k not in _PIXEL_KEYS}
+        # no image token at all (CLIP, SigLIP: two towers side by side): pixels and text as they are
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        kwargs["decoder_input_ids"] = _token_ids(config, vocab, (batch, max(seq // 2, 1)), g)
+    elif "attention_mask" in params and not getattr(config, "is_decoder", False) and \
+            getattr(config, "model_type", "") in ("bert", "roberta", "distilbert", "electra", "albert", "deberta"):
+        kwargs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    return Inputs((), kwargs)
+
+
+def _pixels(config, params: list[str], batch: int, seq: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Pixels at the model's own size: (batch, C, H, W), or a Qwen2-VL-style tower's flattened patches of
+    ``batch`` images of 1 x m x 2m patch groups (m = spatial_merge_size) with their ``image_grid_thw``."""
+    vision = getattr(config, "vision_config", None) or config
+    if "image_grid_thw" in params and getattr(vision, "temporal_patch_size", None):
+        patches, grid = grid_patches(vision, batch, seq, g)
+        return {"pixel_values": patches, "image_grid_thw": grid}
+    channels = getattr(vision, "num_channels", None) or 3
+    size = getattr(vision, "image_size", None) or getattr(config, "image_size", None) or _DEFAULT_IMAGE
+    height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
+    if isinstance(size, dict):  # {"height": H, "width": W}
+        height, width = size.get("height", _DEFAULT_IMAGE), size.get("width", _DEFAULT_IMAGE)
+    return {"pixel_values": torch.randn(batch, channels, int(height), int(width), generator=g)}
+
+
+def grid_patches(vision, batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flattened patches, grid_thw) of ``batch`` images for a Qwen2-VL-style vision tower (config ``vision``),
+    each 1 x (m*k) x (2m) patches: m = spatial_merge_size (the merger groups m x m patches), k = seq // 8, so two
+    sequence lengths give two shapes."""
+    m = getattr(vision, "spatial_merge_size", 2) or 2
+    width = (getattr(vision, "in_channels", 3) or 3) * (getattr(vision, "temporal_patch_size", 1) or 1) \
+        * vision.patch_size ** 2
+    h, w = m * max(1, seq // 8), 2 * m
+    return torch.randn(batch * h * w, width, generator=g), torch.tensor([[1, h, w]] * batch)
+
+
+def _special_ids(config) -> set[int]:
+    """Every token id the config (or its text config) names."""
+    ids = set()
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key, value in (vars(cfg).items() if cfg is not None else ()):
+            if key.endswith(("_token_id", "_token_index")):
+                ids.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+    return ids
+
+
+def _token_ids(config, vocab: int, shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """Random ids in [0, vocab), none of them a special id of the config (each such draw moved to the next free
+    id)."""
+    ids = torch.randint(0, vocab, shape, generator=g)
+    special = _special_ids(config)
+    free = [i for i in range(min(vocab, len(special) + 2)) if i not in special] or [0]
+    for s in special:
+        ids[ids == s] = free[s % len(free)]
+    return ids
+
+
+def _image_token(config) -> int | None:
+    """The id a VLM's config gives its image token, or None."""
+    return next((getattr(config, k) for k in ("image_token_id", "image_token_index")
+                 if isinstance(getattr(config, k, None), int)), None)
+
+
+def image_tokens(model: nn.Module, kwargs: dict) -> dict | None:
+    """The token ids with one image token per feature the vision tower makes of the pixels put first (the
+    spelling a VLM's forward checks), plus ``mm_token_type_ids`` where forward takes them; None where the model
+    names no image token or cannot say how many features it makes."""
+    config = model.config
+    token = _image_token(config)
+    hidden = getattr(getattr(config, "text_config", None), "hidden_size", None)
+    if token is None or not hidden or not hasattr(model, "get_image_features") or "input_ids" not in kwargs:
+        return None
+    try:
+        with torch.no_grad():
+            out = model.get_image_features(**{k: kwargs[k] for k in _PIXEL_KEYS if k in kwargs})
+    except Exception:  # noqa: BLE001 - no count, so no image tokens: the caller runs the language model alone
+        return None
+    features = out.get("pooler_output") if hasattr(out, "keys") else out
+    features = [features] if isinstance(features, torch.Tensor) else list(features or [])
+    count = sum(t.numel() for t in features if isinstance(t, torch.Tensor)) // hidden
+    ids = kwargs["input_ids"]
+    if not count or count % ids.shape[0]:
+        return None
+    ids = torch.cat([torch.full((ids.shape[0], count // ids.shape[0]), token, dtype=ids.dtype), ids], dim=1)
+    types = {"mm_token_type_ids": (ids == token).int()} if "mm_token_type_ids" in forward_params(model) else {}
+    return {"input_ids": ids, **types}

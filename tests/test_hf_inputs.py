@@ -1,0 +1,118 @@
+"""The inputs normconv makes for a Hugging Face folder it is given without inputs: a ViT at its own image size, a
+vision-language model with one image token per image feature (LLaVA; Qwen2-VL's flattened patches, grid and
+token types), the language model alone where image tokens cannot be counted, and text that holds no special id."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from normconv.hf_inputs import hf_example_inputs
+
+from hf_tiny import tiny_llava
+
+pytest.importorskip("transformers")
+
+
+def _tiny(cls, cfg):
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    return cls(cfg).eval()
+
+
+def _vit224():
+    from transformers import ViTConfig, ViTModel
+
+    return _tiny(ViTModel, ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     image_size=224, patch_size=32))
+
+
+def _llava():
+    return tiny_llava()[0]
+
+
+def _qwen2_vl():
+    from transformers import Qwen2VLConfig, Qwen2VLModel
+
+    text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "mrope_section": [1, 1, 2]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=5, video_token_id=6,
+                        vision_start_token_id=7)
+    return _tiny(Qwen2VLModel, cfg)
+
+
+def test_vision_model_gets_pixels_at_its_own_image_size():
+    model = _vit224()
+    inputs = hf_example_inputs(model)
+    assert inputs.kwargs["pixel_values"].shape == (2, 3, 224, 224)  # a ViT's position embeddings fit one size
+    model(**inputs.kwargs)  # raised "Input image size (32*32) doesn't match model (224*224)" before
+
+
+@pytest.mark.parametrize("build", [_llava, _qwen2_vl], ids=["llava", "qwen2_vl"])
+def test_vlm_gets_one_image_token_per_feature(build):
+    model = build()
+    inputs = hf_example_inputs(model)
+    kw = inputs.kwargs
+    image_token = model.config.image_token_id if hasattr(model.config, "image_token_id") else 5
+    n_image = int((kw["input_ids"] == image_token).sum())
+    with torch.no_grad():
+        features = model.get_image_features(**{k: kw[k] for k in ("pixel_values", "image_grid_thw") if k in kw})
+    pooled = features.pooler_output
+    pooled = [pooled] if isinstance(pooled, torch.Tensor) else pooled
+    assert n_image == sum(t.numel() for t in pooled) // model.config.text_config.hidden_size > 0
+    if "image_grid_thw" in kw:  # M-RoPE: the token types mark exactly the image tokens
+        assert torch.equal(kw["mm_token_type_ids"].bool(), kw["input_ids"] == image_token)
+    with torch.no_grad():
+        out = model(**kw)  # the model takes them: features and tokens match
+    assert out.last_hidden_state.shape[:2] == kw["input_ids"].shape
+
+
+def test_vlm_without_countable_features_runs_its_language_model(monkeypatch):
+    model = _llava()
+
+    def broken(*a, **k):
+        raise RuntimeError("no vision tower here")
+
+    monkeypatch.setattr(model, "get_image_features", broken)
+    kw = hf_example_inputs(model).kwargs
+    assert set(kw) == {"input_ids"}  # no pixels without their tokens: the model would reject them
+    assert not (kw["input_ids"] == 5).any()
+
+
+def test_text_holds_no_special_id():
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    ids = hf_example_inputs(_tiny(LlamaModel, cfg), batch=8, seq=64).kwargs["input_ids"]
+    assert not torch.isin(ids, torch.tensor([1, 2, 3])).any() and ids.max() < 12
+
+
+@pytest.mark.parametrize("build,parts", [(_vit224, ("layers.0.", "layers.1.")), (_llava, ("vision_tower", "language_model"))],
+                         ids=["vit224", "llava"])
+def test_inspect_runs_on_a_saved_folder_without_inputs(tmp_path, cli, build, parts):
+    build().save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    names = [s["target"] for s in json.loads(out)["sites"]]
+    assert all(any(p in n for n in names) for p in parts), names  # each part's norms were run and found
+
+
+def test_dual_encoder_gets_pixels_and_text():
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, max_position_embeddings=32),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, image_size=32, patch_size=8), projection_dim=16)
+    model = _tiny(CLIPModel, cfg)
+    kw = hf_example_inputs(model).kwargs
+    assert {"pixel_values", "input_ids"} <= set(kw)  # no image token: the two towers each get theirs
+    with torch.no_grad():
+        assert model(**kw).logits_per_image.shape == (2, 2)
