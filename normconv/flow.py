@@ -79,7 +79,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
                  eval_mode: bool = False,
                  on_first_capture: Callable[[Captured], None] | None = None,
                  last_capture: list[Captured] | None = None, writable: bool = False,
-                 reference: Any = None) -> tuple[nn.Module, list[Site]]:
+                 reference: Any = None, notes: list[str] | None = None) -> tuple[nn.Module, list[Site]]:
     """Run passes in order on a tensor-sharing copy of ``model``, capturing the graph before the first and again
     after each pass that modified the model (a pass that changed nothing leaves the last capture valid).
 
@@ -88,21 +88,31 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
     with no pass). ``last_capture`` receives the capture still valid for the returned model, if there is one
     (export hands its ExportedProgram to the ONNX exporter). ``writable``: passes write ``model``'s own tensors
     (``clone_sharing_tensors``; a disposable model only). ``reference``: ``model``'s output on ``inputs`` when the
-    caller has it: captures of the still unmodified copy reuse it for their trust check. Returns (rewritten model,
-    sites)."""
+    caller has it: captures of the still unmodified copy reuse it for their trust check. ``notes``: where given,
+    a model no method captures whole is rewritten by parts (``_pass_by_parts``) and the notes say so; else its
+    capture error is raised. Returns (rewritten model, sites)."""
     work = clone_sharing_tensors(model, writable)
     if eval_mode:
         for m in work.modules():
             m.training = False  # the flag itself: an exported program's module refuses .eval()
     sites: list[Site] = []
     cap: Captured | None = None
+    # by parts only when every pass proves its rewrite within a submodule's graph (not rotation, DeepNorm)
+    by_parts = all(getattr(p, "by_parts", False) for p in passes)
     if on_first_capture is not None:
         cap = capture(work, inputs, method, reference)
         on_first_capture(cap)
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
         if cap is None or cap.model is not work:
-            cap = capture(work, inputs, method, reference)
+            try:
+                cap = capture(work, inputs, method, reference)
+            except NormconvError as whole:
+                if on_first_capture is not None or notes is None or not by_parts:
+                    raise  # the caller needs the whole graph (export) or takes no parts, or a pass needs it
+                sites.extend(_pass_by_parts(p, work, inputs, method, whole, notes))
+                _inherit_training_flags(before, work)
+                continue
         try:
             result = p(work, cap)
         except NormconvError:
@@ -118,6 +128,47 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[PassFn], met
     if last_capture is not None and cap is not None and cap.model is work:
         last_capture.append(cap)
     return release(work), sites
+
+
+def _pass_by_parts(p: PassFn, work: nn.Module, inputs: Inputs, method: str, whole: NormconvError,
+                   notes: list[str]) -> list[Site]:
+    """One pass on each submodule of ``work`` captured alone (``capture_parts``), for a model no method captures
+    whole (a VLM whose merge of image features is data-dependent). Each part's graph holds everything the pass
+    proves about the part: a stream that enters the part as an input has writers the pass cannot see, so a swap
+    refuses there, as it refuses at any graph input. The caller verifies the whole rewritten model as always.
+    Code between the parts (the failed modules' own forward) is not rewritten, and the notes say so."""
+    from normconv.graph.parts import capture_parts
+
+    parts = capture_parts(work, inputs, method)
+    if not parts.parts:
+        raise NormconvError(f"{whole}; no submodule captures alone either")
+    if hasattr(p, "in_parts"):
+        p.in_parts = True
+    sites, results = [], []
+    for part in parts.parts:
+        module = work.get_submodule(part.path)
+        try:
+            result = p(module, part.cap)
+        except NormconvError as exc:  # names in the message are the part's own
+            raise NormconvError(f"in {part.path} (captured alone: the whole model cannot be): {exc}") from None
+        results.append(result)
+        if result.model is not module:
+            replace_module(work, part.path, result.model)
+        owned = dict(module.named_modules())
+        whole_part = result.model is not module  # the part itself was replaced (it was the norm)
+        sites.extend(dataclasses.replace(s, target=part.path if whole_part and s.applied or not s.target
+                                         else f"{part.path}.{s.target}" if s.target in owned
+                                         else f"{part.path}:{s.target}")
+                     for s in result.sites)
+    if hasattr(p, "end_parts"):
+        p.end_parts(work, results)
+    note = (f"the whole model cannot be captured ({(str(whole).splitlines() or [''])[0]}); rewritten by parts: "
+            f"{len(parts.parts)} submodules captured alone ({', '.join(pt.path for pt in parts.parts[:6])}"
+            f"{', ...' if len(parts.parts) > 6 else ''}); the code of {', '.join(['the model', *parts.failed][:4])} "
+            f"between them is not rewritten")
+    if note not in notes:
+        notes.append(note)
+    return sites
 
 
 def _inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Module) -> None:
@@ -148,14 +199,15 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
     reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
     alt = other_shape(loaded.model, inputs)
     before = model_stats(loaded.model, inputs if bench else None)
+    notes: list[str] = []
     model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode, writable=loaded.disposable,
-                                reference=reference)
+                                reference=reference, notes=notes)
     rewritten = run(model, inputs)
     validations = [compare(reference, rewritten, atol, rtol)] + _second_shape(alt, model, atol, rtol)
     if outputs_seen is not None:
         outputs_seen.update(reference=reference, rewritten=rewritten)
     report = Report(command=command, model=loaded.spec, sites=sites, validation=validations, before=before,
-                    after=model_stats(model, inputs if bench else None))
+                    after=model_stats(model, inputs if bench else None), notes=notes)
     failed = next((v for v in validations if not v.passed), None)
     if exact and failed is not None:
         raise _not_verified(command, failed, report)
@@ -398,7 +450,7 @@ def swap(loaded: Loaded, to: str = "rmsnorm", approximate: bool = False, *, atol
                             "torch.fx.GraphModule (your class is not kept; loading it back needs --trust-pickle)")
     v = report.validation[0]
     agree = argmax_agreement(output_leaves(seen["reference"]), output_leaves(seen["rewritten"]))
-    plans = swap_pass.analysis.plans if swap_pass.analysis else []
+    plans = swap_pass.plans
     report.extra.update({
         "to": to, "approximate": approximate, "partial": partial, "exact": swap_pass.exact,
         "swapped": sum(p.module is not None and (p.exact or approximate) for p in plans),
@@ -743,14 +795,15 @@ def _float32_sites(cap: Captured, norms: Sequence[NormSite]) -> frozenset[str]:
 # inspect: every pass's plan, nothing applied
 
 
-def plans(cap: Captured, norms: list[NormSite]) -> dict[str, list[Site]]:
-    """target -> the sites each pass planned for it, in the order a user would run the passes."""
+def plans(cap: Captured, norms: list[NormSite], whole: bool = True) -> dict[str, list[Site]]:
+    """target -> the sites each pass planned for it, in the order a user would run the passes; ``whole=False``
+    (a part captured alone): only the passes that run by parts (fold, canonicalize, swap)."""
     from normconv.onnx import export as onnx_export
 
-    planners = (fold_batchnorm.plan, canonicalize_pass.plan, swap_norm.plan, deepnorm_pass.plan,
-                lambda c, n: onnx_export.plan(n, canon=_plan_of(c, n, "canonicalize", True),
-                                              folds=_plan_of(c, n, "fold", True), live=c.live,
-                                              float32=_float32_sites(c, n)))
+    planners = (fold_batchnorm.plan, canonicalize_pass.plan, swap_norm.plan) + ((
+        deepnorm_pass.plan, lambda c, n: onnx_export.plan(n, canon=_plan_of(c, n, "canonicalize", True),
+                                                          folds=_plan_of(c, n, "fold", True), live=c.live,
+                                                          float32=_float32_sites(c, n))) if whole else ())
     by_target: dict[str, list[Site]] = {}
     for planner in planners:
         for site in planner(cap, norms):
@@ -776,13 +829,7 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
     sites = []
     for n in norms:
         entry = n.to_json()
-        seen: set[tuple[str, bool, str]] = set()
-        entry["plan"] = []
-        for p in plan.get(n.target, []):
-            key = (p.pass_name, p.applied, p.reason)
-            if key not in seen:  # a module called twice plans once per call; show each distinct plan once
-                seen.add(key)
-                entry["plan"].append(p.to_json())
+        entry["plan"] = _distinct(plan.get(n.target, []))
         if rooms is not None:
             entry["headroom"] = rooms[len(sites)].to_json()
         sites.append(entry)
@@ -798,6 +845,19 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
     )
 
 
+def _distinct(planned: list[Site], target: str | None = None) -> list[dict]:
+    """Each distinct plan of a site once (a module called twice plans once per call), as JSON; ``target``: named
+    so (a part's site, named as in the whole model)."""
+    seen: set[tuple[str, bool, str]] = set()
+    out = []
+    for p in planned:
+        key = (p.pass_name, p.applied, p.reason)
+        if key not in seen:
+            seen.add(key)
+            out.append({**p.to_json(), **({"target": target} if target is not None else {})})
+    return out
+
+
 def _inspect_by_parts(loaded: Loaded, inputs: Inputs, method: str, whole: NormconvError) -> Report:
     """``inspect`` of a model no method captures whole: each submodule's graph alone (``capture_parts``). The sites
     are listed with no plan to apply (every pass needs the whole graph); what no part's graph holds is named."""
@@ -806,15 +866,15 @@ def _inspect_by_parts(loaded: Loaded, inputs: Inputs, method: str, whole: Normco
     parts = capture_parts(loaded.model, inputs, method)
     if not parts.parts:
         raise NormconvError(f"{whole}; no submodule captures alone either")
-    why = "not possible: every pass needs a graph of the whole model, which cannot be captured (see 'whole model failed')"
+    why = "not possible: it needs a graph of the whole model, which cannot be captured (see 'whole model failed')"
     sites, misses, standardized = [], [], []
     for part in parts.parts:
         norms = find_norms(part.cap)
+        plan = plans(part.cap, norms, whole=False)  # fold, canonicalize and swap run by parts
         for n in norms:
             entry = in_whole_model(n, part).to_json()
-            entry["plan"] = [{"pass": p, "target": entry["target"], "applied": False, "reason": why}
-                             for p in (("fold",) if n.kind == "batchnorm" else ()) + ("canonicalize", "swap",
-                                                                                      "deepnorm", "export")]
+            entry["plan"] = _distinct(plan.get(n.target, []), entry["target"]) + [
+                {"pass": p, "target": entry["target"], "applied": False, "reason": why} for p in ("deepnorm", "export")]
             sites.append(entry)
         for m in find_near_misses(part.cap, norms):
             misses.append({**m.to_json(), "target": f"{part.path}.{m.target}" if m.target else part.path})

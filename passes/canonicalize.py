@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.graph.detect import NormSite, owns_only, find_norms
+from normconv.graph.detect import NormSite, owns_only, find_norms, spans_graph
 from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site
 from normconv.nn.rmsnorm import make_rmsnorm
@@ -422,6 +422,7 @@ class Canonicalize:
 
     name = NAME
     exact = True
+    by_parts = True  # each site is rewritten where it stands: a submodule's graph proves it
 
     def __init__(self, functional: bool = False):
         self.functional = functional
@@ -436,6 +437,11 @@ class Canonicalize:
         decisions = analyze(cap, find_norms(cap), self.functional)
         applied = [d for d in decisions if d.applied]
         self.renamed = {d.site.target: d.key for d in applied}
+        if len(applied) == 1 and spans_graph(cap, applied[0].site):
+            # the module is itself the norm (a part captured alone): the native module takes its place whole
+            module = applied[0].module
+            module.train(model.training)
+            return PassResult(module, True, tuple(d.to_site() for d in decisions))
         if any(d.form == "inline" for d in applied):
             model = _rewrite_graph(cap, applied, self.renamed)
         else:

@@ -447,6 +447,7 @@ class FoldBatchNorm:
 
     name = NAME
     exact = True
+    by_parts = True  # a BN and its conv / linear neighbour: a submodule's graph that holds both proves the fold
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         return plan(cap, norms)

@@ -115,6 +115,7 @@ class FoldWeightStandardization:
 
     name = NAME
     exact = True
+    by_parts = True  # the conv weight alone: a submodule's graph proves it
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         return [Site(NAME, ws.consumer or ws.site.target, conv is not None, why)

@@ -1166,7 +1166,8 @@ def refusal(a: Analysis) -> str | None:
     p = refused[0]
     more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
     return (f"swap: {len(refused)} of {len(a.plans)} {SOURCE_KIND[a.to]} sites cannot be swapped exactly; "
-            f"{p.site.target}: {p.reason.removesuffix('; only --approximate (drift measured)')}{more}")
+            f"{p.site.target or 'the module itself'}: {p.reason.removesuffix('; only --approximate (drift measured)')}"
+            f"{more}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1259,6 +1260,9 @@ class SwapPass:
     """LayerNorm -> RMSNorm (``to="rmsnorm"``) or back (``to="layernorm"``); see the module docstring."""
 
     name = NAME
+    # a stream that enters a submodule's graph as an input has writers the graph does not show: such a site is
+    # refused, as at any graph input; the rest is proved within the submodule's graph
+    by_parts = True
 
     def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True, partial: bool = False):
         from normconv.errors import NormconvError
@@ -1274,6 +1278,8 @@ class SwapPass:
         self.notes: list[str] = []
         self.dropped: list[str] = []  # approximate: norms whose bias could not be folded
         self.analysis: Analysis | None = None
+        self.plans: list[SitePlan] = []  # every site planned, over all the graphs it ran on (parts: one each)
+        self.in_parts = False  # True while run on parts: a part with nothing to swap is no error (end_parts)
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         return analyze(cap, norms, self.to).sites(self.approximate)
@@ -1282,13 +1288,16 @@ class SwapPass:
         from normconv.errors import NormconvError
 
         a = self.analysis = analyze(cap, find_norms(cap), self.to)
+        self.plans.extend(a.plans)
         kind = SOURCE_KIND[self.to]
-        if not a.plans and not self.require:
+        if not a.plans and (not self.require or self.in_parts):
             return PassResult(model, False, ())
         if not a.plans:
             raise NormconvError(f"swap: {type(model).__name__} has no {kind} to swap to {self.to}")
         why = refusal(a)
         if why and self.partial and not any(p.exact and p.module is not None for p in a.plans):
+            if self.in_parts:  # another part may have exact sites: this one keeps its norms, each row says why
+                return PassResult(model, False, tuple(a.sites(False)))
             raise NormconvError(f"{why}. --partial: no site can be swapped exactly, so nothing would change")
         if why and not self.approximate and not self.partial:
             raise NormconvError(f"{why}. Pass --partial to swap only the exact sites, or --approximate to swap "
@@ -1326,6 +1335,18 @@ class SwapPass:
         if self.dropped:
             self.notes.append(f"bias dropped at {len(self.dropped)} norm(s), e.g. {self.dropped[0]}")
         return PassResult(model, bool(replaced), tuple(a.sites(self.approximate)))
+
+    def end_parts(self, model: nn.Module, results: Sequence[PassResult]) -> None:
+        """After a run on parts: the errors a whole graph gives at once (no site to swap, no exact site)."""
+        from normconv.errors import NormconvError
+
+        self.in_parts = False
+        if not any(r.sites for r in results) and self.require:
+            raise NormconvError(f"swap: {type(model).__name__} has no {SOURCE_KIND[self.to]} to swap to {self.to} "
+                                f"in any submodule captured alone")
+        if self.partial and not any(r.modified for r in results):
+            raise NormconvError("swap: --partial: no site can be swapped exactly in any submodule captured alone, so "
+                                "nothing would change (normconv inspect lists every site)")
 
     # -- edits ---------------------------------------------------------------------------------------------
     def _untie(self, model: nn.Module, cap: Captured, plan: Edits) -> None:

@@ -68,9 +68,13 @@ def test_each_submodule_is_inspected_alone_when_the_whole_model_cannot_be():
     ex = report["extra"]
     assert ex["capture"].startswith("parts (4 submodules captured alone")
     assert "the model (its own code between its submodules)" in ex["not_inspected"]
-    # no pass is claimed: every one needs the whole graph
-    for s in sites.values():
-        assert s["plan"] and all(not p["applied"] and "whole model" in p["reason"] for p in s["plan"])
+    # deepnorm and export need the whole graph; fold, canonicalize and swap plan on each part's own graph
+    plan = {(t, p["pass"]): p for t, s in sites.items() for p in s["plan"]}
+    for t in sites:
+        for p in ("deepnorm", "export"):
+            assert not plan[t, p]["applied"] and "whole model" in plan[t, p]["reason"]
+    assert plan["final", "canonicalize"]["applied"]  # the hand-written RMSNorm, proved within its part
+    assert not plan["blocks.0.norm", "swap"]["applied"] and "model input" in plan["blocks.0.norm", "swap"]["reason"]
     # the user's model is left as it was: weights, and no hook left behind
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(m._forward_pre_hooks for m in model.modules())
@@ -109,9 +113,13 @@ def test_cli_inspect_by_parts_names_what_it_did_not_see(cli, tmp_path):
     assert "not inspected: the model (its own code between its submodules)" in text
     code, out, _ = cli("inspect", path, "--trust-pickle", "--input-shape", "x:2,5,4", "--json")
     assert code == 0 and len(json.loads(out)["sites"]) == 3
-    # a rewrite needs the whole graph: refused in one line, nothing written
-    dest = tmp_path / "folded.pt"
+    # swap runs by parts, where each block's stream is its input: refused in one line, nothing written
+    dest = tmp_path / "swapped.pt"
     code, _, err = cli("swap", path, "--trust-pickle", "--input-shape", "x:2,5,4", "-o", dest)
+    assert code == 2 and err.startswith("error: in blocks.0 (captured alone: the whole model cannot be)")
+    assert len(err.strip().splitlines()) == 1 and not dest.exists()
+    # rotation needs the whole graph: the capture error, in one line
+    code, _, err = cli("rotate", path, "--trust-pickle", "--input-shape", "x:2,5,4", "-o", dest)
     assert code == 2 and "cannot capture a graph of NumpyInForward" in err and not dest.exists()
 
 

@@ -141,6 +141,14 @@ def whole_module_call(site: NormSite) -> bool:
         and site.target == site.owner
 
 
+def spans_graph(cap: Captured, site: NormSite) -> bool:
+    """Whether a hand-written site is its graph's whole computation, input to output: the captured module is
+    itself the norm (a hand-written norm module captured alone)."""
+    output = next(n for n in cap.gm.graph.nodes if n.op == "output")
+    return site.source == "handwritten" and not site.owner and cap.is_input(cap.nodes[site.input]) and \
+        output.all_input_nodes == [cap.nodes[site.node]]
+
+
 def find_weight_standardizations(cap: Captured) -> list[WeightStandardization]:
     """Norm-shaped computations applied to a parameter (weight standardization), with what reads them."""
     found = []

@@ -4,7 +4,9 @@ Each level runs the model once, eagerly, with forward pre-hooks that record the 
 at that level (the children of the modules that failed so far); each is then captured alone with those inputs. A part
 that fails too is split into its children at the next level, down to leaves. What no graph holds is said, not
 guessed: the leaves that failed, and each failed module's own code between its submodules (a norm written inline
-there is not seen). Analysis only: no rewrite runs on parts (every pass needs the whole graph to be exact).
+there is not seen). Fold, canonicalize and swap run on parts too (``flow._pass_by_parts``): each proves its rewrite
+within one graph, and the whole rewritten model is verified as always; rotation, DeepNorm and export need the
+whole graph.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn as nn
 
 from normconv.errors import NormconvError
 from normconv.graph.capture import Captured, _one_line, capture
-from normconv.graph.detect import NormSite, whole_module_call
+from normconv.graph.detect import NormSite, spans_graph, whole_module_call
 from normconv.verify import Inputs, run
 
 
@@ -100,9 +102,7 @@ def in_whole_model(site: NormSite, whole: Part) -> NormSite:
     node names as ``part:node`` (each part has its own graph); its calls times the part's. A hand-written norm
     module captured alone is its part's whole graph (input to output): that module's site, as in a whole graph."""
     part, cap = whole.path, whole.cap
-    output = next(n for n in cap.gm.graph.nodes if n.op == "output")
-    if site.source == "handwritten" and not site.owner and cap.is_input(cap.nodes[site.input]) and \
-            output.all_input_nodes == [cap.nodes[site.node]]:
+    if spans_graph(cap, site):
         site = dataclasses.replace(site, target="", module_type=type(cap.model).__name__)
 
     def path(name):
