@@ -4,7 +4,8 @@
   cannot capture: every command failed on them. normconv runs the model with use_cache=False unless the caller sets
   it; the rewritten model keeps taking use_cache, and the user's model is untouched.
 - A VLM (LLaVA) takes use_cache only through forward's **kwargs, which it hands to its language model: normconv
-  passes use_cache=False there too when the config (or its text config) caches.
+  passes use_cache=False there too when the config (or its text config) caches. Its torch._check calls
+  (aten._is_all_true, which torch's ONNX exporter has no function for) get an ONNX translation of their own.
 - A tokenizer's output (a BatchEncoding, a UserDict rather than a dict) was taken as one positional input."""
 
 from __future__ import annotations
@@ -70,3 +71,14 @@ def test_a_vlm_taking_use_cache_through_kwargs_is_captured():
     _, report = fold(model, inputs.kwargs)  # refused before: "Found DynamicCache in output" from torch.export
     assert report.passed and report.validation and report.validation[0].max_abs_error < 1e-4
     assert "use_cache" not in inputs.kwargs and model.config.text_config.use_cache  # the user's inputs untouched
+
+
+def test_a_vlm_exports_with_its_checks_translated(tmp_path):
+    model, inputs = tiny_llava()
+    path = tmp_path / "llava.onnx"
+    report = export(model, inputs.kwargs, str(path), opset=17)  # failed: no ONNX function for aten._is_all_true
+    assert report.passed and any(v.label.startswith("onnxruntime") for v in report.validation)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    # the live norms, each one op: CLIP's pre-LN and layer 0's two LNs (LLaVA reads layer -2: the rest is dead),
+    # and the language model's 5 RMSNorms
+    assert ops.count("LayerNormalization") == 3 and ops.count("SimplifiedLayerNormalization") == 5

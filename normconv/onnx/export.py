@@ -191,11 +191,10 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
             return torch_export(exported, inputs, opset, normconv_ops, dynamic)
         except NormconvError:
             pass
-    from normconv.onnx.ops import translation_table
+    from normconv.onnx.ops import missing_translations, translation_table
 
     kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False)
-    if normconv_ops:
-        kwargs["custom_translation_table"] = translation_table()
+    kwargs["custom_translation_table"] = translation_table() if normconv_ops else missing_translations()
     if dynamic:
         kwargs["dynamic_shapes"] = dynamic_shapes(model, inputs)
     try:

@@ -121,7 +121,22 @@ def translation_table() -> dict:
         shift = _in_input_dtype(bias, input) if bias is not None else _zeros([channels], input)
         return gn_op(input, scale, shift, num_groups=int(num_groups), epsilon=float(eps))
 
-    return {torch.ops.aten.rms_norm.default: rms_norm, torch.ops.aten.group_norm.default: group_norm}
+    return {torch.ops.aten.rms_norm.default: rms_norm, torch.ops.aten.group_norm.default: group_norm,
+            **missing_translations()}
+
+
+def missing_translations() -> dict:
+    """aten ops the torch exporter has no ONNX function for, that models call where no norm is involved: without
+    them the whole export fails (``torch._check`` in Hugging Face VLMs emits ``aten._is_all_true``)."""
+    import torch
+
+    def is_all_true(self):
+        # _is_all_true(x) = all(x), a bool scalar  =>  Cast(ReduceMin(Cast(x, int32), keepdims=0), bool)
+        from onnxscript import opset18 as op
+
+        return op.Cast(op.ReduceMin(op.Cast(self, to=ir.DataType.INT32), keepdims=0), to=ir.DataType.BOOL)
+
+    return {torch.ops.aten._is_all_true.default: is_all_true}
 
 
 # ---------------------------------------------------------------------------------------------------------
