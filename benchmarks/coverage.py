@@ -90,7 +90,8 @@ def ordered_types(all_types) -> list[str]:
 
 _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "model_dim", "hidden_dim",
                 "word_embed_proj_dim", "projection_dim", "d_embed", "embedding_size", "encoder_hidden_size",
-                "text_embed_dim", "vision_embed_dim", "emb_dim", "embedding_dim", "hidden_channels", "d_inner"}
+                "text_embed_dim", "vision_embed_dim", "emb_dim", "embedding_dim", "hidden_channels", "d_inner",
+                "out_hidden_size"}
 _LAYER_KEYS = {"num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers"}
 _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
@@ -169,15 +170,58 @@ def _shrink(d: dict, gentle: bool = False) -> dict:
             for k, v in d.items():
                 if isinstance(v, list) and len(v) == d[lk] and ("type" in k or "layer" in k or "pattern" in k):
                     out[k] = _fewer(v, out[lk])
+            # per-layer overrides keyed by layer index (Gemma 4's per_layer_config) follow the layers kept
+            if isinstance(d.get("per_layer_config"), dict):
+                types = d.get("layer_types")
+                kept = _kept(types, out[lk]) if isinstance(types, list) and len(types) == d[lk] else range(out[lk])
+                new_index = {old: new for new, old in enumerate(kept)}
+                out["per_layer_config"] = {f"{new_index[int(i)]:02d}": _shrink(c, gentle)
+                                           for i, c in d["per_layer_config"].items() if int(i) in new_index}
     return out
 
 
-def _fewer(v: list, n: int) -> list:
-    """n entries of a per-layer list, each distinct value kept while room allows (a hybrid keeps both kinds)."""
+def _kept(v: list, n: int) -> list[int]:
+    """The indices of n entries of a per-layer list: each distinct value's first while room allows (a hybrid keeps
+    both kinds), then the earliest others."""
     firsts = sorted({x: i for i, x in reversed(list(enumerate(v)))}.values())[:n] if all(
         isinstance(x, (str, int, float, bool)) for x in v) else []
-    keep = sorted(firsts + [i for i in range(len(v)) if i not in firsts][:n - len(firsts)])
-    return [v[i] for i in keep]
+    return sorted(firsts + [i for i in range(len(v)) if i not in firsts][:n - len(firsts)])
+
+
+def _fewer(v: list, n: int) -> list:
+    """n entries of a per-layer list (those of _kept)."""
+    return [v[i] for i in _kept(v, n)]
+
+
+def _mrope_default(mtype: str) -> list[int] | None:
+    """The multimodal rotary sections (t, h, w) the model's code falls back to when its config names none
+    (Qwen2-VL: ``rope_parameters.get("mrope_section", [16, 24, 24])``, sized for 128-wide heads); None if none."""
+    import importlib
+    import inspect
+    import re
+
+    try:
+        src = inspect.getsource(importlib.import_module(f"transformers.models.{mtype}.modeling_{mtype}"))
+    except Exception:  # noqa: BLE001 - no module of that name: no default to find
+        return None
+    found = re.search(r"""["']mrope_section["']\s*,\s*\[([\d,\s]+)\]""", src)
+    return [int(x) for x in found.group(1).split(",") if x.strip()] if found else None
+
+
+def _fit_mrope(d: dict, default: list[int] | None) -> None:
+    """Scale every rope config's mrope_section (or the code's default) to half the tiny head width, in place."""
+    for v in d.values():
+        if isinstance(v, dict):
+            _fit_mrope(v, default)
+    rope = d.get("rope_parameters") or d.get("rope_scaling")
+    section = (rope or {}).get("mrope_section") or ("vocab_size" in d and default)  # the default: text configs
+    if not isinstance(rope, dict) or not section or "hidden_size" not in d:
+        return
+    head = d.get("head_dim") or d["hidden_size"] // (d.get("num_attention_heads") or HEADS)
+    half = int(head * rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) // 2
+    scaled = [max(1, x * half // sum(section)) for x in section]
+    scaled[-1] += half - sum(scaled)
+    rope["mrope_section"] = scaled
 
 
 def tiny_config(mtype: str, gentle: bool = False):
@@ -186,6 +230,7 @@ def tiny_config(mtype: str, gentle: bool = False):
     cls = CONFIG_MAPPING[mtype]
     d = cls().to_dict()
     d = _shrink(d, gentle)
+    _fit_mrope(d, _mrope_default(mtype))
     for k in ("transformers_version", "model_type", "architectures"):
         d.pop(k, None)
     return cls.from_dict(d)  # use_cache as the config defaults it: what users build (normconv runs without a cache)
@@ -220,6 +265,7 @@ def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
     """kwargs for the model's forward, from its config and signature; None if none can be made."""
     import torch
 
+    from normconv.hf_inputs import grid_patches
     from normconv.io import forward_params
 
     cfg = model.config
@@ -242,13 +288,10 @@ def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
                     or getattr(cfg, "feature_size", 80)) * (getattr(cfg, "input_channels", 1) or 1)
             kw["input_features"] = torch.randn(batch, 4 * seq, feat, generator=g)
     elif {"hidden_states", "grid_thw"} <= set(params) and getattr(cfg, "patch_size", None):
-        # Qwen2-VL-style vision towers: the flattened patches of `batch` images, each 1 x (m*k) x (2m) patches
-        # (m = spatial_merge_size: the merger groups m x m patches; k grows with seq, so the second shape differs)
-        m = getattr(cfg, "spatial_merge_size", 2) or 2
-        dim = (getattr(cfg, "in_channels", 3) or 3) * (getattr(cfg, "temporal_patch_size", 1) or 1) * cfg.patch_size ** 2
-        h, w = m * max(1, seq // 8), 2 * m
-        kw["grid_thw"] = torch.tensor([[1, h, w]] * batch)
-        kw["hidden_states"] = torch.randn(batch * h * w, dim, generator=g)
+        kw["hidden_states"], kw["grid_thw"] = grid_patches(cfg, batch, seq, g)
+    if "image_grid_thw" in params and "pixel_values" in kw and getattr(getattr(cfg, "vision_config", None),
+                                                                       "temporal_patch_size", None):
+        kw["pixel_values"], kw["image_grid_thw"] = grid_patches(cfg.vision_config, batch, seq, g)
     if "input_ids" in params and ("pixel_values" not in kw or "text" in str(type(cfg)).lower()
                                   or hasattr(cfg, "text_config")):
         ids = _token_ids(cfg, (batch, seq), g)
@@ -266,9 +309,11 @@ def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
 def input_repairs(model, kw: dict) -> list[dict]:
     """Other spellings of the same inputs, tried in order when the model rejects the first: mono audio as
     (B, 1, T) (codecs), a clip of frames (B, T, C, H, W) (video models), token ids beside the pixels (captioning /
-    VQA models whose config has no text_config)."""
+    VQA models whose config has no text_config), image tokens for the image features (VLMs: as normconv makes
+    them for a folder given without inputs), the language model alone (a VLM whose image tokens cannot be placed)."""
     import torch
 
+    from normconv.hf_inputs import image_tokens
     from normconv.io import forward_params
 
     cfg, out = model.config, []
@@ -282,6 +327,13 @@ def input_repairs(model, kw: dict) -> list[dict]:
         ids = _token_ids(cfg, (next(iter(kw.values())).shape[0], SEQ), torch.Generator().manual_seed(7))
         if ids is not None:
             out.append({**kw, "input_ids": ids})
+    if "pixel_values" in kw and (tokens := image_tokens(model, kw)) is not None:
+        out.append({**kw, **tokens})
+    if "input_ids" in kw and hasattr(cfg, "text_config"):
+        # the language model alone (a VLM whose vision tower this config leaves out, or whose image tokens
+        # could not be placed)
+        out.append({k: v for k, v in kw.items() if k not in ("pixel_values", "image_grid_thw", "pixel_attention_mask",
+                                                              "image_sizes", "input_features")})
     return out
 
 
@@ -300,7 +352,12 @@ def runnable_inputs(model, x1: dict, x2: dict, limited=lambda fn: fn()) -> tuple
     """(x1, x2, outputs on x1, outputs on x2) for the first spelling of the inputs (as made, then each of
     input_repairs) the model runs at both shapes; raises the first spelling's error when none runs."""
     first_error = None
-    for r1, r2 in [(x1, x2)] + list(zip(input_repairs(model, x1), input_repairs(model, x2))):
+
+    def spellings():
+        yield x1, x2
+        yield from zip(input_repairs(model, x1), input_repairs(model, x2))  # made only once the first fails
+
+    for r1, r2 in spellings():
         try:
             ref1 = limited(lambda: forward(model, r1))
             ref2 = limited(lambda: forward(model, r2))
@@ -601,11 +658,15 @@ def _commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "?"
 def _export_inputs(model, kw: dict) -> dict:
-    """The inputs normconv's export takes: token ids get an all-ones attention_mask where the forward has one."""
+    """The inputs normconv's export takes, for plain export too: token ids get an all-ones attention_mask where the
+    forward has one, and use_cache=False goes where the model would return a KV cache (what a user passes to
+    export an LM: a DynamicCache output fails any export)."""
     import torch
 
-    from normconv.io import forward_params
+    from normconv.io import forward_params, without_kv_cache
+    from normconv.verify import Inputs
 
+    kw = dict(without_kv_cache(model, Inputs((), kw)).kwargs)
     if "input_ids" in kw and "attention_mask" in forward_params(model) and "attention_mask" not in kw:
         return {**kw, "attention_mask": torch.ones_like(kw["input_ids"])}
     return kw

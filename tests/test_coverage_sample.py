@@ -5,7 +5,7 @@ verdicts checked the sweep's way, outside normconv.
 - exact rewrites (fold / swap / canonicalize): the result matches the original on inputs of a second shape;
 - export: the ONNX in onnxruntime matches torch.
 
-One or two commands per type keep the whole file to about two minutes on CPU (19 types).
+One or two commands per type keep the whole file to a few minutes on CPU (22 types).
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ SAMPLE = {
     "sew-d": ("inspect",),  # a LayerNorm on the relative position embeddings: a norm of a parameter, listed apart
     "vit_mae": ("swap",),  # random masking: the kept patches gathered into the stream, the same draws in each check
     "videomae": ("inspect",),  # a clip (B, T, C, H, W): the sweep's second spelling of pixel_values
+    "paligemma": ("swap",),  # a VLM: one image token per image feature, as normconv makes them for a folder
+    "qwen2_vl": ("canonicalize",),  # no whole graph (data-dependent image merge): rewritten by parts
+    "gemma4_text": ("inspect",),  # per-layer config overrides keyed by layer index, shrunk with the layers
 }
 
 
