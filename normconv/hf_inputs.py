@@ -8,7 +8,9 @@ One spelling per kind of model:
   image token per feature the vision tower makes of them, then text. Qwen2-VL-style towers take flattened
   patches with an ``image_grid_thw``; M-RoPE models also get ``mm_token_type_ids`` (text 0, image 1). Where the
   image tokens cannot be counted, the language model alone is run (token ids, no pixels);
-- dual encoders (CLIP, SigLIP: a text and a vision config, no image token): pixels and token ids side by side.
+- dual encoders (CLIP, SigLIP: a text and a vision config, no image token): pixels and token ids side by side;
+- speech: a second of waveform, or filterbank features (Whisper's fixed window), with decoder ids where the
+  model is an encoder-decoder.
 
 Token ids are drawn away from every id the config names (``*_token_id``, ``*_token_index``), so text never holds
 a stray image or end-of-text token.
@@ -26,6 +28,7 @@ from normconv.verify import Inputs
 
 _DEFAULT_IMAGE = 32  # pixels per side for a model whose config names no image size (a CNN takes any)
 _PIXEL_KEYS = ("pixel_values", "image_grid_thw")
+_AUDIO_SAMPLES = 16000  # one second at the 16 kHz that speech models are trained on
 
 
 def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ_LEN) -> Inputs | None:
@@ -35,11 +38,14 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
         return None
     g = torch.Generator().manual_seed(0)
     params = forward_params(model)
-    kwargs: dict[str, Any] = _pixels(config, params, batch, seq, g) if "pixel_values" in params else {}
+    kwargs: dict[str, Any] = _pixels(config, params, batch, seq, g) if "pixel_values" in params else \
+        _audio(config, params, batch, seq, g)
     text = getattr(config, "text_config", None)
     vocab = getattr(text if text is not None else config, "vocab_size", None)
     if kwargs and (text is None or "input_ids" not in params or not vocab):
-        return Inputs((), kwargs)  # a vision model: pixels alone
+        if vocab and getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+            kwargs["decoder_input_ids"] = _token_ids(config, vocab, (batch, max(seq // 2, 1)), g)  # Whisper
+        return Inputs((), kwargs)  # a vision or speech model: pixels or audio alone
     if "input_ids" not in params or not vocab:
         return None
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or seq
@@ -84,6 +90,22 @@ def grid_patches(vision, batch: int, seq: int, g: torch.Generator) -> tuple[torc
         * vision.patch_size ** 2
     h, w = m * max(1, seq // 8), 2 * m
     return torch.randn(batch * h * w, width, generator=g), torch.tensor([[1, h, w]] * batch)
+
+
+def _audio(config, params: list[str], batch: int, seq: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A speech model's input: one second of 16 kHz waveform (``input_values``: wav2vec2, HuBERT), or filterbank
+    features (``input_features``): Whisper's fixed (mel bins x 2 * max_source_positions) window, else
+    ``4 * seq`` frames of the config's feature width (Speech2Text: per-channel features x channels)."""
+    if "input_values" in params:
+        return {"input_values": torch.randn(batch, _AUDIO_SAMPLES, generator=g)}
+    if "input_features" not in params:
+        return {}
+    bins, window = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if "whisper" in getattr(config, "model_type", "") and bins and window:
+        return {"input_features": torch.randn(batch, bins, 2 * window, generator=g)}
+    width = (getattr(config, "input_feat_per_channel", None) or bins or getattr(config, "feature_size", None)
+             or 80) * (getattr(config, "input_channels", None) or 1)
+    return {"input_features": torch.randn(batch, 4 * seq, width, generator=g)}
 
 
 def _special_ids(config) -> set[int]:

@@ -116,3 +116,40 @@ def test_dual_encoder_gets_pixels_and_text():
     assert {"pixel_values", "input_ids"} <= set(kw)  # no image token: the two towers each get theirs
     with torch.no_grad():
         assert model(**kw).logits_per_image.shape == (2, 2)
+
+
+def _whisper():
+    from transformers import WhisperConfig, WhisperModel
+
+    return _tiny(WhisperModel, WhisperConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+                                             encoder_attention_heads=4, decoder_attention_heads=4,
+                                             encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                                             max_source_positions=8, max_target_positions=16,
+                                             decoder_start_token_id=1, pad_token_id=0, eos_token_id=2,
+                                             bos_token_id=1))
+
+
+def _wav2vec2():
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    return _tiny(Wav2Vec2Model, Wav2Vec2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 4),
+                                               conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+                                               num_conv_pos_embedding_groups=4))
+
+
+def test_speech_models_get_audio():
+    whisper = hf_example_inputs(_whisper()).kwargs
+    # Whisper's encoder takes exactly its window: mel bins x 2 * max_source_positions, then decoder ids
+    assert whisper["input_features"].shape == (2, 16, 16) and whisper["decoder_input_ids"].shape == (2, 8)
+    assert hf_example_inputs(_wav2vec2()).kwargs["input_values"].shape == (2, 16000)  # one second at 16 kHz
+
+
+@pytest.mark.parametrize("build", [_whisper, _wav2vec2], ids=["whisper", "wav2vec2"])
+def test_inspect_runs_on_a_saved_speech_folder(tmp_path, cli, build):
+    model = build()
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err  # was "no example inputs: pass --input-shape"
+    n_norms = sum(isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) for m in model.modules())
+    assert len(json.loads(out)["sites"]) == n_norms
