@@ -822,7 +822,9 @@ def save(loaded: Loaded, model: nn.Module, out: str | os.PathLike, in_place: boo
     except OSError as exc:
         raise write_error(out, exc) from None
     except Exception as exc:
-        raise NormconvError(f"cannot write {out}: {_why(exc)}") from None
+        # a .pt2 is a torch.export program: a model torch.export cannot take whole has none
+        hint = f"; write -o {path.with_suffix('.pt').name} (torch.load) instead" if fmt == "pt2" else ""
+        raise NormconvError(f"cannot write {out}: {_why(exc)}{hint}") from None
     finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
         if tmp is not None:
             import shutil

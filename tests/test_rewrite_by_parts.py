@@ -128,3 +128,11 @@ def test_cli_fold_by_parts(cli, tmp_path):
     code, stdout, stderr = cli("fold", "test_rewrite_by_parts:branchy", "-o", str(out), "--json")
     assert code == 0, stderr
     assert "rewritten by parts" in stdout and out.exists()
+
+
+def test_cli_pt2_of_a_model_export_cannot_take_is_one_line(cli, tmp_path):
+    out = tmp_path / "folded.pt2"
+    code, _, err = cli("fold", "test_rewrite_by_parts:branchy", "-o", str(out))
+    assert code == 2 and len(err.strip().splitlines()) == 1  # no graph dump from the failed torch.export
+    assert err.startswith(f"error: cannot write {out}") and "write -o folded.pt (torch.load) instead" in err
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, no temp file left
