@@ -172,10 +172,14 @@ def test_bad_input_shape_syntax(cli):
 
 
 def test_uncapturable_model(cli):
-    # a rewrite needs the whole graph: refused, naming each method's failure
-    line = _expect_error(cli, "canonicalize", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4",
+    # rotation needs the whole graph: refused, naming each method's failure
+    line = _expect_error(cli, "rotate", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4",
                          match="cannot capture a graph")
     assert "symbolic_trace failed" in line and "torch.export failed" in line
+    # canonicalize runs by parts, and says so
+    code, out, err = cli("canonicalize", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4", "--json")
+    assert code == 0, err
+    assert any("rewritten by parts" in n for n in __import__("json").loads(out)["notes"])
     # inspect falls back to its parts: the LayerNorm captured alone
     code, out, err = cli("inspect", "tests.fixtures.user_models:through_numpy", "-i", "x:2,4", "--json")
     assert code == 0, err
