@@ -10,7 +10,9 @@ bit-identical while a 7B model is rewritten at the memory of the tensors that ch
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -71,4 +73,15 @@ def release(root: nn.Module) -> nn.Module:
     return root
 
 
-__all__ = ["clone_sharing_tensors", "owned", "adopt", "release"]
+@contextlib.contextmanager
+def owning_as(part: nn.Module, root: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, ``part`` (a submodule of ``root`` a pass rewrites alone) shares ``root``'s ownership record:
+    a tensor ``root`` owns is written in place, not cloned again, and no record is left on ``part`` after."""
+    part.__dict__[_OWNED_ATTR] = root.__dict__.setdefault(_OWNED_ATTR, set())
+    try:
+        yield part
+    finally:
+        part.__dict__.pop(_OWNED_ATTR, None)
+
+
+__all__ = ["clone_sharing_tensors", "owned", "adopt", "release", "owning_as"]

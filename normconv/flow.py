@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.clone import clone_sharing_tensors, release
+from normconv.clone import clone_sharing_tensors, owning_as, release
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
@@ -148,7 +148,8 @@ def _pass_by_parts(p: PassFn, work: nn.Module, inputs: Inputs, method: str, whol
     for part in parts.parts:
         module = work.get_submodule(part.path)
         try:
-            result = p(module, part.cap)
+            with owning_as(module, work):  # what the copy already owns is written in place, not cloned again
+                result = p(module, part.cap)
         except NormconvError as exc:  # names in the message are the part's own
             raise NormconvError(f"in {part.path} (captured alone: the whole model cannot be): {exc}") from None
         results.append(result)

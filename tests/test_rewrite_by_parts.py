@@ -100,7 +100,11 @@ def test_canonicalize_by_parts_makes_the_handwritten_norm_native():
 
 def test_swap_by_parts_swaps_the_stream_a_part_holds_whole():
     model, x = branchy()
+    before = _state(model)
     new, report = normconv.swap(model, x, partial=True)
+    # the embedding and linears are centered in the copy: the user's tensors keep their values
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any("_normconv_owned_ids" in m.__dict__ for m in new.modules())  # no bookkeeping left in the result
     assert report.passed and report.validation[0].max_abs_error < 1e-5
     assert isinstance(new.text.ln1, nn.RMSNorm) and isinstance(new.text.ln_f, nn.RMSNorm)
     assert report.extra["swapped"] == 2
