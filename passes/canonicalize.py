@@ -148,6 +148,7 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
     out_dtype = cap.dtype(cap.nodes[site.node]) or in_dtype
     module, what = _build(site, tensors, shape, in_dtype, out_dtype)
     where = f"module {path} ({site.module_type})" if form == "module" else \
+        f"the whole module ({type(cap.model).__name__}: its forward is the norm)" if spans_graph(cap, site) else \
         f"functional {site.kind} in {site.owner or 'the root forward'} (so swap can replace a module)" \
         if modularize else f"inline subgraph ({len(site.nodes)} ops) in {site.owner or 'the root forward'}"
     reason = f"replace {where} by {what}"
