@@ -3,7 +3,8 @@
 One spelling per kind of model:
 
 - text: token ids (``batch x seq``), decoder ids for an encoder-decoder, an all-ones mask where BERT-likes want one;
-- vision: pixels at the model's own image size (a ViT's position embeddings fit one size only);
+- vision: pixels at the model's own image size (a ViT's position embeddings fit one size only); a clip of the
+  config's ``num_frames`` for a video model (VideoMAE, ViViT, TimeSformer);
 - vision-language (a config with a ``text_config`` and an image token): the pixels, then token ids that hold one
   image token per feature the vision tower makes of them, then text. Qwen2-VL-style towers take flattened
   patches with an ``image_grid_thw``; M-RoPE models also get ``mm_token_type_ids`` (text 0, image 1). Where the
@@ -78,7 +79,9 @@ def _pixels(config, params: list[str], batch: int, seq: int, g: torch.Generator)
     height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
     if isinstance(size, dict):  # {"height": H, "width": W}
         height, width = size.get("height", _DEFAULT_IMAGE), size.get("width", _DEFAULT_IMAGE)
-    return {"pixel_values": torch.randn(batch, channels, int(height), int(width), generator=g)}
+    frames = getattr(vision, "num_frames", None)  # a video model takes a clip: (batch, frames, C, H, W)
+    clip = (int(frames),) if isinstance(frames, int) and frames > 0 else ()
+    return {"pixel_values": torch.randn(batch, *clip, channels, int(height), int(width), generator=g)}
 
 
 def grid_patches(vision, batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

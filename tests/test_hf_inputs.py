@@ -153,3 +153,16 @@ def test_inspect_runs_on_a_saved_speech_folder(tmp_path, cli, build):
     assert code == 0, err  # was "no example inputs: pass --input-shape"
     n_norms = sum(isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) for m in model.modules())
     assert len(json.loads(out)["sites"]) == n_norms
+
+
+def test_video_model_gets_a_clip(tmp_path, cli):
+    from transformers import VideoMAEConfig, VideoMAEModel
+
+    model = _tiny(VideoMAEModel, VideoMAEConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                intermediate_size=64, image_size=32, patch_size=8, num_frames=4,
+                                                tubelet_size=2))
+    assert hf_example_inputs(model).kwargs["pixel_values"].shape == (2, 4, 3, 32, 32)  # (B, T, C, H, W)
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["sites"]) == sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
