@@ -208,6 +208,16 @@ def _mrope_default(mtype: str) -> list[int] | None:
     return [int(x) for x in found.group(1).split(",") if x.strip()] if found else None
 
 
+def _head_dim(d: dict) -> None:
+    """A head_dim the default config leaves None (Ministral, HunYuan: their code reads it as is) set to
+    hidden_size // num_attention_heads, as every checkpoint of theirs sets it; in place, sub-configs too."""
+    for v in d.values():
+        if isinstance(v, dict):
+            _head_dim(v)
+    if "head_dim" in d and d["head_dim"] is None and d.get("hidden_size") and d.get("num_attention_heads"):
+        d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+
+
 def _fit_mrope(d: dict, default: list[int] | None) -> None:
     """Scale every rope config's mrope_section (or the code's default) to half the tiny head width, in place."""
     for v in d.values():
@@ -231,6 +241,7 @@ def tiny_config(mtype: str, gentle: bool = False):
     d = cls().to_dict()
     d = _shrink(d, gentle)
     _fit_mrope(d, _mrope_default(mtype))
+    _head_dim(d)
     for k in ("transformers_version", "model_type", "architectures"):
         d.pop(k, None)
     return cls.from_dict(d)  # use_cache as the config defaults it: what users build (normconv runs without a cache)

@@ -28,7 +28,7 @@ from normconv.io import HF_BATCH, HF_SEQ_LEN, forward_params
 from normconv.verify import Inputs
 
 _DEFAULT_IMAGE = 32  # pixels per side for a model whose config names no image size (a CNN takes any)
-_PIXEL_KEYS = ("pixel_values", "image_grid_thw")
+_PIXEL_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")  # what the language model alone goes without
 _AUDIO_SAMPLES = 16000  # one second at the 16 kHz that speech models are trained on
 
 
@@ -147,10 +147,20 @@ def image_tokens(model: nn.Module, kwargs: dict) -> dict | None:
     hidden = getattr(getattr(config, "text_config", None), "hidden_size", None)
     if token is None or not hidden or not hasattr(model, "get_image_features") or "input_ids" not in kwargs:
         return None
-    try:
-        with torch.no_grad():
-            out = model.get_image_features(**{k: kwargs[k] for k in _PIXEL_KEYS if k in kwargs})
-    except Exception:  # noqa: BLE001 - no count, so no image tokens: the caller runs the language model alone
+    pixels = {k: kwargs[k] for k in _PIXEL_KEYS if k in kwargs}
+    px = kwargs.get("pixel_values")
+    # each image's (height, width) before padding, tried where forward takes them (Mistral 3's Pixtral tower)
+    sizes = {"image_sizes": torch.tensor([list(px.shape[-2:])] * px.shape[0])} if isinstance(px, torch.Tensor) \
+        and px.dim() == 4 and "image_sizes" in forward_params(model) and "image_sizes" not in kwargs else None
+    out = None
+    for extra in [{}] + ([sizes] if sizes else []):
+        try:
+            with torch.no_grad():
+                out = model.get_image_features(**pixels, **extra)
+            break
+        except Exception:  # noqa: BLE001 - no count, so no image tokens: the caller runs the language model alone
+            continue
+    if out is None:
         return None
     features = out.get("pooler_output") if hasattr(out, "keys") else out
     features = [features] if isinstance(features, torch.Tensor) else list(features or [])
@@ -160,4 +170,4 @@ def image_tokens(model: nn.Module, kwargs: dict) -> dict | None:
         return None
     ids = torch.cat([torch.full((ids.shape[0], count // ids.shape[0]), token, dtype=ids.dtype), ids], dim=1)
     types = {"mm_token_type_ids": (ids == token).int()} if "mm_token_type_ids" in forward_params(model) else {}
-    return {"input_ids": ids, **types}
+    return {"input_ids": ids, **types, **extra}

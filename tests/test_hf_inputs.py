@@ -47,6 +47,17 @@ def _qwen2_vl():
     return _tiny(Qwen2VLModel, cfg)
 
 
+def _mistral3():
+    from transformers import Mistral3Config, Mistral3Model
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32,
+                  patch_size=8, head_dim=8)
+    text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    return _tiny(Mistral3Model, Mistral3Config(vision_config=vision, text_config=text, image_token_index=5,
+                                               spatial_merge_size=2))
+
+
 def test_vision_model_gets_pixels_at_its_own_image_size():
     model = _vit224()
     inputs = hf_example_inputs(model)
@@ -54,7 +65,7 @@ def test_vision_model_gets_pixels_at_its_own_image_size():
     model(**inputs.kwargs)  # raised "Input image size (32*32) doesn't match model (224*224)" before
 
 
-@pytest.mark.parametrize("build", [_llava, _qwen2_vl], ids=["llava", "qwen2_vl"])
+@pytest.mark.parametrize("build", [_llava, _qwen2_vl, _mistral3], ids=["llava", "qwen2_vl", "mistral3"])
 def test_vlm_gets_one_image_token_per_feature(build):
     model = build()
     inputs = hf_example_inputs(model)
@@ -62,10 +73,13 @@ def test_vlm_gets_one_image_token_per_feature(build):
     image_token = model.config.image_token_id if hasattr(model.config, "image_token_id") else 5
     n_image = int((kw["input_ids"] == image_token).sum())
     with torch.no_grad():
-        features = model.get_image_features(**{k: kw[k] for k in ("pixel_values", "image_grid_thw") if k in kw})
+        features = model.get_image_features(**{k: kw[k] for k in ("pixel_values", "image_grid_thw", "image_sizes")
+                                               if k in kw})
     pooled = features.pooler_output
     pooled = [pooled] if isinstance(pooled, torch.Tensor) else pooled
     assert n_image == sum(t.numel() for t in pooled) // model.config.text_config.hidden_size > 0
+    if build is _mistral3:  # a Pixtral tower needs each image's size: given, as the whole image
+        assert kw["image_sizes"].tolist() == [[32, 32], [32, 32]]
     if "image_grid_thw" in kw:  # M-RoPE: the token types mark exactly the image tokens
         assert torch.equal(kw["mm_token_type_ids"].bool(), kw["input_ids"] == image_token)
     with torch.no_grad():
