@@ -197,10 +197,9 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     """torch.export program (loads with torch.export.load alone)."""
     if inputs is None:
         raise ValueError("example inputs are needed to write a .pt2")
-    from normconv.graph.capture import quiet_torch_logs
     from normconv.quiet import quiet
 
-    with quiet_torch_logs():  # a failing export logs the whole graph
+    with quiet(("torch",), stderr=True):  # a failing export logs the whole graph
         ep = torch.export.export(model, tuple(inputs.args), dict(inputs.kwargs), strict=False)
 
     # torch's logger warns about the temp file's name (not a .pt2 suffix)
