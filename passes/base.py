@@ -20,6 +20,8 @@ from normconv.report import PassResult, Site
 class Pass(Protocol):
     name: str
     exact: bool
+    # optional ``by_parts = True``: the rewrite is proved within one submodule's graph, so a model no method
+    # captures whole may be rewritten part by part (flow._pass_by_parts); the whole result is verified as always
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]: ...
 
