@@ -153,10 +153,10 @@ def _pass_by_parts(p: PassFn, work: nn.Module, inputs: Inputs, method: str, whol
         except NormconvError as exc:  # names in the message are the part's own
             raise NormconvError(f"in {part.path} (captured alone: the whole model cannot be): {exc}") from None
         results.append(result)
-        if result.model is not module:
+        whole_part = result.model is not module  # the part itself was replaced (it was the norm)
+        if whole_part:
             replace_module(work, part.path, result.model)
         owned = dict(module.named_modules())
-        whole_part = result.model is not module  # the part itself was replaced (it was the norm)
         sites.extend(dataclasses.replace(s, target=part.path if whole_part and s.applied or not s.target
                                          else f"{part.path}.{s.target}" if s.target in owned
                                          else f"{part.path}:{s.target}")
@@ -502,7 +502,7 @@ def rotate(loaded: Loaded, rotation: str = "hadamard", seed: int = 0, *, atol: f
         "rotation": rotation, "seed": seed, "matrix": rot.how or "identity (no rotation)",
         "width": plan.d if plan else None, "writers": len(plan.writers) if plan else 0,
         "reader_linears": len(plan.readers) if plan else 0,
-        "swapped": sum(p.exact for p in swap_pass.analysis.plans) if swap_pass.analysis else 0,
+        "swapped": sum(p.exact for p in swap_pass.plans),
         "scales_folded": sum(p.ok for p in fold_pass.plans),
     })
     return report, model

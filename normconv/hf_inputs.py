@@ -43,25 +43,23 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
         _audio(config, params, batch, seq, g)
     text = getattr(config, "text_config", None)
     vocab = getattr(text if text is not None else config, "vocab_size", None)
-    if kwargs and (text is None or "input_ids" not in params or not vocab):
-        if vocab and getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-            kwargs["decoder_input_ids"] = _token_ids(config, vocab, (batch, max(seq // 2, 1)), g)  # Whisper
-        return Inputs((), kwargs)  # a vision or speech model: pixels or audio alone
-    if "input_ids" not in params or not vocab:
+    takes_text = bool("input_ids" in params and vocab and (not kwargs or text is not None))  # pixels alone: no text
+    if not kwargs and not takes_text:
         return None
-    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or seq
-    seq = min(seq, max_pos)
-    kwargs["input_ids"] = _token_ids(config, vocab, (batch, seq), g)
-    if "pixel_values" in kwargs:
+    if takes_text:
+        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or seq
+        seq = min(seq, max_pos)
+        kwargs["input_ids"] = _token_ids(config, vocab, (batch, seq), g)
+    if takes_text and "pixel_values" in kwargs:
         tokens = image_tokens(model, kwargs)
         if tokens:
             kwargs.update(tokens)
         elif _image_token(config) is not None:  # image tokens it could not place: the language model alone
             kwargs = {k: v for k, v in kwargs.items() if k not in _PIXEL_KEYS}
         # no image token at all (CLIP, SigLIP: two towers side by side): pixels and text as they are
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        kwargs["decoder_input_ids"] = _token_ids(config, vocab, (batch, max(seq // 2, 1)), g)
-    elif "attention_mask" in params and not getattr(config, "is_decoder", False) and \
+    if vocab and getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        kwargs["decoder_input_ids"] = _token_ids(config, vocab, (batch, max(seq // 2, 1)), g)  # T5, BART, Whisper
+    elif takes_text and "attention_mask" in params and not getattr(config, "is_decoder", False) and \
             getattr(config, "model_type", "") in ("bert", "roberta", "distilbert", "electra", "albert", "deberta"):
         kwargs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
     return Inputs((), kwargs)
@@ -147,11 +145,12 @@ def image_tokens(model: nn.Module, kwargs: dict) -> dict | None:
     hidden = getattr(getattr(config, "text_config", None), "hidden_size", None)
     if token is None or not hidden or not hasattr(model, "get_image_features") or "input_ids" not in kwargs:
         return None
+    params = forward_params(model)
     pixels = {k: kwargs[k] for k in _PIXEL_KEYS if k in kwargs}
     px = kwargs.get("pixel_values")
     # each image's (height, width) before padding, tried where forward takes them (Mistral 3's Pixtral tower)
     sizes = {"image_sizes": torch.tensor([list(px.shape[-2:])] * px.shape[0])} if isinstance(px, torch.Tensor) \
-        and px.dim() == 4 and "image_sizes" in forward_params(model) and "image_sizes" not in kwargs else None
+        and px.dim() == 4 and "image_sizes" in params and "image_sizes" not in kwargs else None
     out = None
     for extra in [{}] + ([sizes] if sizes else []):
         try:
@@ -169,5 +168,5 @@ def image_tokens(model: nn.Module, kwargs: dict) -> dict | None:
     if not count or count % ids.shape[0]:
         return None
     ids = torch.cat([torch.full((ids.shape[0], count // ids.shape[0]), token, dtype=ids.dtype), ids], dim=1)
-    types = {"mm_token_type_ids": (ids == token).int()} if "mm_token_type_ids" in forward_params(model) else {}
+    types = {"mm_token_type_ids": (ids == token).int()} if "mm_token_type_ids" in params else {}
     return {"input_ids": ids, **types, **extra}

@@ -1277,7 +1277,6 @@ class SwapPass:
         self.exact = True  # False once an approximate site was applied
         self.notes: list[str] = []
         self.dropped: list[str] = []  # approximate: norms whose bias could not be folded
-        self.analysis: Analysis | None = None
         self.plans: list[SitePlan] = []  # every site planned, over all the graphs it ran on (parts: one each)
         self.in_parts = False  # True while run on parts: a part with nothing to swap is no error (end_parts)
 
@@ -1287,7 +1286,7 @@ class SwapPass:
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
         from normconv.errors import NormconvError
 
-        a = self.analysis = analyze(cap, find_norms(cap), self.to)
+        a = analyze(cap, find_norms(cap), self.to)
         self.plans.extend(a.plans)
         kind = SOURCE_KIND[self.to]
         if not a.plans and (not self.require or self.in_parts):
