@@ -19,17 +19,20 @@ a stray image or end-of-text token.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from normconv.errors import NormconvError
 from normconv.io import HF_BATCH, HF_SEQ_LEN, forward_params
 from normconv.verify import Inputs
 
 _DEFAULT_IMAGE = 32  # pixels per side for a model whose config names no image size (a CNN takes any)
 _PIXEL_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")  # what the language model alone goes without
 _AUDIO_SAMPLES = 16000  # one second at the 16 kHz that speech models are trained on
+_MAX_VALUES = 2 ** 28  # the largest example input made from a config (1 GiB of float32: 2 x 3 x 4096 x 4096 fits)
 
 
 def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ_LEN) -> Inputs | None:
@@ -79,7 +82,7 @@ def _pixels(config, params: list[str], batch: int, seq: int, g: torch.Generator)
         height, width = size.get("height", _DEFAULT_IMAGE), size.get("width", _DEFAULT_IMAGE)
     frames = getattr(vision, "num_frames", None)  # a video model takes a clip: (batch, frames, C, H, W)
     clip = (int(frames),) if isinstance(frames, int) and frames > 0 else ()
-    return {"pixel_values": torch.randn(batch, *clip, channels, int(height), int(width), generator=g)}
+    return {"pixel_values": _randn("pixel_values", (batch, *clip, channels, height, width), g)}
 
 
 def grid_patches(vision, batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +93,7 @@ def grid_patches(vision, batch: int, seq: int, g: torch.Generator) -> tuple[torc
     width = (getattr(vision, "in_channels", 3) or 3) * (getattr(vision, "temporal_patch_size", 1) or 1) \
         * vision.patch_size ** 2
     h, w = m * max(1, seq // 8), 2 * m
-    return torch.randn(batch * h * w, width, generator=g), torch.tensor([[1, h, w]] * batch)
+    return _randn("pixel_values", (batch * h * w, width), g), torch.tensor([[1, h, w]] * batch)
 
 
 def _audio(config, params: list[str], batch: int, seq: int, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -98,15 +101,25 @@ def _audio(config, params: list[str], batch: int, seq: int, g: torch.Generator) 
     features (``input_features``): Whisper's fixed (mel bins x 2 * max_source_positions) window, else
     ``4 * seq`` frames of the config's feature width (Speech2Text: per-channel features x channels)."""
     if "input_values" in params:
-        return {"input_values": torch.randn(batch, _AUDIO_SAMPLES, generator=g)}
+        return {"input_values": _randn("input_values", (batch, _AUDIO_SAMPLES), g)}
     if "input_features" not in params:
         return {}
     bins, window = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     if "whisper" in getattr(config, "model_type", "") and bins and window:
-        return {"input_features": torch.randn(batch, bins, 2 * window, generator=g)}
+        return {"input_features": _randn("input_features", (batch, bins, 2 * window), g)}
     width = (getattr(config, "input_feat_per_channel", None) or bins or getattr(config, "feature_size", None)
              or 80) * (getattr(config, "input_channels", None) or 1)
-    return {"input_features": torch.randn(batch, 4 * seq, width, generator=g)}
+    return {"input_features": _randn("input_features", (batch, 4 * seq, width), g)}
+
+
+def _randn(name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:
+    """Random input ``name`` of ``shape``, whose sizes come from the config: each a positive whole number, and all
+    together within _MAX_VALUES (a config that asks for more is refused in one line, not left to the allocator)."""
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape) or \
+            math.prod(shape) > _MAX_VALUES:
+        raise NormconvError(f"cannot make example inputs from the model's config: {name} would be "
+                            f"{tuple(shape)}; pass --input-shape {name}:D0,D1,... instead")
+    return torch.randn(*shape, generator=g)
 
 
 def _special_ids(config) -> set[int]:

@@ -180,3 +180,19 @@ def test_video_model_gets_a_clip(tmp_path, cli):
     code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
     assert code == 0, err
     assert len(json.loads(out)["sites"]) == sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("size", [1_000_000, -224], ids=["huge", "negative"])
+def test_a_config_asking_for_impossible_inputs_is_one_line(tmp_path, cli, size):
+    from transformers import ConvNextConfig, ConvNextModel
+
+    _tiny(ConvNextModel, ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1])).save_pretrained(
+        tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "image_size": size}))  # ConvNeXt loads any
+    before = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+    code, out, err = cli("inspect", str(tmp_path / "m"))
+    # was "internal error" (exit 3) from the allocator asked for 24 TB
+    assert code == 2 and err.startswith("error: cannot make example inputs from the model's config: pixel_values")
+    assert "--input-shape pixel_values:" in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before  # the folder is left as it was
