@@ -492,7 +492,8 @@ def rotate(loaded: Loaded, rotation: str = "hadamard", seed: int = 0, *, atol: f
         report, model = rewrite(loaded, passes, command="rotate", exact=True, atol=atol, rtol=rtol, output=output,
                                 in_place=in_place, method=method, bench=bench)
     except NormconvError as exc:
-        if isinstance(exc, VerificationError) or str(exc).startswith(("rotate", "fold-scales")):
+        # rotate's own errors, and a model no method captures: not a refusal of the swap
+        if isinstance(exc, VerificationError) or str(exc).startswith(("rotate", "fold-scales", "cannot capture")):
             raise
         why = str(exc).split(". Pass --partial")[0]  # rotate has no partial or approximate mode
         raise NormconvError(f"rotate needs the exact LayerNorm -> RMSNorm swap first, and it refused: {why}") from exc
