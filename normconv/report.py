@@ -20,9 +20,18 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, Mapping
 
 import torch.nn as nn
+
+
+class Why(str, Enum):
+    """Base of every decision code: each pass names its decisions in a ``Why`` of its own (``class FoldWhy(Why)``),
+    one member per rule, and puts one on every ``Site`` it makes. Code compares codes; people read the reason."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -32,19 +41,27 @@ class Site:
     pass_name: str
     target: str
     applied: bool
-    reason: str = ""
+    reason: str = ""  # for people: what was done, or why not
+    code: str = ""  # for code: the decision's name (a member of the deciding pass's ``Why``); branch on this
 
     def to_json(self) -> dict[str, Any]:
-        return {"pass": self.pass_name, "target": self.target, "applied": self.applied, "reason": self.reason}
+        return {"pass": self.pass_name, "target": self.target, "applied": self.applied, "code": str(self.code),
+                "reason": self.reason}
 
 
 @dataclass(frozen=True)
 class PassResult:
-    """What a pass returns: the (possibly new) model, whether it changed, and every site it looked at."""
+    """What a pass returns: the (possibly new) model, whether it changed, every site it looked at, what a user
+    should know beyond the sites (``notes``), the pass's own figures for the report (``extra``, JSON-able values
+    and plans as data), and whether the rewrite keeps the outputs (``exact``; False: an intended change, measured
+    as drift). Nothing is read off a pass object afterwards: a result says everything."""
 
     model: nn.Module
     modified: bool
     sites: tuple[Site, ...] = ()
+    notes: tuple[str, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    exact: bool = True
 
 
 @dataclass(frozen=True)

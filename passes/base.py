@@ -1,39 +1,72 @@
-"""The pass contract.
+"""The pass contract (onnx-ir's ``PassBase`` / ``PassResult``, with a reason for every decision).
 
-A pass is a small object with ``name``, ``exact`` and two calls:
-  plan(cap, norms) -> list[Site]      decide, per site, apply or skip-with-a-reason; changes nothing
-  __call__(model, cap) -> PassResult  apply what plan decided; PassResult(model, modified, sites)
-Passes compose in an explicit tuple; ``run_sequence`` names the pass that failed.
+A pass is a small object, one per file, with:
+  name                                the command-line name of its decisions (Site.pass_name)
+  check                               how the one engine verifies what it did (``Check``)
+  by_parts                            its proof holds within one submodule's graph (a model no method captures
+                                      whole may be rewritten part by part; the whole result is verified as always)
+  plan(cap, norms) -> [Site]          decide, per site, apply or skip-with-a-reason (and its code); changes nothing
+  __call__(model, cap) -> PassResult  apply what plan decided, on ``model``, a tensor-sharing copy of the user's
+                                      module tree that it may change in place (tensors through ``clone.owned``)
+  begin_parts() / end_parts(model, results)   around a run part by part (by_parts passes only)
+  reference(rewritten) -> nn.Module   ``Check.REFERENCE`` only: the model the rewritten one must equal
+
+Everything a pass has to say comes back in its ``PassResult`` (sites, notes, extra, exact): nothing is read off the
+pass object afterwards. A refusal of the whole model raises ``NormconvError(..., Code.REFUSED, pass_name=NAME)``.
+Passes compose in an explicit tuple (no import-time registry), never import one another, and read no flags and
+write no files (tests/test_layout.py).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from enum import Enum
+from typing import ClassVar, Sequence
 
 import torch.nn as nn
 
 from normconv.graph.detect import NormSite
 from normconv.graph.capture import Captured
-from normconv.report import PassResult, Site
+from normconv.report import PassResult, Site, Why
 
 
-class Pass(Protocol):
-    name: str
-    exact: bool
-    # optional ``by_parts = True``: the rewrite is proved within one submodule's graph, so a model no method
-    # captures whole may be rewritten part by part (flow._pass_by_parts); the whole result is verified as always
+class Check(str, Enum):
+    """How the engine verifies a pass's result against the original model, at the example inputs and a second
+    shape alike."""
 
-    def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]: ...
-
-    def __call__(self, model: nn.Module, cap: Captured) -> PassResult: ...
+    EXACT = "exact"  # the same outputs within tolerance, else VerificationError (a result with exact=False: drift)
+    DRIFT = "drift"  # an intended change: the outputs' distance is measured and reported, never judged
+    REFERENCE = "reference"  # the same outputs as ``pass.reference(rewritten)`` (a formula computed literally)
 
 
-def skip(pass_name: str, site: NormSite, reason: str) -> Site:
-    return Site(pass_name, site.target, False, reason)
+class Pass:
+    """Base of every pass; see the module docstring."""
+
+    name: ClassVar[str]
+    check: ClassVar[Check] = Check.EXACT
+    by_parts: ClassVar[bool] = False
+
+    def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+        raise NotImplementedError
+
+    def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
+        raise NotImplementedError
+
+    def begin_parts(self) -> None:
+        """Called once before the pass runs on each part of a model no method captures whole."""
+
+    def end_parts(self, model: nn.Module, results: Sequence[PassResult]) -> None:
+        """Called once after the run on parts, with every part's result: raise what a whole graph raises at once."""
+
+    def reference(self, rewritten: nn.Module) -> nn.Module:
+        raise NotImplementedError(f"{self.name} is not verified against a reference model")
 
 
-def apply(pass_name: str, site: NormSite, reason: str) -> Site:
-    return Site(pass_name, site.target, True, reason)
+def skip(pass_name: str, site: NormSite, reason: str, code: Why | str = "") -> Site:
+    return Site(pass_name, site.target, False, reason, code)
+
+
+def apply(pass_name: str, site: NormSite, reason: str, code: Why | str = "") -> Site:
+    return Site(pass_name, site.target, True, reason, code)
 
 
 def replace_module(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
