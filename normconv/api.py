@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import torch
 import torch.nn as nn
 
-from normconv import flow
+from normconv.commands import canonicalize as canonicalize_cmd, deepnorm as deepnorm_cmd, export as export_cmd
+from normconv.commands import fold as fold_cmd, inspect as inspect_cmd, swap as swap_cmd
 from normconv.errors import NormconvError
 from normconv.io import Loaded, without_kv_cache
+from normconv.options import Options
 from normconv.report import Report
 from normconv.verify import Inputs
 
@@ -47,14 +50,15 @@ def fold(model: nn.Module, example_inputs: Any, *, eval_mode: bool = False, atol
          rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
     """BatchNorm folded into its neighbouring conv / linear; ``eval_mode`` rewrites a training-mode model as its
     eval-mode self. Returns (folded model, report)."""
-    report, new = flow.fold(_loaded(model, example_inputs), eval_mode=eval_mode, atol=atol, rtol=rtol, method=method)
+    report, new = fold_cmd.fold(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method,
+                                                              eval_mode=eval_mode))
     return new, report
 
 
 def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = None, rtol: float | None = None,
                  method: str = "auto") -> tuple[nn.Module, Report]:
     """Hand-written norms replaced by torch's native modules. Returns (new model, report)."""
-    report, new = flow.canonicalize(_loaded(model, example_inputs), atol=atol, rtol=rtol, method=method)
+    report, new = canonicalize_cmd.canonicalize(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method))
     return new, report
 
 
@@ -65,8 +69,8 @@ def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate
     ``partial`` swaps only the sites that are exact and keeps the others (the result stays exact);
     ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers).
     Returns (new model, report)."""
-    report, new = flow.swap(_loaded(model, example_inputs), to, approximate, atol=atol, rtol=rtol, method=method,
-                            canonicalize=canonicalize, fold_scales_=fold_scales, partial=partial)
+    report, new = swap_cmd.swap(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method), to, approximate,
+                      canonicalize=canonicalize, fold_scales_=fold_scales, partial=partial)
     return new, report
 
 
@@ -92,7 +96,7 @@ def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", se
            atol: float | None = None, rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
     """Exact swap (pre-LN) -> norm scales folded into the linears -> residual stream rotated by an orthogonal Q
     (``rotation``: hadamard, random or none). Returns (new model, report)."""
-    report, new = flow.rotate(_loaded(model, example_inputs), rotation, seed, atol=atol, rtol=rtol, method=method)
+    report, new = swap_cmd.rotate(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method), rotation, seed)
     return new, report
 
 
@@ -104,9 +108,9 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
     """DeepNorm: LN(alpha*x + f(x)) at every post-LN sublayer, beta on FFN / v / out. Returns (new model, report).
     ``value_proj`` / ``out_proj``: module-name patterns (fnmatch) naming attention projections the graph does
     not identify."""
-    report, new = flow.deepnorm(_loaded(model, example_inputs), arch=arch, alpha=alpha, beta=beta,
-                                beta_mode=beta_mode, n_layers=n_layers, m_layers=m_layers, seed=seed, atol=atol,
-                                rtol=rtol, method=method, value_proj=value_proj, out_proj=out_proj)
+    report, new = deepnorm_cmd.deepnorm(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method), arch=arch,
+                      alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=n_layers, m_layers=m_layers, seed=seed,
+                      value_proj=value_proj, out_proj=out_proj)
     return new, report
 
 
@@ -118,15 +122,14 @@ def export(model: nn.Module, example_inputs: Any, path: str, target: str = "ort"
     """ONNX at ``path`` with one fused op per norm, validated in onnxruntime. Returns the report. ``dtype``
     (torch.float16 / bfloat16): exported in it, validated against ``model``; ``keep_fp32``: auto | none | all norm
     sites in float32 between Casts."""
-    return flow.export(_loaded(model, example_inputs), str(path), target, opset, dynamic=dynamic, fold=fold,
-                       canonicalize=canonicalize, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
-                       repeats=repeats, skip_fusion=skip_fusion,
-                       dim_names=dim_names, dtype=dtype, keep_fp32=keep_fp32, device=device)
+    return export_cmd.export(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, output=str(path), dtype=dtype), target,
+               opset, dynamic=dynamic, fold=fold, canonicalize=canonicalize, validate=validate, baseline=baseline,
+               repeats=repeats, skip_fusion=skip_fusion, dim_names=dim_names, keep_fp32=keep_fp32, device=device)
 
 
 def inspect(model: nn.Module, example_inputs: Any, method: str = "auto") -> Report:
     """Every norm site, and what each pass would do with it or why not."""
-    return flow.inspect(_loaded(model, example_inputs), method)
+    return inspect_cmd.inspect(_loaded(model, example_inputs), method)
 
 
 def load(spec: str, **kwargs: Any) -> tuple[nn.Module, Inputs | None]:

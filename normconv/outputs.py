@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from normconv.clone import clone_sharing_tensors, release
 from normconv.nn.modules import BranchScale, ChannelShift, Float32Norm, InputScale, MovedDimNorm
-from normconv.nn.rmsnorm import RMSNorm as FastRMSNorm
+from normconv.kinds import KINDS
 from normconv.verify import Inputs, run
 
 INPUTS_ATTR = "_normconv_example_inputs"  # example inputs carried in a pickle normconv wrote (io._INPUTS_ATTR reads them)
@@ -89,11 +89,20 @@ def _graph_module(root: nn.Module, name: str) -> fx.GraphModule:
     return gm
 
 
-def _rmsnorm(m: FastRMSNorm) -> nn.RMSNorm:
-    new = nn.RMSNorm.__new__(nn.RMSNorm)
-    new.__dict__.update(m.__dict__)  # same parameters, buffers, hooks and flags: only the class changes
-    new.__dict__["_parameters"] = dict(m._parameters)
-    return new
+def _torch_form(m: nn.Module) -> nn.Module | None:
+    """torch's own module for one of normconv's: a norm kind's own form (normconv/kinds/), else a traced GraphModule
+    of the module's math; None for any other module."""
+    for kind in KINDS:
+        new = kind.torch_only(m)
+        if new is not None:
+            return new
+    if isinstance(m, Float32Norm):
+        return _graph_module(_Cast(m.norm, m.compute_dtype, m.out_dtype), "Float32Norm")
+    if isinstance(m, ChannelShift):
+        return _graph_module(_Shift(m.bias), "ChannelShift")
+    if isinstance(m, MovedDimNorm):
+        return _graph_module(_Moved(m.norm, m.dims), "MovedDimNorm")
+    return None
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
@@ -142,19 +151,11 @@ def torch_only(model: nn.Module, inputs: Inputs | None) -> nn.Module:
     work = clone_sharing_tensors(model)
     # innermost first: a Float32Norm holds the RMSNorm it casts around
     for path, m in sorted(work.named_modules(), key=lambda pm: -pm[0].count(".") - (pm[0] != "")):
-        new = None
-        if isinstance(m, FastRMSNorm):
-            new = _rmsnorm(m)
-        elif isinstance(m, Float32Norm):
-            new = _graph_module(_Cast(m.norm, m.compute_dtype, m.out_dtype), "Float32Norm")
-        elif isinstance(m, ChannelShift):
-            new = _graph_module(_Shift(m.bias), "ChannelShift")
-        elif isinstance(m, MovedDimNorm):
-            new = _graph_module(_Moved(m.norm, m.dims), "MovedDimNorm")
+        new = _torch_form(m)
         if new is not None:
             new.training = m.training
             for key in ("_forward_hooks", "_forward_pre_hooks"):
-                if type(new) is not nn.RMSNorm:
+                if isinstance(new, fx.GraphModule):  # a kind's torch form kept the module's own dicts
                     getattr(new, key).update(getattr(m, key))
             work = _replace(work, path, new)
     orig = dict(model.named_modules())

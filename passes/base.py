@@ -44,6 +44,7 @@ class Pass:
     name: ClassVar[str]
     check: ClassVar[Check] = Check.EXACT
     by_parts: ClassVar[bool] = False
+    reference_label: ClassVar[str] = "its reference"  # Check.REFERENCE: what ``reference`` computes, for people
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         raise NotImplementedError

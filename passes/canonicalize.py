@@ -36,16 +36,43 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.graph.detect import NormSite, owns_only, find_norms, spans_graph
+from normconv import kinds
+from normconv.graph.detect import NormSite, find_norms, spans_graph
+from normconv.graph.handwritten import owns_only
 from normconv.graph.capture import Captured
-from normconv.report import PassResult, Site
-from normconv.nn.rmsnorm import make_rmsnorm
+from normconv.report import PassResult, Site, Why
 from normconv.verify import compare, default_tolerance, forward_guard, run
 from normconv.nn.modules import Float32Norm, MovedDimNorm
 
-from .base import apply, replace_module, skip
+from .base import Pass, apply, replace_module, skip
 
 NAME = "canonicalize"
+
+
+
+class CanonWhy(Why):
+    """Each decision of the pass, by rule."""
+
+    REPLACED = "replaced"  # a hand-written norm becomes its native module
+    RENAMED_KEYS = "replaced-renamed-keys"  # ... whose state_dict keys take the native names
+    ALREADY_NATIVE = "already-native"  # one native op or module already: nothing to do
+    INLINE_IN_EXPORT = "inline-in-aten-graph"  # an inline norm in a torch.export graph: no user module to replace
+    INTERMEDIATE_USED = "intermediate-used"  # a value inside the norm feeds other code
+    DIMS_UNKNOWN = "dims-unknown"  # the normalized dims or their sizes are unknown
+    DIMS_ABSOLUTE = "dims-absolute"  # normalized dims not counted from the end
+    BAD_EPS = "bad-eps"  # epsilon not a finite non-negative number
+    CHANNELS_UNKNOWN = "channels-unknown"  # a batch / instance norm whose channel count is unknown
+    NO_NATIVE_RANK = "no-native-module"  # an instance norm of a rank no native module takes
+    UNREADABLE = "unreadable-parameter"  # the norm's weight / bias / statistics cannot be read
+    WRONG_SIZE = "wrong-size"  # a parameter is not one value per normalized element / channel
+    SHARED = "shared-parameter"  # a parameter is shared, or read outside the norm
+    CALL = "called-otherwise"  # the module is called with more than one tensor
+    NOT_RUN = "not-run"  # the norm did not run on the example inputs: nothing to check against
+    NOT_A_TENSOR = "returns-non-tensor"  # the module returns something other than the normalized tensor
+    REPLACEMENT_FAILS = "replacement-fails"  # the native module rejects the recorded input
+    DTYPE = "dtype-differs"  # the native module returns another dtype
+    DIFFERS = "differs"  # the native module differs from the norm on the recorded input
+
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_RECORDED_CALLS = 4  # calls of one module checked against its replacement
@@ -62,6 +89,7 @@ class Decision:
     site: NormSite
     applied: bool
     reason: str
+    code: CanonWhy = CanonWhy.REPLACED
     form: str = ""  # module | inline
     module: nn.Module | None = None  # the native replacement (None when skipped)
     path: str = ""  # form module: the module replaced (the site's own module, or the module around a functional norm)
@@ -72,7 +100,7 @@ class Decision:
         return self.path or self.site.target
 
     def to_site(self) -> Site:
-        return apply(NAME, self.site, self.reason) if self.applied else skip(NAME, self.site, self.reason)
+        return (apply if self.applied else skip)(NAME, self.site, self.reason, self.code)
 
 
 def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) -> list[Decision]:
@@ -95,7 +123,7 @@ def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
 
 
 def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Decision:
-    no = lambda reason: Decision(site, False, reason)  # noqa: E731
+    no = lambda reason, code: Decision(site, False, reason, code)  # noqa: E731
     owner_is_norm = isinstance(cap.modules.get(site.owner), (nn.LayerNorm, nn.RMSNorm))
     # F.layer_norm / F.rms_norm in a user's forward  =>  a module, when asked (swap replaces modules)
     modularize = (functional and site.source == "functional" and site.kind in ("layernorm", "rmsnorm")
@@ -103,7 +131,7 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
     # already one native op  =>  nothing to do
     if site.source != "handwritten" and not modularize:
         native = site.module_type if site.source == "module" or owner_is_norm else None
-        return no(f"already native ({native or 'functional ' + site.kind})")
+        return no(f"already native ({native or 'functional ' + site.kind})", CanonWhy.ALREADY_NATIVE)
     form = "module" if site.source == "handwritten" and site.target == site.owner and site.target in cap.modules \
         else "inline"
     # a module whose whole forward is this functional norm (OLMo: cast, F.layer_norm, cast back)  =>  the module
@@ -112,38 +140,38 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
     # inline subgraph in an aten graph  =>  no user module to put a native one into
     if form == "inline" and cap.method != "symbolic_trace":
         return no(f"inline {site.kind} inside {site.owner or 'the root forward'} in a torch.export graph: only "
-                  f"norm modules are replaced there (move the norm into its own module)")
+                  f"norm modules are replaced there (move the norm into its own module)", CanonWhy.INLINE_IN_EXPORT)
     # an intermediate (mean, rsqrt, ...) feeds other code  =>  replacing the subgraph would change that code
     if not site.self_contained:
-        return no("an intermediate value of the norm is used outside it")
+        return no("an intermediate value of the norm is used outside it", CanonWhy.INTERMEDIATE_USED)
     # non-trailing normalized dims  =>  no native module normalizes them
     if site.kind in ("layernorm", "rmsnorm") and (site.dims is None or site.normalized_shape is None):
-        return no("normalized dims or their sizes are unknown (dynamic shape)")
+        return no("normalized dims or their sizes are unknown (dynamic shape)", CanonWhy.DIMS_UNKNOWN)
     if site.kind in ("layernorm", "rmsnorm") and any(d >= 0 for d in site.dims):
-        return no(f"normalized dims {list(site.dims)} are not relative to the input's rank")
+        return no(f"normalized dims {list(site.dims)} are not relative to the input's rank", CanonWhy.DIMS_ABSOLUTE)
     if site.eps is None or not math.isfinite(site.eps) or site.eps < 0:
-        return no(f"epsilon {site.eps} is not a finite non-negative number")
+        return no(f"epsilon {site.eps} is not a finite non-negative number", CanonWhy.BAD_EPS)
     x = cap.nodes[site.input]
     shape = cap.shape(x)
     if site.kind in ("batchnorm", "instancenorm") and (shape is None or len(shape) < 2 or not site.num_features):
-        return no("the channel count is unknown (dynamic shape)")
+        return no("the channel count is unknown (dynamic shape)", CanonWhy.CHANNELS_UNKNOWN)
     if site.kind == "instancenorm" and len(shape) not in (4, 5):
-        return no(f"instance norm over a rank-{len(shape)} input: no native module")
+        return no(f"instance norm over a rank-{len(shape)} input: no native module", CanonWhy.NO_NATIVE_RANK)
     tensors = {role: cap.tensor(name) if name else None
                for role, name in (("weight", site.weight), ("bias", site.bias),
                                   ("running_mean", site.running_mean), ("running_var", site.running_var))}
     missing = [role for role, name in (("weight", site.weight), ("bias", site.bias), ("running_mean",
                site.running_mean), ("running_var", site.running_var)) if name and tensors[role] is None]
     if missing:
-        return no(f"cannot read the norm's {', '.join(missing)} from the model")
+        return no(f"cannot read the norm's {', '.join(missing)} from the model", CanonWhy.UNREADABLE)
     size = math.prod(site.normalized_shape) if site.kind in ("layernorm", "rmsnorm") else site.num_features
     for role, t in tensors.items():
         # a parameter that is not one value per normalized element / channel  =>  not this native norm
         if t is not None and t.numel() != size:
-            return no(f"{role} has {t.numel()} elements, the native norm needs {size}")
+            return no(f"{role} has {t.numel()} elements, the native norm needs {size}", CanonWhy.WRONG_SIZE)
     shared = _shared(cap, site, form, path)
     if shared:
-        return no(shared)
+        return no(shared, CanonWhy.SHARED)
     in_dtype = cap.dtype(x) or torch.float32
     out_dtype = cap.dtype(cap.nodes[site.node]) or in_dtype
     module, what = _build(site, tensors, shape, in_dtype, out_dtype)
@@ -155,7 +183,7 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
     renamed = _renamed_keys(site, path, module) if form == "module" else ""
     if renamed:
         reason += f"; state_dict keys {renamed}"
-    return Decision(site, True, reason, form, module, path)
+    return Decision(site, True, reason, CanonWhy.RENAMED_KEYS if renamed else CanonWhy.REPLACED, form, module, path)
 
 
 def _whole_module(cap: Captured, site: NormSite) -> bool:
@@ -186,60 +214,8 @@ def _build(site: NormSite, t: dict[str, torch.Tensor | None], shape: tuple[int, 
         (param_dtype != in_dtype) or (out_dtype != in_dtype)
     dtype = torch.float32 if wide and site.upcast else (torch.promote_types(param_dtype, in_dtype) if wide
                                                         else param_dtype)
-    eps = float(site.eps)
-    notes = []
-    if site.kind in ("layernorm", "rmsnorm"):
-        ns = tuple(site.normalized_shape)
-        scale = None
-        if w is not None:
-            # x * (1 + w)  =>  weight 1 + w   (computed in float32, stored in the module's dtype)
-            scale = (w.detach().to(torch.float32) + site.weight_offset).reshape(ns).to(dtype)
-        if site.kind == "layernorm":
-            # (x - mean) / sqrt(var + eps) * w + b  =>  nn.LayerNorm(ns, eps)  (a missing w is ones, a missing b none)
-            affine = w is not None or b is not None
-            mod = nn.LayerNorm(ns, eps=eps, elementwise_affine=affine, bias=b is not None, device=device,
-                               dtype=dtype)
-            with torch.no_grad():
-                if affine:
-                    mod.weight.copy_(scale if scale is not None else torch.ones(ns))
-                if b is not None:
-                    mod.bias.copy_(b.detach().reshape(ns))
-            if b is not None and w is None:
-                notes.append("weight of ones added")
-            if w is not None and b is None:
-                notes.append("no bias")
-            label = "nn.LayerNorm"
-        else:
-            # x * rsqrt(mean(x^2) + eps) * w  =>  make_rmsnorm(ns, eps, w)
-            mod = make_rmsnorm(ns, eps, weight=scale, dtype=dtype).to(device)
-            label = "RMSNorm"
-        if site.weight_offset:
-            notes.append(f"weight stored as {site.weight_offset:g} + w")
-        desc = f"{label}({_shape_text(ns)}, eps={eps:g})"
-    else:
-        c, rank = int(site.num_features), len(shape)
-        d = {2: 1, 3: 1, 4: 2, 5: 3}.get(rank, 1)
-        affine = w is not None or b is not None
-        if site.kind == "batchnorm":
-            # (x - rm) / sqrt(rv + eps) * w + b  =>  nn.BatchNormNd(C, eps) in eval with rm, rv copied
-            cls = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[d]
-            mod = cls(c, eps=eps, affine=affine, device=device, dtype=dtype)
-            with torch.no_grad():
-                mod.running_mean.copy_(t["running_mean"].detach().reshape(c))
-                mod.running_var.copy_(t["running_var"].detach().reshape(c))
-            mod.eval()
-            notes.append("eval mode, running statistics copied")
-        else:
-            # (x - mean_HW) / sqrt(var_HW + eps) * w + b  =>  nn.InstanceNormNd(C, eps, affine)
-            cls = {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[d]
-            mod = cls(c, eps=eps, affine=affine, track_running_stats=False, device=device, dtype=dtype)
-        if affine:
-            with torch.no_grad():
-                mod.weight.copy_(w.detach().reshape(c) + site.weight_offset if w is not None else torch.ones(c))
-                mod.bias.copy_(b.detach().reshape(c) if b is not None else torch.zeros(c))
-            if w is None or b is None:
-                notes.append("weight of ones added" if w is None else "bias of zeros added")
-        desc = f"nn.{cls.__name__}({c}, eps={eps:g})"
+    # the site's kind builds its native module (normconv/kinds/)
+    mod, desc, notes = kinds.by_name(site.kind).native(site, t, shape, dtype, device)
     for name, p in mod.named_parameters():  # a frozen hand-written norm stays frozen
         src = w if name == "weight" and w is not None else b if name == "bias" and b is not None else None
         if isinstance(src, nn.Parameter):
@@ -254,10 +230,6 @@ def _build(site: NormSite, t: dict[str, torch.Tensor | None], shape: tuple[int, 
         mod = Float32Norm(mod, dtype, out)
         notes.insert(0, f"computed in {_dt(dtype)} between casts (input {_dt(in_dtype)}, output {_dt(out_dtype)})")
     return mod, desc + (f" ({'; '.join(notes)})" if notes else "")
-
-
-def _shape_text(ns: tuple[int, ...]) -> str:
-    return str(ns[0]) if len(ns) == 1 else str(tuple(ns))
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -365,24 +337,28 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
     """Run the replacement on each recorded input; refuse the site unless it reproduces the recorded output, or, on
     half-precision data, the hand-written module's own float32 computation better than the recorded output does
     (``original``: that module; a norm without upcast overflows in fp16 where the native one does not)."""
-    def refuse(reason: str) -> None:
-        d.applied, d.reason, d.module = False, reason, None
+    def refuse(reason: str, code: CanonWhy) -> None:
+        d.applied, d.reason, d.code, d.module = False, reason, code, None
 
     if call_problem:
-        return refuse(call_problem)
+        return refuse(call_problem, CanonWhy.CALL)
     if not calls:
-        return refuse("the norm did not run on the example inputs, so its replacement cannot be checked")
+        return refuse("the norm did not run on the example inputs, so its replacement cannot be checked",
+                      CanonWhy.NOT_RUN)
+    judged_in_float32 = False  # said once, for the first call that needs it
     for x, y in calls:
         if not isinstance(y, torch.Tensor):
-            return refuse(f"the module returns a {type(y).__name__}, not the normalized tensor")
+            return refuse(f"the module returns a {type(y).__name__}, not the normalized tensor",
+                          CanonWhy.NOT_A_TENSOR)
         try:
             with torch.no_grad():
                 got = d.module(x)
         except Exception as exc:  # the native module rejects this input (shape, dtype)
             return refuse(f"the native replacement fails on the recorded input: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}", CanonWhy.REPLACEMENT_FAILS)
         if got.dtype != y.dtype:
-            return refuse(f"the native replacement returns {_dt(got.dtype)} where the norm returns {_dt(y.dtype)}")
+            return refuse(f"the native replacement returns {_dt(got.dtype)} where the norm returns {_dt(y.dtype)}",
+                          CanonWhy.DTYPE)
         atol, rtol = default_tolerance(y.dtype)
         v = compare(y, got, atol, rtol)
         wide = _float32_form(original, x, y) if not v.passed else None
@@ -390,14 +366,15 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
             # half norm that loses its statistics (x^2 overflows)  =>  judged by its float32 computation
             ours, theirs = compare(wide, got.float(), atol, rtol), compare(wide, y.float(), atol, rtol)
             if ours.passed and not theirs.passed:
-                if "float32 computation" not in d.reason:  # said once, for the first call that needs it
+                if not judged_in_float32:
+                    judged_in_float32 = True
                     d.reason += (f"; in {_dt(y.dtype)} it differs from the hand-written norm by "
                                  f"{v.max_abs_error:.3g}, which is {theirs.max_abs_error:.3g} off the norm's own "
                                  f"float32 computation (the replacement: {ours.max_abs_error:.3g})")
                 continue
         if not v.passed:
             return refuse(f"the native replacement differs from the norm on the recorded input "
-                          f"(max abs error {v.max_abs_error:.3g}, atol {atol:g})")
+                          f"(max abs error {v.max_abs_error:.3g}, atol {atol:g})", CanonWhy.DIFFERS)
     return None
 
 
@@ -417,17 +394,16 @@ def _float32_form(original: nn.Module | None, x: torch.Tensor, y: torch.Tensor) 
 # applying the decisions
 
 
-class Canonicalize:
+class Canonicalize(Pass):
     """Replace every hand-written norm by the native module that computes the same thing
-    (``functional=True``: functional layer_norm / rms_norm calls too; see ``analyze``)."""
+    (``functional=True``: functional layer_norm / rms_norm calls too; see ``analyze``). Its result's
+    ``extra["renamed"]``: site target -> path of the module that replaced it."""
 
     name = NAME
-    exact = True
     by_parts = True  # each site is rewritten where it stands: a submodule's graph proves it
 
     def __init__(self, functional: bool = False):
         self.functional = functional
-        self.renamed: dict[str, str] = {}  # site target -> path of the module that replaced it (last call)
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         return [d.to_site() for d in analyze(cap, norms, self.functional)]
@@ -437,21 +413,22 @@ class Canonicalize:
             raise ValueError("canonicalize: the capture must be of the model being rewritten")
         decisions = analyze(cap, find_norms(cap), self.functional)
         applied = [d for d in decisions if d.applied]
-        self.renamed = {d.site.target: d.key for d in applied}
+        renamed = {d.site.target: d.key for d in applied}
+        sites = tuple(d.to_site() for d in decisions)
         if len(applied) == 1 and spans_graph(cap, applied[0].site):
             # the module is itself the norm (a part captured alone): the native module takes its place whole
             module = applied[0].module
             module.train(model.training)
-            return PassResult(module, True, tuple(d.to_site() for d in decisions))
+            return PassResult(module, True, sites, extra={"renamed": renamed})
         if any(d.form == "inline" for d in applied):
-            model = _rewrite_graph(cap, applied, self.renamed)
+            model = _rewrite_graph(cap, applied, renamed)
         else:
             done: set[str] = set()
             for d in applied:
                 if d.key not in done:  # a module called twice is replaced once
                     replace_module(model, d.key, d.module)
                     done.add(d.key)
-        return PassResult(model, bool(applied), tuple(d.to_site() for d in decisions))
+        return PassResult(model, bool(applied), sites, extra={"renamed": renamed})
 
 
 def _rewrite_graph(cap: Captured, applied: list[Decision], renamed: dict[str, str]) -> fx.GraphModule:

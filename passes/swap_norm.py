@@ -30,7 +30,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.clone import adopt, owned
-from normconv.graph.detect import NormSite, find_norms, owns_only
+from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.handwritten import owns_only
 from normconv.graph.capture import Captured
 from normconv.graph.match import TRANSPARENT, call_name as _fn_name
 from normconv.nn.rmsnorm import RMSNorm
@@ -1210,7 +1211,7 @@ def _as_swap_sees_it(cap: Captured, norms: Sequence[NormSite]) -> tuple[Captured
         return None
     model = clone_sharing_tensors(cap.model)  # canonicalize builds new modules, writes no shared tensor
     result = canon(model, capture(model, cap.inputs, cap.method))
-    return capture(result.model, cap.inputs, cap.method), canon.renamed
+    return capture(result.model, cap.inputs, cap.method), result.extra["renamed"]
 
 
 def _dim(layout: str) -> int:

@@ -470,7 +470,7 @@ def test_cli_writes_a_loadable_model_and_json_shape(cli, tmp_path):
     assert {"command", "model", "output", "sites", "validation", "before", "after", "notes"} <= set(doc)
     assert doc["command"] == "canonicalize" and doc["output"] == str(out) and doc["passed"]
     assert [s["applied"] for s in doc["sites"]] == [True] * 3
-    assert set(doc["sites"][0]) == {"pass", "target", "applied", "reason"}
+    assert set(doc["sites"][0]) == {"pass", "target", "applied", "code", "reason"} and doc["sites"][0]["code"]
     assert doc["before"]["layernorm modules"] == 0 and doc["after"]["layernorm modules"] == 3
     from normconv.io import load
 

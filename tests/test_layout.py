@@ -1,10 +1,12 @@
-"""The architecture as tests: imports run one way (cli -> flow/api -> passes, onnx -> graph -> core), passes
-hold passes only, and the top-level Python API reads like the command line."""
+"""The architecture as tests: every module has a place in the layer table, imports run one way between places and
+never in a circle, no pass imports another pass, passes hold passes only, no module outgrows 600 lines, nothing
+branches on message text, and the top-level Python API reads like the command line."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 import torch
@@ -14,64 +16,167 @@ import normconv
 from normconv.models import get
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# layer of each package / module: a module may import its own package and anything of a lower layer
-# stream: the streaming flow (checkpoint -> passes' edits -> shards), under the api that offers it
-LAYERS = {"cli": 4, "api": 3, "flow": 3, "stream": 2.9, "passes": 2, "onnx": 2, "graph": 1,
-          # the core, itself ordered: io loads and saves (checks with verify), verify reports (and runs its checks
-          # on clones), all raise errors
-          "io": 0.3, "outputs": 0.25, "verify": 0.2, "clone": 0.15, "report": 0.1, "nn": 0.1, "errors": 0, "quiet": 0, "models": 0}
+FOLDERS = (("normconv", "normconv"), ("passes", "normconv.passes"), ("models", "normconv.models"))
 
-
-def _unit(module: str) -> str:
-    """normconv.graph.detect -> graph; normconv.passes.fold_batchnorm -> passes; normconv.io -> io."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
+# The rooms, from the top floor down: a module may import its own room and any room on a lower floor (a higher
+# number may import a lower one). Every module of normconv, normconv.passes (passes/) and normconv.models
+# (models/) must fall in one room (the longest prefix that names it): a new module is placed here on purpose.
+LAYERS = {
+    "normconv.cli": 6,  # the command line: flags -> commands -> render
+    "normconv.api": 5,  # the Python API: the commands on a model you hold
+    "normconv.commands": 4,  # one module per command
+    "normconv.stream": 3.5,  # the streaming commands (checkpoints larger than memory)
+    "normconv.streamed_fold": 3.5,
+    "normconv.engine": 3,  # the one door: passes -> verify -> write; precision policy; plans as data
+    "normconv.passes": 2,  # pure passes, one per file (the folder passes/)
+    "normconv.onnx": 2,  # torch -> ONNX, ONNX rewrites, onnxruntime validation
+    "normconv.graph": 1,  # capture, matching vocabulary, detection, residual stream, headroom
+    "normconv.io": 0.4,  # loading, example inputs, atomic writes
+    "normconv.hf_inputs": 0.35,
+    "normconv.outputs": 0.3,  # torch-only output forms, one writer per format
+    "normconv.verify": 0.2,  # guarded forwards, comparisons
+    "normconv.clone": 0.15,  # tensor-sharing copies
+    "normconv.report": 0.1,  # the report, sites, decision codes
+    "normconv.nn": 0.1,  # modules normconv inserts
+    "normconv.options": 0.05,  # the options every command shares
+    "normconv.errors": 0,
+    "normconv.quiet": 0,
+    "normconv.models": 0,  # the zoo (models/): plain torch
+}
+# the package's own front door: lazy attribute lookup only
+UNPLACED = {"normconv", "normconv.cli.__main__"}
 
 
 def _modules():
-    for folder, package in (("normconv", "normconv"), ("passes", "normconv.passes"), ("models", "normconv.models")):
-        for path in (ROOT / folder).rglob("*.py"):
+    for folder, package in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT / folder).with_suffix("")
-            name = ".".join([package, *[p for p in rel.parts if p != "__init__"]])
-            yield name, path
+            yield ".".join([package, *[p for p in rel.parts if p != "__init__"]]), path
 
 
-def _imports(path: pathlib.Path, name: str) -> set[str]:
+def _room(module: str) -> str | None:
+    names = [p for p in LAYERS if module == p or module.startswith(p + ".")]
+    return max(names, key=len) if names else None
+
+
+def _imports(path: pathlib.Path, name: str, lazy: bool = True) -> set[str]:
+    """The normconv modules a file imports (``lazy``: also inside functions)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    nodes = ast.walk(tree) if lazy else tree.body
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level:  # relative: resolve against the package
-            base = name.split(".")[: -node.level] if not path.name == "__init__.py" else name.split(".")[: len(
-                name.split(".")) - node.level + 1]
-            found.add(".".join(base + ([node.module] if node.module else [])))
+            parts = name.split(".")
+            base = parts[: len(parts) - node.level + (1 if path.name == "__init__.py" else 0)]
+            mod = ".".join(base + ([node.module] if node.module else []))
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-    return {m for m in found if m == "normconv" or m.startswith("normconv.")}
+    known = {m for m, _ in _modules()}
+    return {m for m in found if m in known and m != name}
+
+
+def test_every_module_has_a_room():
+    unplaced = [m for m, _ in _modules() if m not in UNPLACED and _room(m) is None]
+    assert not unplaced, "modules with no room in LAYERS (place them on purpose):\n" + "\n".join(unplaced)
 
 
 def test_imports_run_one_way():
     wrong = []
     for name, path in _modules():
-        unit = _unit(name)
-        if unit not in LAYERS:  # normconv/__init__ (lazy API attribute lookup) and __main__ shims
+        room = _room(name)
+        if room is None:
             continue
         for imported in _imports(path, name):
-            target = _unit(imported)
-            if target in ("", unit) or target not in LAYERS:
+            target = _room(imported)
+            if target is None or target == room:
                 continue
-            if LAYERS[target] >= LAYERS[unit] or (unit, target) in (("onnx", "passes"), ("passes", "onnx")):
-                wrong.append(f"{name} imports {imported}")
+            if LAYERS[target] >= LAYERS[room]:
+                wrong.append(f"{name} ({room}) imports {imported} ({target})")
     assert not wrong, "imports against the architecture:\n" + "\n".join(wrong)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    color: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        color[v] = 1
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if color.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if color.get(w) is None:
+                found = visit(w)
+                if found:
+                    return found
+        stack.pop()
+        color[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if color.get(v) is None:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def test_no_module_imports_in_a_circle():
+    """Module by module, lazy imports included (io.py and hf_inputs.py imported each other through a function-level
+    import, which a room-by-room check cannot see). A package's __init__ may import its own modules."""
+    graph = {name: {m for m in _imports(path, name) if not m.startswith(name + ".") and not name.startswith(m + ".")}
+             for name, path in _modules()}
+    circle = _cycle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_no_pass_imports_another_pass():
+    passes = {m for m, p in _modules() if m.startswith("normconv.passes.") and m != "normconv.passes.base"}
+    wrong = [f"{name} imports {m}" for name, path in _modules() if name in passes
+             for m in _imports(path, name) if m in passes]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_passes_hold_passes_only():
     """No pass reads flags, knows output paths or writes files."""
-    banned = ("typer", "normconv.io", "normconv.cli", "normconv.flow", "check_output_path", "open(", "sys.argv")
+    banned = ("typer", "normconv.io", "normconv.cli", "normconv.commands", "normconv.engine", "check_output_path",
+              "open(", "sys.argv")
     for path in (ROOT / "passes").glob("*.py"):
         text = path.read_text()
         hits = [b for b in banned if b in text]
         assert not hits, f"{path.name} does command work: {hits}"
+
+
+def test_no_module_over_600_lines():
+    long = [f"{p.relative_to(ROOT)}: {n}" for name, p in _modules()
+            if not name.startswith("normconv.models") and (n := len(p.read_text().splitlines())) > 600]
+    assert not long, "modules over 600 lines:\n" + "\n".join(long)
+
+
+def test_few_files_at_the_top():
+    top = sorted(p.name for p in (ROOT / "normconv").glob("*.py"))
+    assert len(top) <= 10, f"{len(top)} files at normconv/'s top level: {top}"
+
+
+# code that decides by what a message says: the text is for people, decisions read codes
+_TEXT_BRANCHES = re.compile(
+    r"(\.reason|\.problem|\.message|str\((exc|e|err|error|whole)\))\s*(\.startswith|\.endswith|\.split\(|==|!=)"
+    r"|\bin\s+(str\((exc|e|err|error|whole)\)|\w+\.reason|\w+\.problem|\w+\.message)\b")
+
+
+def test_nothing_branches_on_message_text():
+    hits = []
+    for name, path in _modules():
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _TEXT_BRANCHES.search(code):
+                hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not hits, "branches on message text (branch on a code):\n" + "\n".join(hits)
 
 
 def test_package_imports_without_cycles():
@@ -79,8 +184,8 @@ def test_package_imports_without_cycles():
     import subprocess
     import sys
 
-    for module in ("normconv.graph", "normconv.onnx.export", "normconv.passes.swap_norm", "normconv.flow",
-                   "normconv.api", "normconv.cli"):
+    for module in ("normconv.graph", "normconv.onnx.export", "normconv.passes.swap_norm", "normconv.engine.door",
+                   "normconv.commands.export", "normconv.api", "normconv.cli"):
         r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
         assert r.returncode == 0, f"{module}: {r.stderr.strip().splitlines()[-1]}"
 
@@ -134,8 +239,6 @@ def test_api_refusal_is_a_normconv_error():
 
 def test_readme_python_api_block_runs(tmp_path, monkeypatch):
     """The README's Python API example runs as written (in a scratch folder: it writes resnet.onnx)."""
-    import re
-
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "the README has a Python API example"
@@ -150,15 +253,14 @@ def test_wheel_ships_every_package():
     there (normconv.cli, .graph, .onnx and .nn were missing, so `pip install .` gave a tool that could not start)."""
     import tomllib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     dirs = conf.get("package-dir", {})
 
     def folder(name: str) -> pathlib.Path:
         for prefix in sorted(dirs, key=len, reverse=True):  # longest mapped prefix wins, as in setuptools
             if name == prefix or name.startswith(prefix + "."):
-                return root / dirs[prefix] / name[len(prefix):].lstrip(".").replace(".", "/")
-        return root / name.replace(".", "/")
+                return ROOT / dirs[prefix] / name[len(prefix):].lstrip(".").replace(".", "/")
+        return ROOT / name.replace(".", "/")
 
     listed = {folder(n).resolve() for n in conf["packages"]}
     found = {p.parent.resolve() for top in {folder(n) for n in conf["packages"]} for p in top.rglob("__init__.py")

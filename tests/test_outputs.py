@@ -73,13 +73,15 @@ CASES = [  # command, factory, extra flags, the normconv class the rewrite inser
 
 @pytest.mark.parametrize("command,spec,flags,inserted", CASES, ids=[c[0] for c in CASES])
 def test_each_command_output_loads_with_torch_alone(cli, tmp_path, command, spec, flags, inserted):
-    from normconv import flow
+    from normconv.commands import canonicalize, deepnorm, fold, swap
     from normconv.io import load
     from normconv.verify import run
 
+    commands = {"fold": fold.fold, "canonicalize": canonicalize.canonicalize, "swap": swap.swap,
+                "deepnorm": deepnorm.deepnorm}
     loaded = load(spec)
     # in memory the rewrite uses normconv's module: the output must not
-    _, model = getattr(flow, command)(loaded, **({"approximate": True} if command == "swap" else {}))
+    _, model = commands[command](loaded, **({"approximate": True} if command == "swap" else {}))
     assert any(type(m).__name__ == inserted and type(m).__module__.startswith("normconv.nn") for m in model.modules())
     expected = run(model, loaded.inputs)
     for suffix in (".pt", ".pt2"):
@@ -110,13 +112,13 @@ def test_normconv_modules_is_an_opt_in_that_says_loading_needs_normconv(cli, tmp
 
 
 def test_deepnorm_output_loads_with_torch_alone_and_trains(cli, tmp_path, hf_folders):
-    from normconv import flow
+    from normconv.commands.deepnorm import deepnorm
     from normconv.io import load
     from normconv.passes import deepnorm as dn
     from normconv.verify import run
 
     loaded = load(str(hf_folders["bert"]))
-    _, model = flow.deepnorm(loaded)
+    _, model = deepnorm(loaded)
     expected = run(model, loaded.inputs)
     out = tmp_path / "bert_dn.pt"
     rep = _run(cli, "deepnorm", hf_folders["bert"], "-o", out)

@@ -342,7 +342,7 @@ def test_functional_layer_norm_becomes_a_module_then_swaps_exactly(cli, tmp_path
 def test_disposable_model_is_rewritten_in_place_with_the_same_result():
     """The command line's own model (Loaded.disposable) is written in place instead of copied; the result is bit
     for bit the copying path's, and a caller's model (the API path) is left untouched."""
-    from normconv import flow
+    from normconv.commands.swap import swap
     from normconv.io import load
 
     results = {}
@@ -350,7 +350,7 @@ def test_disposable_model_is_rewritten_in_place_with_the_same_result():
         loaded = load("zoo:gpt")
         loaded.disposable = disposable
         before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
-        report, model = flow.swap(loaded, "rmsnorm")
+        report, model = swap(loaded)
         assert report.validation[0].passed and report.extra["exact"]
         after = loaded.model.state_dict()
         changed = [k for k in before if not torch.equal(before[k], after[k])]

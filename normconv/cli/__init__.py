@@ -1,4 +1,4 @@
-"""The ``normconv`` command line: one module per command, each parsing flags, calling ``normconv.flow`` and
+"""The ``normconv`` command line: one module per command, each parsing flags, calling ``normconv.commands`` and
 rendering the report. Exit codes: 0 ok, 1 verification failed (nothing written), 2 bad input, 3 internal error."""
 
 from __future__ import annotations

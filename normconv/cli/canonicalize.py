@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, emit, load_half_target, user_errors)
+                         TrustOpt, WeightsOpt, emit, load_half_target, options_from_flags, user_errors)
 
 
 def register(app: typer.Typer) -> None:
@@ -27,10 +27,9 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Replace hand-written norms (modules and inline code) by native ones; exits 1 (writing nothing) on drift."""
-        from normconv import flow
+        from normconv.commands.canonicalize import canonicalize as run
 
         # a half --dtype: canonicalized in it, verified against the half model and the float32 model as loaded
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = flow.canonicalize(loaded, atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench,
-                                      keep_normconv=normconv_modules, dtype=half)
+        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules, dtype=half))
         emit(report, as_json)

@@ -66,6 +66,16 @@ def load_half_target(model: str, weights: Optional[str], input_shape: Optional[l
     return load_from_flags(model, weights, input_shape, trust_pickle, None if half else dtype, trust_remote_code), half
 
 
+def options_from_flags(output: Optional[str] = None, atol: Optional[float] = None, rtol: Optional[float] = None,
+                       in_place: bool = False, bench: bool = False, normconv_modules: bool = False,
+                       eval_mode: bool = False, dtype: Optional[torch.dtype] = None):
+    """The shared options of one command run, from its flags (``normconv.options.Options``)."""
+    from normconv.options import Options
+
+    return Options(atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench,
+                   keep_normconv=normconv_modules, eval_mode=eval_mode, dtype=dtype)
+
+
 def check_stream_flags(what: str, flags: list[tuple[str, bool]], output: Optional[str]) -> None:
     """``--stream`` reads a Hugging Face folder and writes a new one (-o): the flags it cannot honour (those set
     in ``flags``) and a missing -o are refused in one line, before anything is read."""
@@ -117,4 +127,4 @@ def user_errors(fn: Callable) -> Callable:
 
 
 __all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "load_from_flags",
-           "load_half_target", "fail"]
+           "load_half_target", "fail", "options_from_flags"]

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
-                         WeightsOpt, emit, load_from_flags, user_errors)
+                         WeightsOpt, emit, load_from_flags, options_from_flags, user_errors)
 from normconv.errors import NormconvError
 
 
@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
 
         The model changes (it is for (re)training); it is checked against LN(alpha*x + f(x)) computed literally
         on the same weights, and written only if that check passes."""
-        from normconv import flow
+        from normconv.commands.deepnorm import deepnorm as run
 
         modes = [m for m, on in (("init", init), ("rescale", rescale), ("none", no_beta)) if on]
         if len(modes) > 1:
@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         if beta is not None and beta_mode == "none":
             raise NormconvError("--beta has no effect with --no-beta")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = flow.deepnorm(loaded, arch=arch, alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=layers,
-                                  m_layers=decoder_layers, seed=seed, atol=atol, rtol=rtol, output=output, keep_normconv=normconv_modules,
-                                  value_proj=value_proj or (), out_proj=out_proj or ())
+        report, _ = run(loaded, options_from_flags(output, atol, rtol, normconv_modules=normconv_modules), arch=arch,
+                        alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=layers, m_layers=decoder_layers,
+                        seed=seed, value_proj=value_proj or (), out_proj=out_proj or ())
         emit(report, as_json)

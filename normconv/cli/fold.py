@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_half_target, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_half_target, options_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
     "--eval", help="rewrite a model saved in training mode as its eval-mode self (BN then uses its running statistics)")]
@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
-        from normconv import flow
+        from normconv.commands.fold import fold as run
 
         if stream:
             from normconv import streamed_fold
@@ -52,6 +52,6 @@ def register(app: typer.Typer) -> None:
 
         # a half --dtype: headroom is measured on the model as loaded (float32), then it is cast and folded
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = flow.fold(loaded, eval_mode=eval_mode, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                              bench=bench, keep_normconv=normconv_modules, dtype=half)
+        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules, eval_mode,
+                                                   half))
         emit(report, as_json)

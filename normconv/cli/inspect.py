@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """List every norm site: kind, eps, placement, and what each pass would do with it or why not.
         With --dtype float16 or bfloat16: each site's headroom in that dtype, measured in float32."""
-        from normconv import flow
+        from normconv.commands.inspect import inspect as run
         from normconv.graph.headroom import HALF_DTYPES
         from normconv.io import load_calibration
 
@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         # a half --dtype is the target of the headroom report: the model is measured in float32, not cast
         loaded, target = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         calib = load_calibration(calibration, loaded.model) if calibration else None
-        emit(flow.inspect(loaded, capture, target, calib), as_json, print_inspect)
+        emit(run(loaded, capture, target, calib), as_json, print_inspect)
 
 
 def print_inspect(report: Report) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt,
-                                 RtolOpt, TrustOpt, WeightsOpt, emit, load_from_flags, user_errors)
+                                 RtolOpt, TrustOpt, WeightsOpt, emit, load_from_flags, options_from_flags, user_errors)
 
 
 def register(app: typer.Typer) -> None:
@@ -33,13 +33,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Canonicalize, swap LayerNorm -> RMSNorm exactly (pre-LN), fold the norm scales into the linears and
         rotate the residual stream by an orthogonal matrix: outputs unchanged, activation outliers spread out."""
-        from normconv import flow
+        from normconv.commands.swap import rotate as run
         from normconv.errors import NormconvError
         from normconv.passes.rotate import ROTATIONS
 
         if rotation not in ROTATIONS:
             raise NormconvError(f"unknown --rotation {rotation!r}: choose {', '.join(ROTATIONS)}")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = flow.rotate(loaded, rotation, seed, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                                bench=bench)
+        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench), rotation, seed)
         emit(report, as_json)

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_from_flags, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_from_flags, options_from_flags, user_errors)
 
 
 def register(app: typer.Typer) -> None:
@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Swap LayerNorm -> RMSNorm exactly (Pre-LN: center the residual writers, fold the bias), or back."""
-        from normconv import flow
+        from normconv.commands.swap import swap as run
         from normconv.errors import NormconvError
         from normconv.passes.swap_norm import SOURCE_KIND
 
@@ -64,7 +64,6 @@ def register(app: typer.Typer) -> None:
             emit(streaming.swap(model, output, atol=atol, rtol=rtol), as_json)
             return
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = flow.swap(loaded, to, approximate, atol=atol, rtol=rtol, output=output, in_place=in_place,
-                              canonicalize=not no_canonicalize, bench=bench, fold_scales_=fold_scales,
-                              keep_normconv=normconv_modules, partial=partial)
+        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules), to,
+                        approximate, canonicalize=not no_canonicalize, fold_scales_=fold_scales, partial=partial)
         emit(report, as_json)

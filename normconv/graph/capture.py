@@ -21,10 +21,11 @@ import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from normconv.errors import NormconvError
+from normconv.errors import Code, NormconvError
 from normconv.io import with_attention_mask
 from normconv.quiet import quiet
-from normconv.graph.match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
+from normconv import kinds
+from normconv.graph.match import TRANSPARENT, op_of
 from normconv.verify import Inputs, compare, forward_guard, output_leaves, run
 
 
@@ -40,13 +41,13 @@ class NormLeafTracer(fx.Tracer):
         self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, NATIVE_NORM_TYPES):
-            return is_native_norm(m)  # a subclass with its own forward is traced through like user code
+        if isinstance(m, kinds.NATIVE_MODULES):
+            return kinds.is_native(m)  # a subclass with its own forward is traced through like user code
         if super().is_leaf_module(m, qualname):
             # torch.nn containers with norms inside (TransformerEncoderLayer...) are traced through, not hidden:
             # fx's default makes every torch.nn module a leaf, and a leaf's norms are invisible to every pass.
             # Their forwards branch on tensors, so tracing fails and capture falls back to torch.export.
-            return not any(isinstance(sub, NATIVE_NORM_TYPES) for sub in m.modules())
+            return not any(isinstance(sub, kinds.NATIVE_MODULES) for sub in m.modules())
         return False
 
 
@@ -115,6 +116,10 @@ class Captured:
 
     # -- what a node is ------------------------------------------------------------------------------------
     def op(self, node: fx.Node) -> str | None:
+        if node.op == "call_module":  # a norm module is its kind's functional op, when its forward is torch's own
+            kind = kinds.of_module(self.modules.get(node.target))
+            if kind is not None:
+                return kind.functional if kind.is_native(self.modules[node.target]) else None
         return op_of(node, self.modules)
 
     def owner(self, node: fx.Node) -> str:
@@ -288,7 +293,7 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
             except Exception:  # noqa: BLE001 - the first failure is the one to report
                 pass
     detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
-    raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}")
+    raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}", Code.CANNOT_CAPTURE)
 
 
 def _check_draft(model: nn.Module, ep: Any, inputs: Inputs, reference: Any = None) -> None:

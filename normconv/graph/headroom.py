@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from normconv import kinds
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite
 from normconv.verify import forward_guard, run
@@ -77,29 +78,9 @@ class Headroom:
         return {k: v for k, v in self.__dict__.items()}
 
 
-def _dims(site: NormSite, x: torch.Tensor) -> tuple[int, ...]:
-    """The dims the norm reduces over (batch and channels kept for batch/instance/group norms)."""
-    if site.kind in ("layernorm", "rmsnorm"):
-        return tuple(site.dims) if site.dims else (-1,)
-    return tuple(range(2, x.dim())) if x.dim() > 2 else (0,)
-
-
 def _stats(site: NormSite, x: torch.Tensor) -> tuple[float, float]:
-    """(largest squared element, largest statistic) the norm forms on x, in float64."""
-    x = x.detach().double()
-    if site.kind == "batchnorm":  # eval BN squares nothing at run time: its statistic is the running var
-        return 0.0, 0.0
-    if site.kind == "groupnorm" and site.num_groups and x.dim() >= 2:
-        x = x.reshape(x.shape[0], site.num_groups, -1)
-        dims: tuple[int, ...] = (-1,)
-    else:
-        dims = _dims(site, x)
-    if site.kind == "rmsnorm":
-        sq = x * x
-    else:
-        xc = x - x.mean(dims, keepdim=True)
-        sq = xc * xc
-    return float(sq.max()), float(sq.mean(dims).max())
+    """(largest squared element, largest statistic) the norm forms on x, in float64 (its kind knows which)."""
+    return kinds.by_name(site.kind).statistics(site, x)
 
 
 def _record(cap: Captured, norms: Sequence[NormSite], inputs) -> dict[str, list[tuple[torch.Tensor, Any]]]:

@@ -61,13 +61,9 @@ for _name, (_fns, _methods, _packets) in _OPS.items():
     _BY_METHOD.update({m: _name for m in _methods})
     _BY_PACKET.update({p: _name for p in _packets})
 
-# module class -> canonical op (the module types a norm or its neighbour can be)
+# module class -> canonical op (the module types a norm's neighbour can be; norm modules are the kinds':
+# ``Captured.op`` asks ``normconv.kinds``, which sits above this vocabulary)
 _MODULE_OPS: tuple[tuple[type, str], ...] = (
-    (nn.modules.batchnorm._BatchNorm, "batch_norm"),
-    (nn.LayerNorm, "layer_norm"),
-    (nn.GroupNorm, "group_norm"),
-    (nn.modules.instancenorm._InstanceNorm, "instance_norm"),
-    (nn.RMSNorm, "rms_norm"),
     (nn.modules.conv._ConvTransposeNd, "conv_transpose"),
     (nn.modules.conv._ConvNd, "conv"),
     (nn.Linear, "linear"),
@@ -79,30 +75,9 @@ _MODULE_OPS: tuple[tuple[type, str], ...] = (
 # ops that pass a value through unchanged for placement purposes
 TRANSPARENT = frozenset({"cast", "dropout", "identity"})
 
-# native norm module classes whose forward is torch's own (subclasses that override forward are not native)
-NATIVE_NORM_TYPES: tuple[type, ...] = (
-    nn.modules.batchnorm._BatchNorm,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.modules.instancenorm._InstanceNorm,
-    nn.RMSNorm,
-)
-
-
-def is_native_norm(module: nn.Module) -> bool:
-    """A torch norm module whose forward is torch's own, or normconv's exact fast subclass (normconv.nn.rmsnorm);
-    a subclass that overrides forward anywhere else is user code."""
-    if not isinstance(module, NATIVE_NORM_TYPES):
-        return False
-    owner = next(cls for cls in type(module).__mro__ if "forward" in cls.__dict__)
-    return owner.__module__.startswith(("torch.nn.", "normconv."))
-
-
 def module_op(module: nn.Module) -> str | None:
     for cls, name in _MODULE_OPS:
         if isinstance(module, cls):
-            if name.endswith("_norm") and not is_native_norm(module):
-                return None
             return name
     return None
 

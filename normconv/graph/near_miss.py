@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
-from normconv.graph.detect import NormSite, square_base
+from normconv.graph.detect import NormSite
+from normconv.graph.handwritten import square_base
 from normconv.graph.capture import Captured
 from normconv.graph.match import arg, call_name as _fn, dims_of, scalar
 

@@ -4,7 +4,7 @@ Each level runs the model once, eagerly, with forward pre-hooks that record the 
 at that level (the children of the modules that failed so far); each is then captured alone with those inputs. A part
 that fails too is split into its children at the next level, down to leaves. What no graph holds is said, not
 guessed: the leaves that failed, and each failed module's own code between its submodules (a norm written inline
-there is not seen). Fold, canonicalize and swap run on parts too (``flow._pass_by_parts``): each proves its rewrite
+there is not seen). Fold, canonicalize and swap run on parts too (``engine.run``): each proves its rewrite
 within one graph, and the whole rewritten model is verified as always; rotation, DeepNorm and export need the
 whole graph.
 """

@@ -9,7 +9,7 @@
   residual add feeding a norm (--target ort) -> SkipLayerNormalization / SkipSimplifiedLayerNormalization
   hand-written norms are canonicalized into native modules first (else they stay primitive ops)
 
-Flow (normconv.flow.export runs the first step through the same door as every command, this module the rest):
+Flow (normconv.commands.export runs the first step through the engine, as every command does; this module the rest):
 canonicalize + fold (exact, verified against torch) -> torch.onnx.export (dynamo) with normconv's
 translations (onnx.ops) -> lower placeholders for the target -> skip fusion (onnx_fuse, --target ort)
 -> write into a temp folder -> onnx.checker where the ops allow -> onnxruntime validation (onnx_validate)
@@ -28,11 +28,12 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from normconv import kinds
 from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
 from normconv.quiet import quiet
 from normconv.io import check_writable
-from normconv.report import Report, Site
+from normconv.report import Report, Site, Why
 
 NAME = "export"
 OPSETS = range(17, 24)
@@ -56,22 +57,17 @@ DECOMPOSED_NORM_OPS = ("ReduceMean", "Pow", "Sqrt", "Reciprocal")
 # plan: what export does at each norm site (inspect shows it; export_onnx reports the same decisions)
 
 
-def _rms_op(target: str, opset: int) -> str:
-    if target == "ort":
-        return "SimplifiedLayerNormalization"
-    return "RMSNormalization" if opset >= 23 else "normconv.RMSNorm (ONNX function body attached)"
+class ExportWhy(Why):
+    """What export does at each norm site, by rule."""
 
-
-def _op_for(kind: str, target: str, opset: int) -> str:
-    if kind == "layernorm":
-        return "LayerNormalization"
-    if kind == "rmsnorm":
-        return _rms_op(target, opset)
-    if kind == "groupnorm":
-        return "GroupNormalization" if opset >= 21 else "normconv.GroupNorm (ONNX function body attached)"
-    if kind == "instancenorm":
-        return "InstanceNormalization"
-    return "BatchNormalization"
+    DEAD = "dead-code"  # the norm's result reaches no output: the exporter drops it
+    FOLDED = "folded"  # a BatchNorm folded into its neighbour: no norm op left
+    ONE_OP = "one-op"  # one fused op
+    CANONICALIZED = "one-op-after-canonicalize"  # a hand-written norm made native first, then one op
+    MATCHED_IN_ONNX = "one-op-matched-in-onnx"  # a hand-written norm matched in the exported graph
+    PRIMITIVE = "stays-primitive"  # a hand-written norm that stays several primitive ops
+    SKIP_FUSED = "one-op-skip-fused"  # ... and its residual add fuses into Skip*LayerNormalization
+    ADD_UNFUSED = "one-op-add-unfused"  # ... and its residual add is left as an Add (measured faster on CPU)
 
 
 def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET,
@@ -87,16 +83,17 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
     canon, folds = canon or {}, folds or {}
     out = []
     for s in norms:
-        op = _op_for(s.kind, target, opset)
-        applied = True
+        op = kinds.by_name(s.kind).onnx_op(target, opset)  # the kind says which op (an unknown kind: KeyError)
+        applied, code = True, ExportWhy.ONE_OP
         if live is not None and s.node not in live:
             # the norm's result reaches no output  =>  the exporter drops it with the dead code around it
             out.append(Site(NAME, s.target, False, f"not exported: its result ({s.node}) reaches no model output "
-                                                   f"(dead code the exporter drops), so there is no op to fuse"))
+                                                   f"(dead code the exporter drops), so there is no op to fuse",
+                            ExportWhy.DEAD))
             continue
         if s.kind == "batchnorm" and folds.get(s.target, (False, ""))[0]:
             # conv -> bn  =>  folded into the conv / linear, no norm op left
-            reason = "folded into its neighbour (fold pass)"
+            reason, code = "folded into its neighbour (fold pass)", ExportWhy.FOLDED
         elif s.kind == "batchnorm":
             # bn without a foldable neighbour  =>  one BatchNormalization (the exporter may still fuse Conv+BN)
             reason = f"one {op}" + (f" ({folds[s.target][1]})" if s.target in folds else "")
@@ -108,22 +105,25 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
                              and (not s.upcast or s.target in float32)
                              and s.dims is not None and len(s.dims) == 1 and s.dims[0] == -1)
             if ok:
-                reason = f"one {op} after canonicalize"
+                reason, code = f"one {op} after canonicalize", ExportWhy.CANONICALIZED
             elif applied:  # an inline RMS / LayerNorm, no cast inside, nothing reads its parts  =>  matched in ONNX
                 reason = (f"one {op}, its decomposed form matched in the exported ONNX graph; not replaced in "
                           f"torch: {why}")
+                code = ExportWhy.MATCHED_IN_ONNX
             else:
-                reason = f"stays {len(s.nodes)} primitive ops: {why}"
+                reason, code = f"stays {len(s.nodes)} primitive ops: {why}", ExportWhy.PRIMITIVE
         else:
             reason = f"one {op}"
         if target == "ort" and s.kind in ("layernorm", "rmsnorm") and s.producer == "add" and applied:
             skip_op = "Skip" + ("Simplified" if s.kind == "rmsnorm" else "") + "LayerNormalization"
             if skip_fusion:  # residual add -> norm  =>  one Skip(Simplified)LayerNormalization when shapes allow
                 reason += f"; its residual add fuses into {skip_op} when both operands have the same shape"
+                code = ExportWhy.SKIP_FUSED
             else:  # measured slower on CPU: left as Add + norm unless asked
                 reason += (f"; residual add left unfused ({skip_op} is slower on onnxruntime CPU; --device cuda "
                            f"or --skip-fusion fuses it)")
-        out.append(Site(NAME, s.target, applied, reason))
+                code = ExportWhy.ADD_UNFUSED
+        out.append(Site(NAME, s.target, applied, reason, code))
     return out
 
 
@@ -302,8 +302,9 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     extra["lowered"] = lower_norm_ops(onnx_model, target, opset)
     if target == "ort" and skip_fusion:
         for name, fused, reason in fuse_skip_norms(onnx_model):
-            report.sites.append(Site(NAME + ":skip-fusion", name, fused, reason))
-    elif target == "ort" and any("residual add left unfused" in s.reason for s in report.sites):
+            report.sites.append(Site(NAME + ":skip-fusion", name, fused, reason,
+                                     ExportWhy.SKIP_FUSED if fused else ExportWhy.ADD_UNFUSED))
+    elif target == "ort" and any(s.code == ExportWhy.ADD_UNFUSED for s in report.sites):
         report.notes.append("residual add + norm left unfused: onnxruntime CPU Skip*LayerNormalization measured "
                             "slower than Add + norm (--device cuda, where it is faster, or --skip-fusion fuses them); onnxruntime's "
                             "own session fusion does the same to post-LN adds unless the session disables "
@@ -377,7 +378,9 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         raise write_error(out, exc) from None
     except Exception as exc:
         hint = ""
-        if "NOT_IMPLEMENTED" in str(exc):  # e.g. bfloat16 MatMul on the CPU provider
+        from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
+
+        if isinstance(exc, NoKernel):  # e.g. bfloat16 MatMul on the CPU provider
             hint = (" (onnxruntime has no kernel for that op at this dtype on this provider; validate on another "
                     "provider, or pass --validate none to write it unvalidated)")
         raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}{hint}") from None

@@ -29,22 +29,13 @@ import onnx
 import onnx_ir as ir
 from onnx import defs, helper
 
+from normconv.kinds import KINDS
+
 DOMAIN = "normconv"
 MS_DOMAIN = "com.microsoft"
 
-# every op type that counts as one fused norm in an exported graph, by (domain, op_type)
-FUSED_NORM_OPS = {
-    ("", "LayerNormalization"): "layernorm",
-    ("", "RMSNormalization"): "rmsnorm",
-    ("", "SimplifiedLayerNormalization"): "rmsnorm",
-    (DOMAIN, "RMSNorm"): "rmsnorm",
-    ("", "GroupNormalization"): "groupnorm",
-    (DOMAIN, "GroupNorm"): "groupnorm",
-    ("", "InstanceNormalization"): "instancenorm",
-    ("", "BatchNormalization"): "batchnorm",
-    (MS_DOMAIN, "SkipLayerNormalization"): "layernorm",
-    (MS_DOMAIN, "SkipSimplifiedLayerNormalization"): "rmsnorm",
-}
+# every op type that counts as one fused norm in an exported graph, by (domain, op_type): what each kind declares
+FUSED_NORM_OPS = {op: kind.name for kind in KINDS for op in kind.onnx_ops}
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
 _P = defs.OpSchema.FormalParameter

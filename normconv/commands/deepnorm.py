@@ -1,0 +1,51 @@
+"""``normconv deepnorm``: DeepNorm residual rescaling LN(alpha*x + f(x)) at every post-LN sublayer and beta on the
+FFN / v / out projections, for (re)training deep post-LN transformers. It changes what the model computes: the
+engine checks it against that formula computed literally on the same weights (``Check.REFERENCE``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch.nn as nn
+
+from normconv.engine.door import rewrite, write_model
+from normconv.errors import NormconvError
+from normconv.io import Loaded, check_output_path
+from normconv.options import Options
+from normconv.passes import deepnorm as deepnorm_pass
+from normconv.report import Report
+
+
+def deepnorm(loaded: Loaded, opts: Options = Options(), *, arch: str | None = None, alpha: float | None = None,
+             beta: float | None = None, beta_mode: str = "init", n_layers: int | None = None,
+             m_layers: int | None = None, seed: int | None = 0, value_proj: Sequence[str] = (),
+             out_proj: Sequence[str] = ()) -> tuple[Report, nn.Module]:
+    """LN(alpha*x + f(x)) at every post-LN sublayer and beta on FFN/v/out, checked against that formula computed
+    literally on the same weights, then written. Raises NormconvError on refusal."""
+    loaded.require_inputs()
+    if opts.output is not None:
+        check_output_path(loaded, opts.output, opts.in_place)
+        if Path(opts.output).suffix == ".safetensors":
+            raise NormconvError(f"{opts.output}: a .safetensors file holds weights only and would drop the residual "
+                                f"scaling; write a .pt (the module) instead")
+    why = deepnorm_pass.already_applied(loaded.model)
+    if why:
+        raise NormconvError(why)
+    p = deepnorm_pass.DeepNormPass(arch, alpha, beta, beta_mode, n_layers, m_layers, seed, value_proj=value_proj,
+                                   out_proj=out_proj)
+    report, done = rewrite(loaded, [p], opts, command=deepnorm_pass.NAME, write=False)
+    (result,) = done.of(p)
+    an = result.extra["analysis"]
+    report.extra.update({"arch": an.arch, "beta_mode": beta_mode, "stacks": result.extra["stacks"],
+                         "capture": result.extra["capture_method"], "marker": deepnorm_pass.MARKER,
+                         "sublayers": result.extra["records"]})
+    report.notes.append(
+        "DeepNorm changes what the model computes (it is for (re)training); validation compares it with "
+        "LN(alpha*x + f(x)) computed literally on the same weights. Save the module itself (torch.save(model)): "
+        "a state_dict alone does not carry the residual scaling.")
+    write_model(loaded, done.model, opts, loaded.require_inputs(), report)
+    return report, done.model
+
+
+__all__ = ["deepnorm"]

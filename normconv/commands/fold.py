@@ -1,0 +1,81 @@
+"""``normconv fold``: BatchNorm folded into its neighbouring conv / linear (inference), verified, then written."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from normconv.engine.door import rewrite
+from normconv.engine.precision import half_dtype, headroom_extra, target_half
+from normconv.errors import NormconvError, VerificationError
+from normconv.graph.capture import capture
+from normconv.graph.detect import find_norms
+from normconv.io import Loaded
+from normconv.options import Options
+from normconv.passes import fold_batchnorm, lift_layers
+from normconv.passes import fold_weight_standardization as fold_ws
+from normconv.passes.base import Pass
+from normconv.report import Report
+
+
+def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
+    """BatchNorm folded into its neighbouring conv / linear, verified, then written. ``opts.dtype`` (float16 /
+    bfloat16): the model is folded in it; a half fold (that, or a half model) reports each site's headroom measured
+    in float32 and the folded weights' largest value in the dtype."""
+    training = [p for p, m in loaded.model.named_modules() if m.training]
+    if training and not opts.eval_mode:
+        where = "the model" if training[0] == "" else training[0]
+        raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
+                            f"so folding would change it; call .eval() first or pass --eval")
+    half = target_half(opts.dtype, loaded.model)
+    rooms, layers = _fold_headroom(loaded, half, opts.method) if half is not None and not opts.eval_mode else ([], {})
+    measured_on = loaded.require_inputs().to(torch.float32).describe() + " (float32)"
+    if half is not None and half_dtype(loaded.model) is None:  # measured in float32, folded in the dtype
+        cast = loaded.model if loaded.disposable else copy.deepcopy(loaded.model)
+        loaded = dataclasses.replace(loaded, model=cast.to(half), inputs=loaded.require_inputs().to(half))
+    try:
+        report, done = rewrite(loaded, lifted(loaded.model) + [fold_ws.FOLD_WS, fold_batchnorm.FOLD], opts,
+                               command=fold_batchnorm.NAME)
+    except VerificationError as exc:
+        if rooms and exc.report is not None:
+            exc.report.extra["headroom"] = headroom_extra(rooms, half, measured_on)
+        raise
+    model = done.model
+    if rooms:
+        from normconv.graph.headroom import check_folded_weight
+
+        applied = {s.target for s in report.sites if s.applied}
+        for h in rooms:  # the folded layer's weight, as written in the dtype
+            layer = layers.get(h.target)
+            if h.target in applied and layer is not None and isinstance(getattr(model.get_submodule(layer), "weight",
+                                                                                None), torch.Tensor):
+                check_folded_weight(h, layer, model.get_submodule(layer).weight)
+        report.extra["headroom"] = headroom_extra(rooms, half, measured_on)
+    if not any(s.applied for s in report.sites):
+        report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
+                            else "the model has no BatchNorm; it is unchanged")
+    return report, model
+
+
+def _fold_headroom(loaded: Loaded, half: torch.dtype, method: str) -> tuple[list, dict[str, str]]:
+    """Each site's headroom in ``half``, measured on the float32 model, and BatchNorm -> the layer it folds into."""
+    from normconv.graph.headroom import measure
+
+    wide = loaded.model if half_dtype(loaded.model) is None else copy.deepcopy(loaded.model).float()
+    cap = capture(wide, loaded.require_inputs().to(torch.float32), method)
+    norms = find_norms(cap)
+    layers = {d.site.target: d.layer for d in fold_batchnorm.analyze(cap, norms) if d.applied and d.layer}
+    return measure(cap, norms, half), layers
+
+
+def lifted(model: nn.Module) -> list[Pass]:
+    """An exported program (a GraphModule) calls aten.conv / linear on constant weights: lift those into native
+    modules first, so the folds apply as on a module tree (passes/lift_layers.py). A user's module tree needs none."""
+    return [lift_layers.LIFT] if isinstance(model, fx.GraphModule) else []
+
+
+__all__ = ["fold", "lifted"]

@@ -1,0 +1,128 @@
+"""``normconv inspect``: every norm site with its kind, eps, shape, placement, and what each pass would do or why
+not (``engine.plans``); nothing is applied. With a half dtype, each site's headroom in it, measured in float32."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import torch
+
+from normconv.engine.plans import plans, whole_only
+from normconv.engine.precision import headroom_extra
+from normconv.errors import Code, NormconvError
+from normconv.graph.capture import Captured, capture
+from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
+from normconv.graph.near_miss import find_near_misses
+from normconv.io import Loaded
+from normconv.report import Report, Site
+from normconv.verify import Inputs
+
+
+def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = None,
+            calibration: Inputs | None = None) -> Report:
+    """Every norm site and each pass's plan for it; with a half ``dtype``, each site's headroom in it, measured in
+    float32 on ``calibration`` (else the example inputs)."""
+    inputs = loaded.require_inputs()
+    try:
+        cap = capture(loaded.model, inputs, method)
+    except NormconvError as exc:
+        if dtype is not None or exc.code is not Code.CANNOT_CAPTURE:  # headroom runs the whole graph
+            raise
+        return _inspect_by_parts(loaded, inputs, method, exc)
+    norms = find_norms(cap)
+    rooms = _headroom(loaded, cap, norms, method, dtype, calibration) if dtype is not None else None
+    plan = plans(cap, norms)
+    sites = []
+    for n in norms:
+        entry = n.to_json()
+        entry["plan"] = _distinct(plan.get(n.target, []))
+        if rooms is not None:
+            entry["headroom"] = rooms[len(sites)].to_json()
+        sites.append(entry)
+    extra_headroom = {} if rooms is None else {"headroom": headroom_extra(
+        rooms, dtype, (calibration or inputs).describe() + (" (calibration)" if calibration else ""))}
+    return Report(
+        command="inspect", model=loaded.spec, sites=sites,
+        extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
+               "counts": dict(collections.Counter(n.kind for n in norms)),
+               "parameters": sum(p.numel() for p in loaded.model.parameters()),
+               "near_misses": [m.to_json() for m in find_near_misses(cap, norms)],
+               "weight_standardizations": [w.to_json() for w in find_weight_standardizations(cap)], **extra_headroom},
+    )
+
+
+def _distinct(planned: list[Site], target: str | None = None) -> list[dict]:
+    """Each distinct plan of a site once (a module called twice plans once per call), as JSON; ``target``: named
+    so (a part's site, named as in the whole model)."""
+    seen: set[tuple[str, bool, str]] = set()
+    out = []
+    for p in planned:
+        key = (p.pass_name, p.applied, p.reason)
+        if key not in seen:
+            seen.add(key)
+            out.append({**p.to_json(), **({"target": target} if target is not None else {})})
+    return out
+
+
+def _inspect_by_parts(loaded: Loaded, inputs: Inputs, method: str, whole: NormconvError) -> Report:
+    """``inspect`` of a model no method captures whole: each submodule's graph alone (``capture_parts``). The passes
+    that run by parts plan there; the others say they need the whole graph; what no part's graph holds is named."""
+    from normconv.graph.parts import capture_parts, in_whole_model
+
+    parts = capture_parts(loaded.model, inputs, method)
+    if not parts.parts:
+        raise NormconvError(f"{whole}; no submodule captures alone either", Code.CANNOT_CAPTURE)
+    why = "not possible: it needs a graph of the whole model, which cannot be captured (see 'whole model failed')"
+    sites, misses, standardized = [], [], []
+    for part in parts.parts:
+        norms = find_norms(part.cap)
+        plan = plans(part.cap, norms, whole=False)  # fold, canonicalize and swap run by parts
+        for n in norms:
+            entry = in_whole_model(n, part).to_json()
+            entry["plan"] = _distinct(plan.get(n.target, []), entry["target"]) + [
+                {"pass": p, "target": entry["target"], "applied": False, "code": "needs-whole-graph", "reason": why}
+                for p in whole_only()]
+            sites.append(entry)
+        for m in find_near_misses(part.cap, norms):
+            misses.append({**m.to_json(), "target": f"{part.path}.{m.target}" if m.target else part.path})
+        for w in find_weight_standardizations(part.cap):
+            standardized.append({**w.to_json(), "target": f"{part.path}:{w.site.target}",
+                                 "param": f"{part.path}.{w.param}"})
+    unseen = [f"{p or 'the model'} (its own code between its submodules)"
+              for p in ["", *parts.failed] if p not in parts.leaves_failed]
+    unseen += [f"{p} (a leaf: {parts.failed[p]})" for p in parts.leaves_failed]
+    return Report(
+        command="inspect", model=loaded.spec, sites=sites,
+        extra={"capture": f"parts ({len(parts.parts)} submodules captured alone: the whole model cannot be)",
+               "capture_failures": {"whole model": str(whole)}, "inputs": inputs.describe(),
+               "counts": dict(collections.Counter(s["kind"] for s in sites)),
+               "parameters": sum(p.numel() for p in loaded.model.parameters()),
+               "near_misses": misses, "weight_standardizations": standardized, "not_inspected": unseen},
+    )
+
+
+def _headroom(loaded: Loaded, cap: Captured, norms: list[NormSite], method: str, dtype: torch.dtype,
+              calibration: Inputs | None) -> list:
+    """Each site's headroom in ``dtype``, measured in float32: a half model is measured on a float32 copy."""
+    from normconv.graph.headroom import measure
+
+    inputs = (calibration or cap.inputs).to(torch.float32)
+    half = any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16)
+               for p in list(loaded.model.parameters()) + list(loaded.model.buffers()))
+    if half:
+        wide = copy.deepcopy(loaded.model).float()
+        wide_cap = capture(wide, cap.inputs.to(torch.float32), method)
+        wide_norms = find_norms(wide_cap)
+        if [n.target for n in wide_norms] == [n.target for n in norms]:
+            cap, norms = wide_cap, wide_norms
+    try:
+        return measure(cap, norms, dtype, inputs)
+    except NormconvError:
+        raise
+    except Exception as exc:
+        raise NormconvError(f"the calibration inputs do not run through the model: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+__all__ = ["inspect"]

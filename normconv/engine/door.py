@@ -1,0 +1,172 @@
+"""The one door every rewrite goes through: passes -> verify -> write.
+
+    report, run = rewrite(loaded, [FOLD], Options(output="out.pt"), command="fold")
+
+The user's model is never changed (``engine.run.apply_passes`` works on a tensor-sharing copy). Verification is the
+same for every pass, chosen by the passes' ``check`` (``passes.base.Check``), at the example inputs and a second
+shape wherever the model's dimensions are free:
+  EXACT      the rewritten model's outputs equal the original's within tolerance, else VerificationError
+             (nothing written); a result marked ``exact=False`` (an approximate swap) turns every check into
+  DRIFT      the distance to the original, measured and reported, never judged;
+  REFERENCE  the rewritten model equals ``pass.reference(rewritten)`` (DeepNorm: LN(alpha*x + f(x)) computed
+             literally on the same weights) within tolerance.
+Nothing is written unless it verified; writing goes through ``io.save`` (atomic) in torch-only form.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.nn as nn
+
+from normconv import outputs
+from normconv.clone import clone_sharing_tensors
+from normconv.errors import Code, NormconvError, VerificationError
+from normconv.io import Loaded, check_output_path, save
+from normconv.kinds import KINDS
+from normconv.options import Options
+from normconv.passes.base import Check, Pass
+from normconv.report import OutputError, Report, Validation
+from normconv.verify import Inputs, compare, other_shape, run
+
+from .run import Run, apply_passes
+
+# module families counted in before/after tables: every norm kind, then the layers norms fold into
+_COUNTED: tuple[tuple[str, tuple[type, ...]], ...] = tuple((k.name, k.modules) for k in KINDS) + (
+    ("conv", (nn.modules.conv._ConvNd,)),
+    ("linear", (nn.Linear,)),
+)
+
+
+def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5) -> dict[str, Any]:
+    """Parameter count and module counts by family; with ``inputs``, the median latency (ms) of one eager forward
+    (opt-in, ``--bench``: it costs 2 x (repeats + 1) extra forwards)."""
+    stats: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
+    classes = collections.Counter(type(m) for m in model.modules())  # one walk; families judged per class
+    for name, types in _COUNTED:
+        stats[f"{name} modules"] = sum(k for cls, k in classes.items() if issubclass(cls, types))
+    if inputs is not None:
+        times = []
+        run(model, inputs)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(model, inputs)
+            times.append(time.perf_counter() - t0)
+        stats["latency ms"] = round(sorted(times)[len(times) // 2] * 1e3, 3)
+    return stats
+
+
+def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: str, write: bool = True,
+            judge: bool = True, outputs_seen: dict[str, Any] | None = None,
+            by_parts: bool = True) -> tuple[Report, Run]:
+    """Apply ``passes`` to a loaded model, verify by their ``check``, write ``opts.output`` if it passed
+    (``write=False``: the caller writes, after checks of its own; ``judge=False``: the caller judges the checks,
+    against references of its own, e.g. the half-precision policy's float32 model). ``outputs_seen``, when given, receives the
+    original's and the rewritten model's outputs on the example inputs ("reference", "rewritten"), so that a
+    caller's further checks reuse them instead of running both models again."""
+    inputs = loaded.require_inputs()
+    if opts.output is not None:
+        check_output_path(loaded, opts.output, opts.in_place)  # fail before the work, not after
+    # everything the original has to say is taken before the passes (a disposable model is then written in place)
+    reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
+    alt = other_shape(loaded.model, inputs)
+    before = model_stats(loaded.model, inputs if opts.bench else None)
+    done = apply_passes(loaded.model, inputs, passes, opts.method, opts.eval_mode, writable=loaded.disposable,
+                        reference=reference, by_parts=by_parts)
+    rewritten = run(done.model, inputs)
+    referee = next((p for p in passes if p.check is Check.REFERENCE), None)
+    if referee is not None:  # the rewrite changed the model on purpose: it must equal its literal reference
+        literal = referee.reference(done.model)
+        label = f"reference {referee.reference_label}"
+        expected = run(literal, inputs)
+        alt = None if alt is None else (alt[0], run(literal, alt[0]))
+    else:
+        label, expected = "torch", reference
+    validations = [compare(expected, rewritten, opts.atol, opts.rtol, label=label)] + \
+        second_shape(alt, done.model, opts.atol, opts.rtol, label)
+    if outputs_seen is not None:
+        outputs_seen.update(reference=reference, rewritten=rewritten)
+    report = Report(command=command, model=loaded.spec, sites=done.sites, validation=validations, before=before,
+                    after=model_stats(done.model, inputs if opts.bench else None), notes=done.all_notes)
+    drift = referee is None and (not done.exact or any(p.check is Check.DRIFT for p in passes))
+    if drift:  # an intended change, measured at every shape: drift, not a failed check
+        report.validation = [dataclasses.replace(c, drift=True, label=("drift against the original" if i == 0 else
+                                                                       c.label.replace("torch", "drift", 1)))
+                             for i, c in enumerate(report.validation)]
+    failed = next((v for v in report.validation if not v.passed and not v.drift), None)
+    if failed is not None and judge:
+        raise not_verified(command, failed, report, "outputs differ beyond tolerance" if referee is None else
+                           f"the rewritten model differs from {referee.reference_label} on the same weights")
+    if write:
+        write_model(loaded, done.model, opts, inputs, report)
+    return report, done
+
+
+def second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: float | None,
+                 rtol: float | None, label: str = "torch") -> list[Validation]:
+    """The rewrite checked at a second input shape too, wherever the model's dimensions are free (a capture sees
+    one shape: a branch on the batch size, or a rewrite specialized to it, shows only at another). ``alt``: the
+    second inputs and the expected outputs there, taken before the rewrite."""
+    if alt is None:
+        return []
+    alt_inputs, expected = alt
+    label = f"{label}, second shape ({alt_inputs.describe()})"
+    try:
+        candidate = run(clone_sharing_tensors(rewritten), alt_inputs)  # the result keeps no state of this shape
+    except Exception as exc:
+        return [Validation(float("inf"), float("inf"), atol or 0.0, rtol or 0.0, False, 0.0,
+                           (OutputError("output", float("inf"), float("inf"), 0.0, False),),
+                           f"{label}: the rewritten model fails where the original runs ({type(exc).__name__})")]
+    return [compare(expected, candidate, atol, rtol, label=label)]
+
+
+def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs, report: Report) -> None:
+    """Write ``model`` to ``opts.output`` in a form that loads with torch alone (unless ``opts.keep_normconv``), and
+    say in the report what was written and what loading it needs; without an output say that nothing was written."""
+    output = opts.output
+    if output is None:
+        report.notes.append("nothing was written (no -o given)")
+        return
+    parts = outputs.normconv_parts(model)
+    if opts.keep_normconv and parts:
+        to_write = model
+        report.notes.append("kept normconv's modules (" + ", ".join(parts) + "): loading the output needs "
+                            "normconv installed")
+    else:
+        try:
+            to_write = outputs.torch_only(model, inputs)
+        except Exception as exc:
+            raise NormconvError(f"cannot write {output} in torch-only form: {type(exc).__name__}: {exc}",
+                                Code.WRITE_FAILED) from None
+        if parts:
+            report.notes.append(
+                "written with torch's own modules (" + ", ".join(p.rpartition(".")[2] for p in parts) + " replaced): "
+                "it loads with torch alone" + (
+                    "; the replacements include torch.fx code (GraphModules), so reading it back into normconv needs "
+                    "--trust-pickle (--normconv-modules keeps normconv's modules instead)"
+                    if outputs.holds_graph_modules(to_write) and not Path(output).suffix in (".pt2", ".safetensors")
+                    else ""))
+    report.output = str(save(loaded, to_write, output, opts.in_place, inputs))
+
+
+def not_verified(command: str, failed: Validation, report: Report,
+                 differs: str = "outputs differ beyond tolerance") -> VerificationError:
+    """The error of a failed check: by how much it failed, or that it compared nothing."""
+    if not failed.outputs:
+        return VerificationError(f"{command}: {failed.label}; nothing written", report)
+    return VerificationError(f"{command}: {differs} ({failed.label}: max abs error {failed.max_abs_error:.3g}, "
+                             f"atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
+
+
+def looked(passes: Sequence[Pass], sites: Sequence[Any]) -> list[str]:
+    """The passes that had a site to decide on (a weight-standardization fold on a model without any is not named),
+    all of them when none had."""
+    named = {s.pass_name for s in sites}
+    return [p.name for p in passes if p.name in named] or [p.name for p in passes]
+
+
+__all__ = ["rewrite", "second_shape", "write_model", "model_stats", "not_verified", "looked"]

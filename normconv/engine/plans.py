@@ -1,0 +1,71 @@
+"""Plans as data: what each pass would do at each norm site, nothing applied (``normconv inspect``, export's plan).
+
+``PLANNERS`` is the table inspect walks, in the order a user would run the passes: (pass name, planner, whether it
+runs on a part captured alone). A new pass that plans per norm site adds one row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from normconv.graph.capture import Captured
+from normconv.graph.detect import NormSite
+from normconv.passes import canonicalize, deepnorm, fold_batchnorm, swap_norm
+from normconv.report import Site
+
+Planner = Callable[[Captured, Sequence[NormSite]], list[Site]]
+
+
+def plan_of(cap: Captured, norms: Sequence[NormSite], planner: Planner | None) -> dict[str, tuple[bool, str]] | None:
+    """target -> (applied, reason) from one pass's plan; None when that pass is switched off (``planner`` None)."""
+    if planner is None:
+        return None
+    return {p.target: (p.applied, p.reason) for p in planner(cap, norms)}
+
+
+def float32_sites(cap: Captured, norms: Sequence[NormSite]) -> frozenset[str]:
+    """The sites whose input and output are float32 in this graph (their upcasts are no-op casts)."""
+    def dtype(name: str):
+        node = cap.nodes.get(name)
+        return cap.dtype(node) if node is not None else None
+
+    return frozenset(s.target for s in norms if dtype(s.input) == dtype(s.node) == torch.float32)
+
+
+def _export_plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+    from normconv.onnx import export as onnx_export
+
+    return onnx_export.plan(norms, canon=plan_of(cap, norms, canonicalize.plan),
+                            folds=plan_of(cap, norms, fold_batchnorm.plan), live=cap.live,
+                            float32=float32_sites(cap, norms))
+
+
+# (pass, planner, plans a part captured alone): the order a user would run them
+PLANNERS: tuple[tuple[str, Planner, bool], ...] = (
+    (fold_batchnorm.NAME, fold_batchnorm.plan, True),
+    (canonicalize.NAME, canonicalize.plan, True),
+    (swap_norm.NAME, swap_norm.plan, True),
+    (deepnorm.NAME, deepnorm.plan, False),
+    ("export", _export_plan, False),
+)
+
+
+def plans(cap: Captured, norms: list[NormSite], whole: bool = True) -> dict[str, list[Site]]:
+    """target -> the sites each pass planned for it; ``whole=False`` (a part captured alone): only the passes that
+    run by parts."""
+    by_target: dict[str, list[Site]] = {}
+    for _, planner, parts in PLANNERS:
+        if whole or parts:
+            for site in planner(cap, norms):
+                by_target.setdefault(site.target, []).append(site)
+    return by_target
+
+
+def whole_only() -> list[str]:
+    """The passes that need a graph of the whole model."""
+    return [name for name, _, parts in PLANNERS if not parts]
+
+
+__all__ = ["PLANNERS", "plans", "plan_of", "float32_sites", "whole_only"]

@@ -1,0 +1,159 @@
+"""Running passes: a tensor-sharing copy of the model, captured, handed to each pass in turn.
+
+    run = apply_passes(model, inputs, [CANONICALIZE, FOLD])   # -> Run(model, sites, results, notes, capture)
+
+The user's model is never written: the passes get ``clone_sharing_tensors(model)``, whose tensors are the user's
+until a pass takes one through ``clone.owned`` (copy-on-write). One capture serves every pass that leaves the model
+unchanged; a pass that modified it makes the next one capture again. A model no method captures whole is run part
+by part (``by_parts=True`` and every pass declares ``by_parts``): each submodule captured alone gets the pass,
+and the whole result is verified by the caller as always.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch.nn as nn
+
+from normconv.clone import clone_sharing_tensors, owning_as, release
+from normconv.errors import Code, NormconvError
+from normconv.graph.capture import Captured, capture
+from normconv.passes.base import Pass, replace_module
+from normconv.report import PassResult, Site
+from normconv.verify import Inputs
+
+
+@dataclass
+class Run:
+    """What ``apply_passes`` made: the rewritten model, every site decided, every pass result in order (a pass run
+    by parts has one per part), the engine's own notes, and the capture still valid for ``model`` (or None)."""
+
+    model: nn.Module
+    sites: list[Site] = field(default_factory=list)
+    results: list[tuple[Pass, PassResult]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    capture: Captured | None = None
+
+    def of(self, p: Pass) -> list[PassResult]:
+        """The results of one pass (several when it ran by parts)."""
+        return [r for q, r in self.results if q is p]
+
+    def extras(self, p: Pass, key: str) -> list[Any]:
+        """``key`` of every result of ``p`` that has it, in order."""
+        return [r.extra[key] for r in self.of(p) if key in r.extra]
+
+    @property
+    def exact(self) -> bool:
+        """Every result keeps the outputs (an approximate site makes the whole rewrite a measured drift)."""
+        return all(r.exact for _, r in self.results)
+
+    @property
+    def all_notes(self) -> list[str]:
+        """The engine's notes, then every pass's, each once, in order."""
+        return list(dict.fromkeys([*self.notes, *(n for _, r in self.results for n in r.notes)]))
+
+
+def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], method: str = "auto",
+                 eval_mode: bool = False, on_first_capture: Callable[[Captured], None] | None = None,
+                 writable: bool = False, reference: Any = None, by_parts: bool = False) -> Run:
+    """Run ``passes`` in order on a tensor-sharing copy of ``model``.
+
+    ``eval_mode`` puts the copy (never the user's model) in eval mode first. ``on_first_capture`` sees the first
+    capture, of the unmodified model (export plans from it; it is made even with no pass). ``writable``: passes
+    write ``model``'s own tensors (a disposable model only). ``reference``: ``model``'s output on ``inputs`` when
+    the caller has it (the unmodified copy's capture reuses it for its trust check). ``by_parts``: a model no
+    method captures whole is rewritten part by part when every pass allows it; else its capture error is raised."""
+    work = clone_sharing_tensors(model, writable)
+    if eval_mode:
+        for m in work.modules():
+            m.training = False  # the flag itself: an exported program's module refuses .eval()
+    out = Run(work)
+    cap: Captured | None = None
+    parts_allowed = by_parts and all(p.by_parts for p in passes)  # not rotation, DeepNorm, export
+    if on_first_capture is not None:
+        cap = capture(work, inputs, method, reference)
+        on_first_capture(cap)
+    for p in passes:
+        before = {path: (id(m), m.training) for path, m in work.named_modules()}
+        if cap is None or cap.model is not work:
+            try:
+                cap = capture(work, inputs, method, reference)
+            except NormconvError as whole:
+                if whole.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
+                    raise
+                _by_parts(p, work, inputs, method, whole, out)
+                inherit_training_flags(before, work)
+                continue
+        try:
+            result = p(work, cap)
+        except NormconvError:
+            raise
+        except Exception as exc:  # name the failing pass (onnx-ir's pass manager does the same)
+            raise RuntimeError(f"pass {p.name} failed: {type(exc).__name__}: {exc}") from exc
+        inherit_training_flags(before, result.model)
+        if result.modified or result.model is not work:
+            cap = reference = None  # the graph changed: the next pass captures it again (and checks it afresh)
+        work = result.model
+        out.results.append((p, result))
+        out.sites.extend(result.sites)
+    out.model = release(work)
+    out.capture = cap if cap is not None and cap.model is work else None
+    return out
+
+
+def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: NormconvError, out: Run) -> None:
+    """One pass on each submodule of ``work`` captured alone (``capture_parts``), for a model no method captures
+    whole (a VLM whose merge of image features is data-dependent). Each part's graph holds everything the pass
+    proves about the part: a stream that enters the part as an input has writers the pass cannot see, so a swap
+    refuses there, as it refuses at any graph input. The caller verifies the whole rewritten model as always.
+    Code between the parts (the failed modules' own forward) is not rewritten, and a note says so."""
+    from normconv.graph.parts import capture_parts
+
+    parts = capture_parts(work, inputs, method)
+    if not parts.parts:
+        raise NormconvError(f"{whole}; no submodule captures alone either", Code.CANNOT_CAPTURE)
+    p.begin_parts()
+    results = []
+    for part in parts.parts:
+        module = work.get_submodule(part.path)
+        try:
+            with owning_as(module, work):  # what the copy already owns is written in place, not cloned again
+                result = p(module, part.cap)
+        except NormconvError as exc:  # names in the message are the part's own
+            raise NormconvError(f"in {part.path} (captured alone: the whole model cannot be): {exc.message}",
+                                exc.code, hint=exc.hint, pass_name=exc.pass_name) from None
+        results.append(result)
+        whole_part = result.model is not module  # the part itself was replaced (it was the norm)
+        if whole_part:
+            replace_module(work, part.path, result.model)
+        owned = dict(module.named_modules())
+        sites = tuple(dataclasses.replace(s, target=part.path if whole_part and s.applied or not s.target
+                                          else f"{part.path}.{s.target}" if s.target in owned
+                                          else f"{part.path}:{s.target}")
+                      for s in result.sites)
+        out.results.append((p, dataclasses.replace(result, model=work, sites=sites)))
+        out.sites.extend(sites)
+    p.end_parts(work, results)
+    note = (f"the whole model cannot be captured ({(str(whole).splitlines() or [''])[0]}); rewritten by parts: "
+            f"{len(parts.parts)} submodules captured alone ({', '.join(pt.path for pt in parts.parts[:6])}"
+            f"{', ...' if len(parts.parts) > 6 else ''}); the code of {', '.join(['the model', *parts.failed][:4])} "
+            f"between them is not rewritten")
+    if note not in out.notes:
+        out.notes.append(note)
+
+
+def inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Module) -> None:
+    """A module a pass inserted (nn.Identity, nn.RMSNorm, ...) is born in training mode: give it the mode of
+    the module it replaced, or of its parent when it is new."""
+    for path, module in model.named_modules():
+        old = before.get(path)
+        if old is not None and old[0] == id(module):
+            continue  # the same module as before: its flag is the user's
+        parent = path.rpartition(".")[0]
+        mode = old[1] if old is not None else before.get(parent, (0, model.training))[1]
+        module.training = mode
+
+
+__all__ = ["Run", "apply_passes", "inherit_training_flags"]
