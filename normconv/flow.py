@@ -6,7 +6,7 @@
 Every rewriting command goes through ``rewrite`` (export through ``apply_passes`` then ONNX): the user's model is
 never changed (the passes work on a copy of the module tree that shares every tensor a pass does not write,
 ``normconv.clone``), an exact rewrite that misses its tolerance raises VerificationError carrying the report,
-and nothing is written unless it verified. This is the only module that calls ``io.save``.
+and nothing is written unless it verified. This is the only module that calls ``io.write.save``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
 from normconv.graph.near_miss import find_near_misses
-from normconv import outputs
-from normconv.io import Loaded, check_output_path, save, with_attention_mask
+from normconv.io import outputs
+from normconv.io.inputs import with_attention_mask
+from normconv.io.load import Loaded
+from normconv.io.write import check_output_path, save
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import deepnorm as deepnorm_pass
 from normconv.passes import fold_batchnorm, fold_scales, lift_layers, rotate as rotate_pass, swap_norm

@@ -22,7 +22,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from normconv.errors import NormconvError
-from normconv.io import with_attention_mask
+from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv.graph.match import NATIVE_NORM_TYPES, TRANSPARENT, is_native_norm, op_of
 from normconv.verify import Inputs, compare, forward_guard, output_leaves, run
