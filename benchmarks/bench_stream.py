@@ -6,7 +6,7 @@ Each rung's checkpoint is generated shard by shard (the model is never built wit
 shapes come from the config on the meta device), so the generator itself needs no more than one shard of memory.
 Then, side by side in the same run, each as its own process (peak RSS from ``os.wait4``):
   floor    every tensor read with safetensors.safe_open and written back, a tensor at a time, into shards of the
-           same names (normconv.stream.ShardWriter): the I/O any streaming rewrite has to do
+           same names (normconv.stream.checkpoint.ShardWriter): the I/O any streaming rewrite has to do
   floor-pread  the same with normconv's reader (a positioned read per tensor into its own buffer, no mapping)
   normconv ``python -m normconv.cli swap IN --to rmsnorm --stream -o OUT`` (``fold IN --stream -o OUT`` for the CNN
            rungs): plan on meta, rewrite, then verify block by block (reading the input and the output once more)
@@ -59,7 +59,7 @@ def make_checkpoint(rung: str, folder: Path) -> tuple[int, int]:
     """A sharded safetensors folder with random weights for ``rung``; returns (parameters, bytes)."""
     import transformers
 
-    from normconv.stream import INDEX, ShardWriter
+    from normconv.stream.checkpoint import INDEX, ShardWriter
 
     cls_name, cfg_name, kwargs, dtype = RUNGS[rung]
     config = getattr(transformers, cfg_name)(**({} if rung in COMMAND else _TEXT_ONLY), **kwargs)
@@ -117,7 +117,7 @@ FLOOR = r"""
 import sys, json
 from pathlib import Path
 from safetensors import safe_open
-from normconv.stream import ShardWriter, Checkpoint, _DTYPES
+from normconv.stream.checkpoint import ShardWriter, Checkpoint, _DTYPES
 src, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.mkdir()
 ckpt = Checkpoint(src)

@@ -276,8 +276,8 @@ def example_inputs(model, batch: int, seq: int, seed: int, max_image: int = 64):
     """kwargs for the model's forward, from its config and signature; None if none can be made."""
     import torch
 
-    from normconv.hf_inputs import grid_patches
-    from normconv.io import forward_params
+    from normconv.io.hf_inputs import grid_patches
+    from normconv.io.inputs import forward_params
 
     cfg = model.config
     params = forward_params(model)
@@ -324,8 +324,8 @@ def input_repairs(model, kw: dict) -> list[dict]:
     them for a folder given without inputs), the language model alone (a VLM whose image tokens cannot be placed)."""
     import torch
 
-    from normconv.hf_inputs import image_tokens
-    from normconv.io import forward_params
+    from normconv.io.hf_inputs import image_tokens
+    from normconv.io.inputs import forward_params
 
     cfg, out = model.config, []
     params = forward_params(model)
@@ -541,7 +541,7 @@ def run_type(mtype: str, maps, timeout: float) -> dict:
         x2 = example_inputs(model, BATCH2, SEQ2, 1, 1024 if gentle else 64)
         if x1 is None:
             rec["build_error"] = "no example inputs for forward(" + ", ".join(
-                __import__("normconv.io", fromlist=["x"]).forward_params(model)[:4]) + ")"
+                __import__("normconv.io.inputs", fromlist=["x"]).forward_params(model)[:4]) + ")"
             rec["built"] = False
             return rec
         try:
@@ -674,7 +674,7 @@ def _export_inputs(model, kw: dict) -> dict:
     export an LM: a DynamicCache output fails any export)."""
     import torch
 
-    from normconv.io import forward_params, without_kv_cache
+    from normconv.io.inputs import forward_params, without_kv_cache
     from normconv.verify import Inputs
 
     kw = dict(without_kv_cache(model, Inputs((), kw)).kwargs)

@@ -22,7 +22,8 @@ import torch.nn as nn
 from normconv.commands import canonicalize as canonicalize_cmd, deepnorm as deepnorm_cmd, export as export_cmd
 from normconv.commands import fold as fold_cmd, inspect as inspect_cmd, swap as swap_cmd
 from normconv.errors import NormconvError
-from normconv.io import Loaded, without_kv_cache
+from normconv.io.inputs import without_kv_cache
+from normconv.io.load import Loaded
 from normconv.options import Options
 from normconv.report import Report
 from normconv.verify import Inputs
@@ -78,18 +79,18 @@ def stream_swap(folder: str, output: str, *, atol: float | None = None, rtol: fl
     """The exact LayerNorm -> RMSNorm swap of a Hugging Face folder (safetensors), streamed tensor by tensor and
     verified block by block without ever holding the model; writes ``output`` (a new folder: the same architecture
     with rewritten weights). Returns the report (per-block errors in ``report.extra["blocks"]``)."""
-    from normconv import stream
+    from normconv.stream import swap as streaming
 
-    return stream.swap(folder, output, atol=atol, rtol=rtol)
+    return streaming.swap(folder, output, atol=atol, rtol=rtol)
 
 
 def stream_fold(folder: str, output: str, *, atol: float | None = None, rtol: float | None = None) -> Report:
     """BatchNorm folded into the conv / linear before it in a Hugging Face folder (safetensors), streamed tensor
     by tensor and verified block by block without ever holding the model; writes ``output`` (a new folder: the
     same architecture, each folded BatchNorm now the identity or a per-channel shift). Returns the report."""
-    from normconv import streamed_fold
+    from normconv.stream import fold as streaming
 
-    return streamed_fold.fold(folder, output, atol=atol, rtol=rtol)
+    return streaming.fold(folder, output, atol=atol, rtol=rtol)
 
 
 def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", seed: int = 0, *,
@@ -134,8 +135,8 @@ def inspect(model: nn.Module, example_inputs: Any, method: str = "auto") -> Repo
 
 def load(spec: str, **kwargs: Any) -> tuple[nn.Module, Inputs | None]:
     """What the command line loads: ``zoo:NAME``, a Hugging Face folder, a .pt2, a pickle, or
-    ``package.module:factory``; returns (model, example inputs or None). See ``normconv.io.load`` for options."""
-    from normconv.io import load as load_spec
+    ``package.module:factory``; returns (model, example inputs or None). See ``normconv.io.load.load`` for options."""
+    from normconv.io.load import load as load_spec
 
     loaded = load_spec(spec, **kwargs)
     return loaded.model, loaded.inputs

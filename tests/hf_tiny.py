@@ -236,7 +236,7 @@ def tiny_llava():
     through forward's **kwargs; its example inputs are the ones normconv makes (one image token per feature)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaModel
 
-    from normconv.hf_inputs import hf_example_inputs
+    from normconv.io.hf_inputs import hf_example_inputs
 
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               image_size=32, patch_size=8, projection_dim=32)

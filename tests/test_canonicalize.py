@@ -345,7 +345,7 @@ def test_norm_over_non_trailing_dims_becomes_a_native_norm_on_moved_dims(tmp_pat
 
 
 def test_moved_dim_norm_is_written_in_torch_only_form(cli, tmp_path):
-    from normconv.outputs import normconv_parts
+    from normconv.io.outputs import normconv_parts
 
     out = tmp_path / "naf.pt"
     code, _, err = cli("canonicalize", "zoo:nafnet_fp16", "-o", str(out))
@@ -472,7 +472,7 @@ def test_cli_writes_a_loadable_model_and_json_shape(cli, tmp_path):
     assert [s["applied"] for s in doc["sites"]] == [True] * 3
     assert set(doc["sites"][0]) == {"pass", "target", "applied", "code", "reason"} and doc["sites"][0]["code"]
     assert doc["before"]["layernorm modules"] == 0 and doc["after"]["layernorm modules"] == 3
-    from normconv.io import load
+    from normconv.io.load import load
 
     loaded = load(str(out))  # native modules and the zoo's classes only: no --trust-pickle needed
     assert count(loaded.model, "layernorm") == 3

@@ -17,7 +17,7 @@ from normconv.graph.detect import find_norms
 from normconv.errors import NormconvError
 from normconv.graph.capture import capture
 from normconv.api import deepnorm as api_deepnorm
-from normconv.io import load
+from normconv.io.load import load
 from normconv.models import get
 from normconv.models.transformer import PostLNEncoderLayer
 from normconv.passes import deepnorm as dn

@@ -342,16 +342,17 @@ def test_fold_runs_the_model_five_times():
 
 def test_the_command_line_reuses_the_load_check_forward(tmp_path):
     # io.load runs the model once to check its inputs: the rewrite compares against that output instead of a rerun
-    from normconv import io
     from normconv.commands.fold import fold
+    from normconv.io.load import load
+    from normconv.verify import Inputs
 
     model = _chain()
     torch.save(model, tmp_path / "chain.pt")
-    loaded = io.load(str(tmp_path / "chain.pt"), input_shapes=["input:2,4,6,6"])
+    loaded = load(str(tmp_path / "chain.pt"), input_shapes=["input:2,4,6,6"])
     calls = _count_forwards(loaded.model)
     report, folded = fold(loaded)
     assert calls[0] == 4 and report.passed and bn_modules(folded) == 0  # the load's own forward came before the hook
-    loaded.inputs = io.Inputs((torch.randn(2, 4, 6, 6),))  # other inputs: the load's output is not theirs
+    loaded.inputs = Inputs((torch.randn(2, 4, 6, 6),))  # other inputs: the load's output is not theirs
     fold(loaded)
     assert calls[0] == 4 + 5
 

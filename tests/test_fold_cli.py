@@ -7,7 +7,7 @@ import json
 import torch
 import torch.nn as nn
 
-from normconv.io import load
+from normconv.io.load import load
 from normconv.models import get
 
 

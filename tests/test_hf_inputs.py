@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from normconv.hf_inputs import hf_example_inputs
+from normconv.io.hf_inputs import hf_example_inputs
 
 from hf_tiny import tiny_llava
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from normconv.errors import NormconvError
-from normconv.io import load, parse_input_shapes, save
+from normconv.io.inputs import parse_input_shapes
+from normconv.io.load import load
+from normconv.io.write import save
 from normconv.verify import compare, run
 from tests.fixtures.user_models import small_net
 

@@ -58,7 +58,7 @@ def _run(cli, *args):
 
 
 def _reference(rep_model_spec):
-    from normconv.io import load
+    from normconv.io.load import load
 
     loaded = load(rep_model_spec)
     return loaded
@@ -74,7 +74,7 @@ CASES = [  # command, factory, extra flags, the normconv class the rewrite inser
 @pytest.mark.parametrize("command,spec,flags,inserted", CASES, ids=[c[0] for c in CASES])
 def test_each_command_output_loads_with_torch_alone(cli, tmp_path, command, spec, flags, inserted):
     from normconv.commands import canonicalize, deepnorm, fold, swap
-    from normconv.io import load
+    from normconv.io.load import load
     from normconv.verify import run
 
     commands = {"fold": fold.fold, "canonicalize": canonicalize.canonicalize, "swap": swap.swap,
@@ -113,7 +113,7 @@ def test_normconv_modules_is_an_opt_in_that_says_loading_needs_normconv(cli, tmp
 
 def test_deepnorm_output_loads_with_torch_alone_and_trains(cli, tmp_path, hf_folders):
     from normconv.commands.deepnorm import deepnorm
-    from normconv.io import load
+    from normconv.io.load import load
     from normconv.passes import deepnorm as dn
     from normconv.verify import run
 
@@ -136,7 +136,7 @@ def test_deepnorm_output_loads_with_torch_alone_and_trains(cli, tmp_path, hf_fol
 def test_float32norm_is_written_as_a_graph_module(tmp_path):
     from normconv.nn.modules import Float32Norm
     from normconv.nn.rmsnorm import make_rmsnorm
-    from normconv.outputs import normconv_parts, torch_only
+    from normconv.io.outputs import normconv_parts, torch_only
     from normconv.verify import Inputs
 
     torch.manual_seed(0)

@@ -11,9 +11,11 @@ import torch
 import torch.nn as nn
 
 import normconv
-from normconv import stream
 from normconv.errors import NormconvError, VerificationError
-from normconv.hf_inputs import hf_example_inputs
+from normconv.io.hf_inputs import hf_example_inputs
+from normconv.stream import swap as streaming
+from normconv.stream.blocks import OnDemand, build_on_meta
+from normconv.stream.checkpoint import Checkpoint, ShardWriter, model_class
 from tests.hf_tiny import VOCAB
 
 
@@ -68,7 +70,7 @@ def _saved(build, folder, shard="20KB"):
 
 def _streamed_tensors(folder, model):
     """model state_dict name -> tensor, read shard by shard from a written folder."""
-    ckpt = stream.Checkpoint(folder).rename_for(model)
+    ckpt = Checkpoint(folder).rename_for(model)
     return {ckpt.name[k]: ckpt.get(k) for k in ckpt.weight_map}
 
 
@@ -184,7 +186,7 @@ def test_stream_flags_it_cannot_honour_are_refused(tmp_path, cli):
 
 def _corrupt(folder):
     """Add 0.5 to one writer bias in the written shards (what a wrong rewrite would do)."""
-    ckpt = stream.Checkpoint(folder)
+    ckpt = Checkpoint(folder)
     name = next(k for k in ckpt.weight_map if k.endswith("mlp.c_proj.bias"))
     shard = ckpt.weight_map[name]
     from safetensors.torch import load_file, save_file
@@ -198,7 +200,7 @@ def test_failed_verification_leaves_nothing(tmp_path):
     src, out = tmp_path / "in", tmp_path / "out"
     _saved(_gpt2, src)
     with pytest.raises(VerificationError, match="block .*nothing written") as exc:
-        stream.swap(src, out, after_rewrite=_corrupt)
+        streaming.swap(src, out, after_rewrite=_corrupt)
     assert not exc.value.report.passed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
@@ -212,7 +214,7 @@ def test_interrupt_leaves_nothing(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        stream.swap(src, out, after_rewrite=interrupt)
+        streaming.swap(src, out, after_rewrite=interrupt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 
@@ -222,7 +224,7 @@ def test_a_folder_without_safetensors_is_refused(tmp_path):
     for f in src.glob("*.safetensors*"):
         f.unlink()
     with pytest.raises(NormconvError, match="no safetensors weights"):
-        stream.swap(src, tmp_path / "out")
+        streaming.swap(src, tmp_path / "out")
 
 
 def test_the_order_of_tensors_in_the_shards_does_not_matter(tmp_path):
@@ -236,15 +238,15 @@ def test_the_order_of_tensors_in_the_shards_does_not_matter(tmp_path):
     second.mkdir()
     shutil.copy(first / "config.json", second / "config.json")
     params = dict(model.named_parameters())  # tied head once, in module order: ln_1.bias before attn.c_attn.bias
-    writer = stream.ShardWriter(second / "model.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in params.items()],
+    writer = ShardWriter(second / "model.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in params.items()],
                                 {"format": "pt"})
     for n, t in params.items():
         writer.write(n, t.detach())
     writer.check()
     writer.f.close()
     digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.rglob("*.safetensors"))}
-    stream.swap(first, tmp_path / "out1")
-    stream.swap(second, tmp_path / "out2")
+    streaming.swap(first, tmp_path / "out1")
+    streaming.swap(second, tmp_path / "out2")
     assert digest == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digest}
     a, b = _streamed_tensors(tmp_path / "out1", model), _streamed_tensors(tmp_path / "out2", model)
     assert sorted(a) == sorted(b)
@@ -257,10 +259,10 @@ def test_block_by_block_runs_leave_every_parameter_on_meta(tmp_path):
     many times (shapes) and through however many loaders the same model runs."""
     src = tmp_path / "in"
     model = _saved(_gpt2, src)
-    cls, config = stream._model_class(src)
-    meta = stream._build(cls, config, torch.float32)
+    cls, config = model_class(src)
+    meta = build_on_meta(cls, config, torch.float32)
     for inputs in _shapes(model):
-        loader = stream._OnDemand(meta, stream.Checkpoint(src).rename_for(meta), src)
+        loader = OnDemand(meta, Checkpoint(src).rename_for(meta), src)
         out, blocks = loader.run(inputs)
         assert len(blocks) == 3
         assert torch.allclose(out.logits, model(**inputs.kwargs).logits, atol=1e-6)
@@ -286,21 +288,21 @@ def test_verification_reads_each_block_once_for_both_shapes(tmp_path, monkeypatc
     src, out = tmp_path / "in", tmp_path / "out"
     model = _saved(_gpt2, src)
     reads: dict[tuple[str, str], int] = {}
-    get = stream.Checkpoint.get
+    get = Checkpoint.get
 
     def counted(self, name):
         key = (self.folder.name, name)
         reads[key] = reads.get(key, 0) + 1
         return get(self, name)
 
-    monkeypatch.setattr(stream.Checkpoint, "get", counted)
-    report = stream.swap(src, out)
+    monkeypatch.setattr(Checkpoint, "get", counted)
+    report = streaming.swap(src, out)
     assert report.passed and len(report.extra["blocks"]) == 2 * 3
     written = {k: n for k, n in reads.items() if k[0] not in ("in", "out")}  # the temp folder: verification only
     assert written and set(written.values()) == {1}, written
-    cls, config = stream._model_class(src)
-    meta = stream._build(cls, config, torch.float32)
-    loader = stream._OnDemand(meta, stream.Checkpoint(src).rename_for(meta), src)
+    cls, config = model_class(src)
+    meta = build_on_meta(cls, config, torch.float32)
+    loader = OnDemand(meta, Checkpoint(src).rename_for(meta), src)
     together = loader.run_many(_shapes(model))
     for inputs, (out_many, blocks_many) in zip(_shapes(model), together):
         out_one, blocks_one = loader.run(inputs)

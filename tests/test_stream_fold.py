@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 
 import normconv
-from normconv import stream, streamed_fold
 from normconv.errors import NormconvError, VerificationError
+from normconv.stream import fold as streaming
+from normconv.stream.checkpoint import Checkpoint
 
 BN = nn.modules.batchnorm._BatchNorm
 
@@ -72,7 +73,7 @@ def test_streamed_fold_equals_the_in_memory_fold(tmp_path):
 
     src, out = tmp_path / "in", tmp_path / "out"
     model = _saved(src)
-    streamed_fold.fold(src, out)
+    streaming.fold(src, out)
     loaded = ResNetForImageClassification.from_pretrained(out).eval()
     x = torch.randn(2, 3, 32, 32)
     folded, _ = normconv.fold(model, {"pixel_values": x})
@@ -85,9 +86,9 @@ def test_streamed_fold_equals_the_in_memory_fold(tmp_path):
 def test_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
     src, out = tmp_path / "in", tmp_path / "out"
     _saved(src, torch.bfloat16)
-    report = streamed_fold.fold(src, out)
+    report = streaming.fold(src, out)
     assert report.passed
-    ckpt = stream.Checkpoint(out)
+    ckpt = Checkpoint(out)
     assert {ckpt.get(k).dtype for k in ckpt.weight_map if "num_batches" not in k} == {torch.bfloat16}
 
 
@@ -122,7 +123,7 @@ def _corrupt(folder):
     """Scale one folded conv weight by 1.5 in the written shards (what a wrong fold would do)."""
     from safetensors.torch import load_file, save_file
 
-    ckpt = stream.Checkpoint(folder)
+    ckpt = Checkpoint(folder)
     name = next(k for k in ckpt.weight_map if k.endswith("stages.1.layers.0.layer.1.convolution.weight"))
     shard = ckpt.weight_map[name]
     tensors = load_file(str(folder / shard))
@@ -134,7 +135,7 @@ def test_failed_verification_leaves_nothing(tmp_path):
     src, out = tmp_path / "in", tmp_path / "out"
     _saved(src)
     with pytest.raises(VerificationError, match="fold --stream: block .*nothing written"):
-        streamed_fold.fold(src, out, after_rewrite=_corrupt)
+        streaming.fold(src, out, after_rewrite=_corrupt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 

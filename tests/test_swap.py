@@ -343,7 +343,7 @@ def test_disposable_model_is_rewritten_in_place_with_the_same_result():
     """The command line's own model (Loaded.disposable) is written in place instead of copied; the result is bit
     for bit the copying path's, and a caller's model (the API path) is left untouched."""
     from normconv.commands.swap import swap
-    from normconv.io import load
+    from normconv.io.load import load
 
     results = {}
     for disposable in (False, True):

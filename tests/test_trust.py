@@ -20,7 +20,8 @@ import torch.nn as nn
 
 import normconv
 from normconv.errors import NormconvError
-from normconv.io import load, save
+from normconv.io.load import load
+from normconv.io.write import save
 from normconv.models import ZOO, get
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import torch
 import typer
 
 from normconv.errors import EXIT_BAD_INPUT, NormconvError, VerificationError
-from normconv.io import Loaded, load
+from normconv.io.load import Loaded, load
 from normconv.report import Report, print_json, print_report
 
 EXIT_INTERNAL = 3

@@ -40,14 +40,14 @@ def register(app: typer.Typer) -> None:
         from normconv.commands.fold import fold as run
 
         if stream:
-            from normconv import streamed_fold
+            from normconv.stream import fold as streaming
 
             check_stream_flags("folds the BatchNorms of a Hugging Face folder",
                                [("--eval", eval_mode), ("--weights", weights is not None),
                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
                                 ("--in-place", in_place), ("--bench", bench), ("--normconv-modules", normconv_modules),
                                 ("--trust-pickle", trust_pickle), ("--trust-remote-code", trust_remote_code)], output)
-            emit(streamed_fold.fold(model, output, atol=atol, rtol=rtol), as_json)
+            emit(streaming.fold(model, output, atol=atol, rtol=rtol), as_json)
             return
 
         # a half --dtype: headroom is measured on the model as loaded (float32), then it is cast and folded

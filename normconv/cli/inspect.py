@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
         With --dtype float16 or bfloat16: each site's headroom in that dtype, measured in float32."""
         from normconv.commands.inspect import inspect as run
         from normconv.graph.headroom import HALF_DTYPES
-        from normconv.io import load_calibration
+        from normconv.io.inputs import load_calibration
 
         if capture not in CAPTURES:
             raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")

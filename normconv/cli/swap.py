@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
         if stream:
-            from normconv import stream as streaming
+            from normconv.stream import swap as streaming
 
             check_stream_flags("rewrites an exact LayerNorm -> RMSNorm swap of a Hugging Face folder",
                                [("--to layernorm", to != "rmsnorm"), ("--approximate", approximate),

@@ -14,7 +14,8 @@ from normconv.clone import clone_sharing_tensors
 from normconv.engine.door import not_verified, rewrite, write_model
 from normconv.engine.precision import cast_floats, dtype_label, either_holds, half_dtype, target_half
 from normconv.errors import VerificationError
-from normconv.io import Loaded, check_output_path
+from normconv.io.load import Loaded
+from normconv.io.write import check_output_path
 from normconv.options import Options
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.report import Report

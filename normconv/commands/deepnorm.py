@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from normconv.engine.door import rewrite, write_model
 from normconv.errors import NormconvError
-from normconv.io import Loaded, check_output_path
+from normconv.io.load import Loaded
+from normconv.io.write import check_output_path
 from normconv.options import Options
 from normconv.passes import deepnorm as deepnorm_pass
 from normconv.report import Report

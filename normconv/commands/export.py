@@ -24,7 +24,9 @@ from normconv.engine.run import apply_passes
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
-from normconv.io import Loaded, check_output_path, with_attention_mask
+from normconv.io.inputs import with_attention_mask
+from normconv.io.load import Loaded
+from normconv.io.write import check_output_path
 from normconv.nn.modules import Float32Norm
 from normconv.options import Options
 from normconv.passes import canonicalize as canonicalize_pass

@@ -14,7 +14,7 @@ from normconv.engine.precision import half_dtype, headroom_extra, target_half
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
-from normconv.io import Loaded
+from normconv.io.load import Loaded
 from normconv.options import Options
 from normconv.passes import fold_batchnorm, lift_layers
 from normconv.passes import fold_weight_standardization as fold_ws

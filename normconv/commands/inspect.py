@@ -14,7 +14,7 @@ from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
 from normconv.graph.near_miss import find_near_misses
-from normconv.io import Loaded
+from normconv.io.load import Loaded
 from normconv.report import Report, Site
 from normconv.verify import Inputs
 

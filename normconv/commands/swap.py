@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from normconv.engine.door import rewrite, write_model
 from normconv.errors import Code, NormconvError
-from normconv.io import Loaded, check_output_path
+from normconv.io.load import Loaded
+from normconv.io.write import check_output_path
 from normconv.options import Options
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import fold_scales, rotate as rotate_pass, swap_norm

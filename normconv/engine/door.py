@@ -23,10 +23,11 @@ from typing import Any, Sequence
 
 import torch.nn as nn
 
-from normconv import outputs
+from normconv.io import outputs
 from normconv.clone import clone_sharing_tensors
 from normconv.errors import Code, NormconvError, VerificationError
-from normconv.io import Loaded, check_output_path, save
+from normconv.io.load import Loaded
+from normconv.io.write import check_output_path, save
 from normconv.kinds import KINDS
 from normconv.options import Options
 from normconv.passes.base import Check, Pass

@@ -22,7 +22,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from normconv.errors import Code, NormconvError
-from normconv.io import with_attention_mask
+from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv import kinds
 from normconv.graph.match import TRANSPARENT, op_of

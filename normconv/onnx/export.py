@@ -32,7 +32,7 @@ from normconv import kinds
 from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
 from normconv.quiet import quiet
-from normconv.io import check_writable
+from normconv.io.write import check_writable
 from normconv.report import Report, Site, Why
 
 NAME = "export"
@@ -330,7 +330,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     if dynamic and not extra["dynamic_axes"]:
         report.notes.append("--dynamic: the model specializes every input dimension; the graph is static")
 
-    from normconv.io import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
+    from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
 
     remove_stale_temps(out)
     tmpdir = None

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
-from normconv.io import HF_BATCH, HF_SEQ_LEN, forward_params
+from normconv.io.inputs import HF_BATCH, HF_SEQ_LEN, forward_params
 from normconv.verify import Inputs
 
 _DEFAULT_IMAGE = 32  # pixels per side for a model whose config names no image size (a CNN takes any)

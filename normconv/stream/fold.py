@@ -3,14 +3,14 @@
   plan     the model built from config.json with its parameters on the meta device; only the BatchNorm tensors
            (four per-channel vectors each) are read from the shards; captured with torch.export and planned by
            fold_batchnorm.analyze, with the guards of the in-memory fold
-  rewrite  tensor by tensor, shard by shard (stream.write_shards). A layer L (conv / linear) followed by
+  rewrite  tensor by tensor, shard by shard (stream.checkpoint.write_shards). A layer L (conv / linear) followed by
            BN(y) = s y + t, s = gamma / sqrt(var + eps), t = beta - mean s, becomes, in float64:
              BN'  weight 1, running_mean 0, running_var v = (1 - eps rounded to the stored dtype), so BN'(y) = f y + c
                   with f = 1 / sqrt(v + eps) (1 up to that rounding) and c = its bias
              L    W' = W s / f along L's output channels; with a bias b' = (b s + t) / f and c = 0, without one c = t
            so BN'(L'(x)) = s W x + s b + t = BN(L(x)): f cancels whatever 1 - eps rounded to
-  verify   block by block against the original (stream.write_verified): every block output and the final outputs
-           equal, at two input shapes; nothing is written otherwise
+  verify   block by block against the original (stream.blocks.write_verified): every block output and the final
+           outputs equal, at two input shapes; nothing is written otherwise
 
 The output is the same architecture with rewritten weights: each folded BatchNorm is now the identity (or a
 per-channel shift where its layer has no bias), so ``from_pretrained`` loads it and its outputs are the original's;
@@ -29,14 +29,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from normconv import stream
 from normconv.errors import NormconvError
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
-from normconv.hf_inputs import hf_example_inputs
+from normconv.io.hf_inputs import hf_example_inputs
 from normconv.passes import fold_batchnorm
 from normconv.passes.base import skip
 from normconv.report import Report
+from normconv.stream.blocks import build_on_meta, fill, tensor_slots, write_verified
+from normconv.stream.checkpoint import Checkpoint, open_folder, tied_names, write_shards
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -45,11 +46,11 @@ def _identity(block_output: torch.Tensor) -> torch.Tensor:
     return block_output  # a fold changes no block's output
 
 
-def _plan(src: Path, ckpt: stream.Checkpoint, cls, config, dtype: torch.dtype):
+def _plan(src: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     """(decisions to stream, report sites, meta model, aliases)."""
-    meta = stream._build(cls, config, dtype)
+    meta = build_on_meta(cls, config, dtype)
     ckpt.rename_for(meta)
-    aliases = stream._aliases(meta)
+    aliases = tied_names(meta)
     bns = [(path, m) for path, m in meta.named_modules() if isinstance(m, _BN)]
     if not bns:
         raise NormconvError(f"fold: {type(meta).__name__} has no BatchNorm to fold")
@@ -60,8 +61,8 @@ def _plan(src: Path, ckpt: stream.Checkpoint, cls, config, dtype: torch.dtype):
     # shapes only: every tensor on meta, inputs too (a meta weight meeting a real buffer fails in torch.export)
     cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
     # then the BN tensors are read for real: the plan computes each BN's (s, t) from them
-    bn_slots = [slot for path, m in bns for slot in stream.tensor_slots(m, path)]
-    stream.fill(bn_slots, ckpt, aliases, src)
+    bn_slots = [slot for path, m in bns for slot in tensor_slots(m, path)]
+    fill(bn_slots, ckpt, aliases, src)
     missing = [name for m, k, name in bn_slots if getattr(m, k).is_meta]  # a running statistic not stored
     if missing:
         raise NormconvError(f"{src}: the checkpoint has no tensor {missing[0]}")
@@ -117,7 +118,7 @@ def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
          rtol: float | None = None, keep_temp_on_failure: bool = False,
          after_rewrite: Callable[[Path], None] | None = None) -> Report:
     """``normconv fold FOLDER --stream -o OUT``: see the module docstring."""
-    src, out, ckpt, cls, config, dtype = stream.open_folder(folder, output)
+    src, out, ckpt, cls, config, dtype = open_folder(folder, output)
     decisions, sites, meta, aliases = _plan(src, ckpt, cls, config, dtype)
     if not decisions:
         raise NormconvError(f"fold --stream: no BatchNorm of {src} can be folded into the layer before it "
@@ -132,9 +133,9 @@ def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
                 return edits[alias](t)
         return t
 
-    stream.write_verified(src, out, ckpt, cls, config, dtype, report,
-                          lambda tmp: (stream.write_shards(ckpt, tmp, produce), False), _identity, atol, rtol,
-                          keep_temp_on_failure, after_rewrite)
+    write_verified(src, out, ckpt, cls, config, dtype, report,
+                   lambda tmp: (write_shards(ckpt, tmp, produce), False), _identity, atol, rtol,
+                   keep_temp_on_failure, after_rewrite)
     report.notes.append("the output is the same architecture with rewritten weights: each folded BatchNorm is the "
                         "identity (or a per-channel shift where its layer has no bias); normconv fold OUT in memory "
                         "removes them")

@@ -1,4 +1,5 @@
-"""What normconv writes: the per-format writers io.save dispatches to, and the torch-only form of a rewritten model.
+"""What normconv writes: the per-format writers io.write.save dispatches to, and the torch-only form of a
+rewritten model.
 
 By default a written model loads with torch alone (``torch.load(path, weights_only=False)``, or
 ``torch.export.load`` for a .pt2): before writing, ``torch_only`` replaces the modules normconv inserted by torch's
@@ -27,7 +28,7 @@ from normconv.nn.modules import BranchScale, ChannelShift, Float32Norm, InputSca
 from normconv.kinds import KINDS
 from normconv.verify import Inputs, run
 
-INPUTS_ATTR = "_normconv_example_inputs"  # example inputs carried in a pickle normconv wrote (io._INPUTS_ATTR reads them)
+INPUTS_ATTR = "_normconv_example_inputs"  # example inputs carried in a pickle normconv wrote (io.load reads them back)
 
 
 # ---------------------------------------------------------------------------------------------------------

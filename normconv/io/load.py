@@ -1,0 +1,339 @@
+"""Load what a user has into a ``Loaded``: the model, its example inputs, and where it came from.
+
+Model specs, sniffed in this order (never guessed silently):
+  zoo:NAME                   a built-in reference model (normconv.models)
+  DIR with config.json       a Hugging Face model folder, loaded offline
+  FILE.pt2                   a torch.export ExportedProgram
+  FILE (.pt/.pth/.bin/...)   a pickle: ``weights_only=True`` first; a full module needs ``trust_pickle``
+  package.module:factory     a Python factory, plus optional weights (.pt state_dict or .safetensors)
+
+Example inputs come from the zoo, the .pt2, the Hugging Face config (io.hf_inputs), or ``--input-shape
+NAME:D0,D1[:DTYPE]`` (io.inputs). The top of the io room: it imports io.pickles, io.inputs, io.hf_inputs and
+io.outputs; io.write saves what a command made of a ``Loaded``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from normconv.errors import NormconvError
+from normconv.io.hf_inputs import hf_example_inputs
+from normconv.io.inputs import forward_params, parse_dtype, parse_input_shapes, without_kv_cache
+from normconv.io.outputs import INPUTS_ATTR
+from normconv.io.pickles import (REFUSED, NeedsTrust, describe, load_allowlisted, only_weights_unpickled,
+                                 quiet_loaders, read_tensors, shown_globals, torch_load_safely)
+from normconv.verify import Inputs, run
+
+
+@dataclass
+class Loaded:
+    """A model ready to work on, and where it came from (so it can be saved in the same format)."""
+
+    model: nn.Module
+    inputs: Inputs | None
+    spec: str
+    fmt: str  # zoo | hf | pt2 | pickle | factory
+    path: Path | None = None
+    reads: tuple[Path, ...] = ()  # every file or folder the load read: -o may not be one of them (or inside one)
+    # the model is normconv's own (the command line loaded it from a file; no caller holds it): a rewrite may write
+    # its tensors in place once the original's outputs are taken, instead of copying every tensor it changes
+    disposable: bool = False
+    # (inputs, output) of the load's check forward: the original's outputs on exactly these inputs, taken once
+    checked: tuple[Inputs, Any] | None = field(default=None, repr=False, compare=False)
+
+    def checked_output(self) -> Any:
+        """The model's output on its example inputs: the load's check forward when it ran on these very inputs
+        (nothing changed since), else one guarded forward now."""
+        if self.checked is not None and self.checked[0] is self.inputs:
+            return self.checked[1]
+        return run(self.model, self.require_inputs())
+
+    def require_inputs(self) -> Inputs:
+        if self.inputs is None:
+            names = ", ".join(forward_params(self.model)) or "?"
+            raise NormconvError(
+                f"no example inputs for {self.spec}: pass --input-shape NAME:D0,D1,...[:DTYPE] for each "
+                f"forward argument (forward takes: {names})")
+        return self.inputs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading
+
+
+def load(spec: str, weights: str | None = None, input_shapes: list[str] | None = None,
+         trust_pickle: bool = False, dtype: str | None = None, check: bool = True,
+         trust_remote_code: bool = False) -> Loaded:
+    """Turn a model spec into a Loaded; every user mistake raises a one-line NormconvError.
+
+    Nothing from a file runs unless asked: pickles (also inside a .pt2) load with ``weights_only=True`` unless
+    ``trust_pickle``; a Hugging Face folder's own code (config ``auto_map``) only with ``trust_remote_code``."""
+    cast_to = parse_dtype(dtype, floating=True) if dtype else None  # a bad flag fails before the load
+    loaded = _load_model(spec, weights, trust_pickle, trust_remote_code)
+    if weights and loaded.fmt != "factory":
+        raise NormconvError(f"--weights applies to a package.module:factory spec, not to {spec}")
+    reads = [r.resolve() for r in ([loaded.path] if loaded.path else []) + ([Path(weights)] if weights else [])]
+    loaded.reads = tuple(dict.fromkeys(reads))
+    if input_shapes:
+        loaded.inputs = parse_input_shapes(loaded.model, input_shapes)
+    if cast_to is not None:
+        loaded.model = loaded.model.to(cast_to)
+        if loaded.inputs is not None:
+            loaded.inputs = loaded.inputs.to(cast_to)
+    loaded.inputs = without_kv_cache(loaded.model, loaded.inputs)
+    if check and loaded.inputs is not None:
+        check_inputs(loaded)
+    return loaded
+
+
+def check_inputs(loaded: Loaded) -> Any:
+    """Run the model once on its example inputs; a mismatch is the user's input, said in one line."""
+    try:
+        out = run(loaded.model, loaded.inputs)
+    except Exception as exc:
+        raise NormconvError(f"the model rejected its example inputs ({loaded.inputs.describe()}): "
+                            f"{describe(exc)}") from None
+    loaded.checked = (loaded.inputs, out)  # the original's outputs: a rewrite compares against them, not a rerun
+    return out
+
+
+def _load_model(spec: str, weights: str | None, trust_pickle: bool, trust_remote_code: bool = False) -> Loaded:
+    if spec.startswith("zoo:"):
+        return _load_zoo(spec)
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _load_hf(path, spec, trust_remote_code)
+        raise NormconvError(f"{spec} is a folder without config.json: not a Hugging Face model folder")
+    if path.exists():
+        if not path.is_file():
+            raise NormconvError(f"{spec} is not a regular file")
+        if path.suffix == ".pt2":
+            return _load_pt2(path, spec, trust_pickle)
+        if path.suffix == ".safetensors":
+            raise NormconvError(f"{spec} holds weights only: pass the model as package.module:factory "
+                                f"--weights {spec}")
+        return _load_pickle(path, spec, trust_pickle)
+    if ":" in spec and not spec.startswith(("/", ".")) and "/" not in spec.split(":", 1)[0]:
+        return _load_factory(spec, weights)
+    raise NormconvError(f"no such file or folder: {spec}")
+
+
+def _load_zoo(spec: str) -> Loaded:
+    from normconv.models import get
+
+    try:
+        entry = get(spec[len("zoo:"):])
+    except ValueError as exc:
+        raise NormconvError(str(exc)) from None
+    model = entry.build().eval()
+    return Loaded(model, Inputs(tuple(entry.example_inputs())), spec, "zoo")
+
+
+def _load_pt2(path: Path, spec: str, trust_pickle: bool = False) -> Loaded:
+    """A torch.export program. torch.export.load unpickles example inputs, constants and some weights with
+    ``weights_only=False`` (after a failed ``weights_only=True``): every one of those loads goes through
+    ``weights_only=True`` here, and one that needs more is refused naming the globals it would import."""
+    if path.stat().st_size == 0:
+        raise NormconvError(f"{spec} is empty")
+    if not zipfile.is_zipfile(path):
+        raise NormconvError(f"{spec} is not a torch.export program (not a zip archive; truncated or another format)")
+    try:
+        with only_weights_unpickled(trust_pickle), quiet_loaders():
+            ep = torch.export.load(str(path))
+    except NeedsTrust as need:
+        raise NormconvError(f"refusing to load {spec}: a pickle inside the program runs code on load and would "
+                            f"import {shown_globals(need.globs)}; pass --trust-pickle if you trust this file") from None
+    except Exception as exc:
+        raise NormconvError(f"{spec} is not a readable torch.export program ({describe(exc)})") from None
+    model = ep.module()
+    # train or eval is what the program computes, read from its graph; never .eval() on an exported module
+    training_ops = _training_ops(ep)
+    for m in model.modules():
+        m.training = bool(training_ops)
+    inputs = None
+    if ep.example_inputs is not None:
+        args, kwargs = ep.example_inputs
+        inputs = Inputs(tuple(args), dict(kwargs))
+    return Loaded(model, inputs, spec, "pt2", path)
+
+
+# ops whose presence means the program was exported in training mode (batch statistics, live dropout)
+_TRAINING_OPS = ("_native_batch_norm_legit_functional", "_native_batch_norm_legit.default")
+
+
+def _training_ops(ep: Any) -> list[str]:
+    """Ops of an exported graph that only a training-mode export contains."""
+    found = []
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if any(t in name for t in _TRAINING_OPS):
+            found.append(name)
+        elif "batch_norm" in name and "no_training" not in name and len(node.args) > 5 and node.args[5] is True:
+            found.append(name)  # aten.batch_norm(..., training=True, ...)
+        elif "dropout" in name and any(a is True for a in node.args[2:3]) and node.args[1] not in (0, 0.0):
+            found.append(name)  # aten.dropout(x, p, train=True)
+    return found
+
+
+def _load_pickle(path: Path, spec: str, trust_pickle: bool) -> Loaded:
+    try:
+        obj = torch_load_safely(path, spec)
+    except NeedsTrust as need:
+        globs = need.globs
+        obj = load_allowlisted(path, globs)
+    if obj is REFUSED:
+        if not trust_pickle:
+            raise NormconvError(
+                f"refusing to unpickle {spec}: a full pickled module runs code on load and would import "
+                f"{shown_globals(globs)}; pass --trust-pickle if you trust this file") from None
+        try:
+            with _user_folder_importable():
+                obj = torch.load(path, map_location="cpu", weights_only=False)
+        except (ImportError, AttributeError) as exc:
+            raise NormconvError(f"cannot load {spec}: {describe(exc)} (the model's class must be importable "
+                                f"here: install its package or add it to PYTHONPATH)") from None
+        except Exception as exc:
+            raise NormconvError(f"cannot load {spec}: {describe(exc)}") from None
+    if isinstance(obj, nn.Module):
+        return Loaded(obj, _carried_inputs(obj), spec, "pickle", path)
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise NormconvError(f"{spec} is a state_dict (weights only): pass the model as package.module:factory "
+                            f"--weights {spec}")
+    raise NormconvError(f"{spec} holds a {type(obj).__name__}, not a torch.nn.Module")
+
+
+def _carried_inputs(model: nn.Module) -> Inputs | None:
+    carried = model.__dict__.pop(INPUTS_ATTR, None)
+    if isinstance(carried, dict) and isinstance(carried.get("args"), (tuple, list)):
+        return Inputs(tuple(carried["args"]), dict(carried.get("kwargs") or {}))
+    return None
+
+
+@contextlib.contextmanager
+def _user_folder_importable():
+    """The current folder on sys.path, last: a factory spec or a trusted pickle's classes import from the user's
+    project as ``python -m`` would, while a ``rich.py`` or ``onnx.py`` lying there never shadows an installed
+    package. Only these two opt-in paths use it; no command puts the folder on sys.path otherwise."""
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(here)
+    try:
+        yield
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
+
+
+def _load_factory(spec: str, weights: str | None) -> Loaded:
+    module_name, _, attr = spec.partition(":")
+    try:
+        with _user_folder_importable():
+            module = importlib.import_module(module_name)
+    except SystemExit as exc:
+        raise NormconvError(f"importing {module_name!r} for {spec} called sys.exit({exc.code!r})") from None
+    except ImportError as exc:
+        raise NormconvError(f"cannot import {module_name!r} for {spec}: {describe(exc)}") from None
+    factory: Callable | None = getattr(module, attr, None)
+    if factory is None:
+        raise NormconvError(f"{module_name!r} has no attribute {attr!r}")
+    try:
+        made = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+    except (Exception, SystemExit) as exc:  # a factory calling sys.exit() is a failure too, never a silent exit 0
+        raise NormconvError(f"{spec}() failed: {describe(exc) if not isinstance(exc, SystemExit) else f'it called sys.exit({exc.code!r})'}") from None
+    inputs = None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        made, example = made
+        inputs = example if isinstance(example, Inputs) else Inputs(tuple(example) if isinstance(example, (tuple, list))
+                                                                  else (example,))
+    if not isinstance(made, nn.Module):
+        raise NormconvError(f"{spec} returned a {type(made).__name__}, not a torch.nn.Module")
+    if weights:
+        load_weights(made, weights)
+    return Loaded(made.eval(), inputs, spec, "factory")
+
+
+def load_weights(model: nn.Module, weights: str) -> None:
+    """Load a .pt state_dict or a .safetensors file into ``model`` strictly, with a one-line error on mismatch."""
+    path = Path(weights)
+    if not path.is_file():
+        raise NormconvError(f"no such weights file: {weights}")
+    state = read_tensors(path, weights, "is not a plain state_dict (it pickles objects); save model.state_dict() "
+                                         "instead")
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]  # a training checkpoint {"state_dict": ..., "epoch": ...}
+    if not isinstance(state, dict):
+        raise NormconvError(f"{weights} does not hold a state_dict")
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise NormconvError(
+            f"{weights} does not match the model: {len(result.missing_keys)} missing keys "
+            f"(e.g. {result.missing_keys[:2]}), {len(result.unexpected_keys)} unexpected "
+            f"(e.g. {result.unexpected_keys[:2]})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face folders
+
+
+def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
+    try:
+        import transformers
+    except ImportError:
+        raise NormconvError(f"{spec} is a Hugging Face folder: pip install transformers") from None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    remote = remote_code(path / "config.json")
+    if remote and not trust_remote_code:
+        # transformers would ask [y/N] on a terminal, and 'y' runs the folder's code: never prompt, refuse
+        raise NormconvError(f"{spec} ships its own model code (config.json auto_map: {remote}); normconv does not "
+                            f"run it unless you pass --trust-remote-code")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                         trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise NormconvError(f"{spec}/config.json is not a readable Hugging Face config ({describe(exc)})") from None
+    archs = getattr(config, "architectures", None) or []
+    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
+    if cls is None:
+        cls = transformers.AutoModel
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # torch.export cannot capture a KV cache object
+    hf_logging = transformers.utils.logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # normconv's output is normconv's: no "Loading weights" bar on stderr
+    try:
+        model = cls.from_pretrained(str(path), config=config, local_files_only=True,
+                                    trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise NormconvError(f"cannot load the Hugging Face model in {spec} ({describe(exc)})") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return Loaded(model.eval(), hf_example_inputs(model), spec, "hf", path)
+
+
+def remote_code(config_json: Path) -> str | None:
+    """The code a Hugging Face config asks to import (``auto_map``), or None."""
+    import json
+
+    try:
+        auto_map = json.loads(config_json.read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable: transformers says so next, in its own words
+    if not auto_map:
+        return None
+    values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    return ", ".join(sorted({str(v if isinstance(v, str) else v[0]) for v in values}))[:200]

@@ -1,0 +1,185 @@
+"""Writing atomically: an output path checked before the work (never over a file the load read, a folder that
+exists and is writable), the format its suffix asks for, a temp file beside it renamed into place only when the
+whole write succeeded, the temp files of a killed run removed, and a failed write said in one line.
+
+One of the io room's lowest modules (onnx.export uses ``check_writable`` and the temp names): it imports
+io.pickles (``describe``) and io.outputs (one writer per format) only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch.nn as nn
+
+from normconv.errors import NormconvError
+from normconv.io.outputs import WRITERS, config_mismatch
+from normconv.io.pickles import describe
+from normconv.verify import Inputs
+
+
+class Source(Protocol):
+    """What writing needs of the load it writes for (io.load.Loaded is one): the model as loaded, its example
+    inputs, its format and the files it read."""
+
+    model: nn.Module
+    inputs: Inputs | None
+    fmt: str
+    path: Path | None
+    reads: tuple[Path, ...]
+
+    def require_inputs(self) -> Inputs: ...
+
+
+def output_format(loaded: Source, out: Path) -> str:
+    """Same format as the input unless the suffix asks: .pt2 -> ExportedProgram, .safetensors -> weights."""
+    if out.suffix == ".pt2":
+        return "pt2"
+    if out.suffix == ".safetensors":
+        return "safetensors"
+    if out.suffix == ".onnx":
+        raise NormconvError(f"{out} is an ONNX path: use normconv export to write ONNX")
+    if out.suffix in (".pt", ".pth", ".bin", ".pkl"):
+        return "pickle"
+    if loaded.fmt == "hf":  # a Hugging Face folder in, no telling suffix: a folder out (save_pretrained)
+        return "hf"
+    return "pt2" if loaded.fmt == "pt2" else "pickle"  # no telling suffix: the input's own format
+
+
+def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = False) -> Path:
+    """Refuse to write over anything the load read (the model file, its --weights, a file inside its Hugging
+    Face folder) unless ``in_place``, or where no file can be created."""
+    path = Path(out)
+    target = path.resolve()
+    for read in loaded.reads or ((loaded.path.resolve(),) if loaded.path else ()):
+        inside = read.is_dir() and read in target.parents
+        if (target == read or inside) and not in_place:
+            what = f"a file inside the input folder {read}" if inside else f"the input {out}"
+            raise NormconvError(f"refusing to overwrite {what}: choose another -o or pass --in-place")
+    return check_writable(path)
+
+
+def check_writable(path: Path) -> Path:
+    """A file can be created at ``path``: its folder exists, is a folder and is writable; it is not a folder."""
+    parent = path.parent
+    if not parent.exists():
+        raise NormconvError(f"cannot write {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise NormconvError(f"cannot write {path}: {parent} is a file, not a folder")
+    if path.is_dir():
+        raise NormconvError(f"cannot write {path}: it is a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise NormconvError(f"cannot write {path}: folder {parent} is not writable")
+    return path
+
+
+TEMP_SUFFIX = ".normconv-tmp"  # every temp file / folder normconv makes next to an output ends with this
+
+
+def temp_name(path: Path) -> str:
+    """Prefix of normconv's temp files for ``path``: hidden, named after the output and this process."""
+    return f".{path.name}.{os.getpid()}."
+
+
+def remove_stale_temps(path: Path) -> list[str]:
+    """Temp files / folders an earlier, killed normconv left next to ``path`` (its process is gone): removed."""
+    import re
+    import shutil
+
+    removed = []
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\..*{re.escape(TEMP_SUFFIX)}$")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            removed.append(entry.name)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_error(out: Any, exc: BaseException) -> NormconvError:
+    """An OSError while writing is the user's situation (full disk, permissions), said in one line."""
+    import errno
+
+    why = {errno.ENOSPC: "no space left on the device", errno.EACCES: "permission denied",
+           errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded"}.get(
+        getattr(exc, "errno", None), describe(exc))
+    return NormconvError(f"cannot write {out}: {why}; nothing was written")
+
+
+def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: bool = False,
+         inputs: Inputs | None = None) -> Path:
+    """Write ``model`` atomically (temp file + rename): any failure or interrupt (Ctrl-C, SIGTERM) leaves no
+    file under ``out`` and no temp file beside it."""
+    path = check_output_path(loaded, out, in_place)
+    fmt = output_format(loaded, path)
+    if fmt == "hf":
+        _check_hf_folder_output(loaded, model, path)
+    remove_stale_temps(path)
+    tmp = None
+    try:
+        if fmt == "hf":
+            tmp = tempfile.mkdtemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+        else:
+            fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+            os.close(fd)
+        WRITERS[fmt](model, tmp, inputs or (loaded.require_inputs() if fmt == "pt2" else loaded.inputs))
+        os.replace(tmp, path)
+        tmp = None
+    except NormconvError:
+        raise
+    except OSError as exc:
+        raise write_error(out, exc) from None
+    except Exception as exc:
+        # a .pt2 is a torch.export program: a model torch.export cannot take whole has none
+        hint = f"; write -o {path.with_suffix('.pt').name} (torch.load) instead" if fmt == "pt2" else ""
+        raise NormconvError(f"cannot write {out}: {describe(exc)}{hint}") from None
+    finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
+    return path
+
+
+def _check_hf_folder_output(loaded: Source, model: nn.Module, path: Path) -> None:
+    """A folder is written only where its config.json still describes the rewritten model, and only as a new
+    folder (a folder is renamed into place whole)."""
+    if path.exists():
+        raise NormconvError(f"cannot write the Hugging Face folder {path}: it exists; choose a new folder, or a file "
+                            f"with a suffix (.pt2, .pt, .safetensors)")
+    why = config_mismatch(loaded.model, model) if hasattr(model, "save_pretrained") else "it is no longer a " \
+        "Hugging Face model class"
+    if why:
+        raise NormconvError(f"cannot write {path} as a Hugging Face folder: the rewrite changed the architecture its "
+                            f"config.json describes ({why}); write -o {path.name}.pt2 (torch.export.load, torch "
+                            f"alone) or -o {path.name}.pt (torch.load, needs transformers) instead")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
