@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
+from normconv.graph.match import PARAM_VIEW as _VIEW_METHODS
 from normconv.graph.match import TRANSPARENT, arg, batch_norm_args, dims_of, is_native_norm, scalar
 
 KINDS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm")
@@ -41,10 +42,6 @@ _NORM_OPS = {
     "group_norm": "groupnorm",
     "instance_norm": "instancenorm",
 }
-
-# ops that only reshape a parameter for broadcasting (w[:, None, None], w.view(1, C, 1, 1))
-_VIEW_METHODS = {"view", "reshape", "unsqueeze", "expand", "expand_as"}
-
 
 @dataclass(frozen=True)
 class NormSite:
