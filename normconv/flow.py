@@ -802,7 +802,8 @@ def plans(cap: Captured, norms: list[NormSite], whole: bool = True) -> dict[str,
     (a part captured alone): only the passes that run by parts (fold, canonicalize, swap)."""
     from normconv.onnx import export as onnx_export
 
-    planners = (fold_batchnorm.plan, canonicalize_pass.plan, swap_norm.plan) + ((
+    planners = (fold_batchnorm.plan, canonicalize_pass.plan,  # swap plans on the model as canonicalize leaves it
+                lambda c, n: swap_norm.plan(c, n, first=canonicalize_pass.Canonicalize(functional=True))) + ((
         deepnorm_pass.plan, lambda c, n: onnx_export.plan(n, canon=_plan_of(c, n, "canonicalize", True),
                                                           folds=_plan_of(c, n, "fold", True), live=c.live,
                                                           float32=_float32_sites(c, n))) if whole else ())
