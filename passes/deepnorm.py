@@ -433,7 +433,7 @@ class DeepNormPass(Pass):
         self.arch, self.alpha, self.beta, self.beta_mode = arch, alpha, beta, beta_mode
         self.n_layers, self.m_layers, self.seed = n_layers, m_layers, seed
         self.named = {"v": tuple(value_proj), "out": tuple(out_proj)}  # user-named roles (module patterns)
-        # what the last call returned (normconv.flow reads these; PassResult.extra has them)
+        # what the last call returned (the flow reads these today; PassResult.extra has them)
         self.analysis: Analysis | None = None
         self.records: list[dict[str, Any]] = []
         self.stacks: dict[str, dict[str, Any]] = {}

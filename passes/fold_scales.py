@@ -131,7 +131,7 @@ class FoldScales(Pass):
 
     def __init__(self, strict: bool = False):
         self.strict = strict  # raise on the first site that cannot fold (rotate needs every scale gone)
-        # what the last call returned (normconv.flow reads these; PassResult has them)
+        # what the last call returned (the flow reads these today; PassResult has them)
         self.notes: list[str] = []
         self.plans: list[ScalePlan] = []
 

@@ -314,7 +314,7 @@ class Rotate(Pass):
         if kind not in ROTATIONS:
             raise NormconvError(f"unknown --rotation {kind!r}: choose {', '.join(ROTATIONS)}")
         self.kind, self.seed = kind, seed
-        # what the last call returned (normconv.flow reads these; PassResult has them)
+        # what the last call returned (the flow reads these today; PassResult has them)
         self.notes: list[str] = []
         self.plan_: RotationPlan | None = None
         self.how = ""

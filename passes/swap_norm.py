@@ -254,7 +254,7 @@ class SwapPass(Pass):
         self.partial = partial  # swap the exact sites, keep the others as they are: the result stays exact
         self.require = require  # False: a model with no norm to swap passes through unchanged (rotate, fold-scales)
         self._parts = False  # True while run on parts: a part with nothing to swap is no error (end_parts)
-        # what every call returned, over all the graphs it ran on (normconv.flow reads these; PassResult has them)
+        # what every call returned, over all the graphs it ran on (the flow reads these today; PassResult has them)
         self.exact = True  # False once an approximate site was applied
         self.notes: list[str] = []
         self.dropped: list[str] = []  # approximate: norms whose bias could not be folded
