@@ -179,3 +179,29 @@ def test_the_hidden_axis_table_moves_the_axis_as_the_op_does():
     assert back(cap, n["expand"], 2) == 2 and back(cap, n["unsqueeze"], 2) == 1
     assert back(cap, n["select"], 1) == 2
     assert back(cap, n["reshape_1"], 2) is None
+
+
+@pytest.mark.parametrize("kw, rule", [(dict(groups=2), "grouped-conv"), (dict(scale="gate"), "gated-writer"),
+                                      ({}, None)])
+def test_a_refused_stream_keeps_the_residual_rule_behind_it(kw, rule):
+    """swap's site code says the stream refused (SwapWhy.STREAM); the plan keeps the residual analysis's own rule."""
+    from tests.test_swap_writers import ViT
+    from normconv.graph.capture import capture
+    from normconv.graph.detect import find_norms
+    from normconv.graph.residual import ResidualWhy
+    from normconv.passes.swap_norm import analyze
+
+    torch.manual_seed(0)
+    cap = capture(ViT(**kw).eval(), normconv.Inputs((torch.randn(2, 4, 32, 32),)))
+    plans = analyze(cap, find_norms(cap)).plans
+    if rule is None:
+        assert all(p.exact and p.code == SwapWhy.EXACT_RMSNORM and p.detail is None for p in plans)
+        return
+    assert {p.code for p in plans} == {SwapWhy.STREAM} and {p.detail for p in plans} == {ResidualWhy(rule)}
+
+
+def test_each_sublayer_rule_is_a_deepnorm_decision():
+    from normconv.graph.residual.sublayers import SublayerWhy
+    from normconv.passes.deepnorm import _SUBLAYER
+
+    assert set(_SUBLAYER) == set(SublayerWhy) and set(_SUBLAYER.values()) <= set(DeepNormWhy)
