@@ -27,11 +27,11 @@ from torch.nn.utils import parametrize
 
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
-from normconv.graph.match import arg, batch_norm_args
-from normconv.report import PassResult, Site
+from normconv.graph.match import PERMUTE, VIEW, arg, batch_norm_args, call_name
+from normconv.report import PassResult, Site, Why
 from normconv.nn.modules import ChannelShift
 
-from .base import apply, replace_module, skip
+from .base import Check, Pass, apply, replace_module, skip
 
 NAME = "fold"
 
@@ -41,6 +41,40 @@ _LAYERS: tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d
 _LAYER_OPS = ("conv", "conv_transpose", "linear")
 # values that pass through unchanged in eval mode (casts are not: they change the dtype the BN sees)
 _PASS_THROUGH_OPS = ("identity", "dropout")
+
+
+class FoldWhy(Why):
+    """One member per rule of the fold at a BatchNorm site (the guards of ``_removable`` and of the neighbours)."""
+
+    BACKWARD = "fold-backward"  # layer -> bn: W' = W s, b' = b s + t
+    FORWARD = "fold-forward"  # bn -> layer: W' = W s, b' = b + W t
+    KEEPS_SHIFT = "fold-scale-keep-shift"  # bias-free ConvTranspose -> bn: s into W, t as a ChannelShift
+    NO_NEIGHBOUR = "no-foldable-neighbour"  # neither neighbour takes the fold (each direction's guard says why)
+    # the BatchNorm itself
+    NO_STATS = "no-running-stats"  # track_running_stats=False: batch statistics
+    TRAINING = "training-mode"  # the module is in training mode
+    BATCH_STATS = "batch-statistics"  # F.batch_norm(training=True)
+    BN_SHARED = "bn-called-at-several-places"  # removing it would remove every call
+    NOT_REMOVABLE = "not-removable"  # a functional BN in a graph that cannot be handed back (not symbolic_trace)
+    INTERMEDIATE = "intermediate-used"  # a value inside the hand-written BN is used outside it
+    MODEL_IS_BN = "model-is-bn"  # the model itself is the BatchNorm
+    NO_CHANNEL_DIM = "no-channel-dim"  # the input has no dim 1 of the BN's size
+    STATS_NOT_TENSOR = "stats-not-tensor"  # a running statistic is not a tensor of the model
+    NOT_PER_CHANNEL = "not-per-channel"  # a statistic or affine does not scale dim 1
+    # its neighbours
+    FUNCTIONAL_LAYER = "functional-layer"  # a functional conv / linear, or a custom layer class: no module weight
+    LAYER_SHARED = "layer-called-at-several-places"  # one weight cannot carry two folds
+    TIED_WEIGHT = "tied-weight"  # the layer shares its weight with another module
+    PARAMETRIZED = "parametrized-weight"  # torch.nn.utils.parametrize on the weight
+    NON_FLOAT = "non-float-weight"  # an integer (quantized) weight
+    OP_BETWEEN = "op-between"  # an activation (or other op) sits between the layer and the BN
+    NOT_A_LAYER = "not-a-layer"  # the neighbour is no conv / linear
+    OUTPUT_SHARED = "output-shared"  # a value on the way is used elsewhere (or not used)
+    CHANNELS = "channel-mismatch"  # channel counts or ranks do not line up with dim 1
+    LAYOUT = "layout-moves-channels"  # reshapes / permutes on the way move or mix the channel axis
+    NO_SHAPE = "no-shape"  # no recorded shape to follow the channel axis
+    TRANSPOSED_READER = "transposed-conv-reader"  # bn -> ConvTranspose: its edge outputs see fewer inputs
+    ZERO_PADDING = "zero-padding"  # bn -> conv padding zeros, which would have to be t
 
 
 @dataclass(frozen=True)
@@ -53,13 +87,18 @@ class Decision:
     direction: str | None = None  # "backward" | "forward"
     layer: str | None = None  # module path of the conv / linear that absorbs the BN
     affine: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)  # (s, t)
+    code: FoldWhy | None = None
 
     def to_site(self) -> Site:
-        return (apply if self.applied else skip)(NAME, self.site, self.reason)
+        return (apply if self.applied else skip)(NAME, self.site, self.reason, self.code)
 
 
 class _Skip(Exception):
-    """A guard failed; the message is the reason reported for the site."""
+    """A guard failed: its code, and the message reported for the site."""
+
+    def __init__(self, code: FoldWhy, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -100,7 +139,7 @@ def _decide(ctx: _Context, site: NormSite) -> Decision:
     try:
         s, t = _removable(ctx, site)
     except _Skip as why:
-        return Decision(site, False, str(why))
+        return Decision(site, False, str(why), code=why.code)
     reasons = []
     for direction, finder in (("backward", _backward_layer), ("forward", _forward_layer)):
         try:
@@ -108,12 +147,14 @@ def _decide(ctx: _Context, site: NormSite) -> Decision:
             if _keeps_shift(ctx.cap.modules.get(path), site, direction):
                 return Decision(site, True, f"fold the scale into {path} ({direction}); the shift stays as a "
                                             f"ChannelShift: torch's CPU ConvTranspose is 3-12x slower with a bias",
-                                direction, path, (s, t))
-            return Decision(site, True, f"fold into {path} ({direction})", direction, path, (s, t))
+                                direction, path, (s, t), FoldWhy.KEEPS_SHIFT)
+            return Decision(site, True, f"fold into {path} ({direction})", direction, path, (s, t),
+                            FoldWhy.BACKWARD if direction == "backward" else FoldWhy.FORWARD)
         except _Skip as why:
             reasons.append(f"{direction}: {why}")
     # no foldable neighbour  =>  BN stays: its eval kernel is one per-channel pass already (measured)
-    return Decision(site, False, f"no foldable neighbour ({'; '.join(reasons)}); left as is")
+    return Decision(site, False, f"no foldable neighbour ({'; '.join(reasons)}); left as is",
+                    code=FoldWhy.NO_NEIGHBOUR)
 
 
 def _removable(ctx: _Context, site: NormSite) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,30 +163,32 @@ def _removable(ctx: _Context, site: NormSite) -> tuple[torch.Tensor, torch.Tenso
     mod = cap.modules.get(site.target) if site.source == "module" else None
     # no running statistics  =>  BN normalizes with batch statistics, nothing to fold
     if site.running_mean is None or site.running_var is None:
-        raise _Skip("no running statistics (track_running_stats=False): it normalizes with batch statistics")
+        raise _Skip(FoldWhy.NO_STATS, "no running statistics (track_running_stats=False): it normalizes with batch "
+                                      "statistics")
     # training mode  =>  BN uses batch statistics, folding would change the model
     if mod is not None and mod.training:
-        raise _Skip("module is in training mode: call .eval() first (or pass --eval)")
+        raise _Skip(FoldWhy.TRAINING, "module is in training mode: call .eval() first (or pass --eval)")
     if site.source == "functional" and batch_norm_args(cap.nodes[site.node])["training"] is not False:
-        raise _Skip("F.batch_norm with training=True normalizes with batch statistics")
+        raise _Skip(FoldWhy.BATCH_STATS, "F.batch_norm with training=True normalizes with batch statistics")
     # one BN module at several call sites  =>  removing it would remove every call
     if site.calls > 1 or (mod is not None and cap.module_calls.get(site.target, 1) > 1):
-        raise _Skip(f"{site.target} is called at {max(site.calls, cap.module_calls.get(site.target, 1))} places")
+        calls = max(site.calls, cap.module_calls.get(site.target, 1))
+        raise _Skip(FoldWhy.BN_SHARED, f"{site.target} is called at {calls} places")
     as_module = site.source == "module" or (site.source == "handwritten" and site.target == site.owner)
     if not as_module:
         # a BN that is not a module can only leave a graph that we can hand back (a traced GraphModule)
         if cap.method != "symbolic_trace":
-            raise _Skip(f"{site.source} batch_norm in a graph captured by {cap.method}: only a symbolically "
-                        f"traceable model can have it removed")
+            raise _Skip(FoldWhy.NOT_REMOVABLE, f"{site.source} batch_norm in a graph captured by {cap.method}: only "
+                                               f"a symbolically traceable model can have it removed")
         if not site.self_contained:
-            raise _Skip("an intermediate value of the BN is used outside it")
+            raise _Skip(FoldWhy.INTERMEDIATE, "an intermediate value of the BN is used outside it")
     if as_module and not site.target:
-        raise _Skip("the model itself is the BatchNorm: nothing to fold it into")
+        raise _Skip(FoldWhy.MODEL_IS_BN, "the model itself is the BatchNorm: nothing to fold it into")
     x = cap.nodes[site.input]
     shape = cap.shape(x)
     channels = site.num_features or (shape[1] if shape and len(shape) > 1 else None)
     if shape is None or len(shape) < 2 or channels is None or shape[1] != channels:
-        raise _Skip(f"input shape {shape} has no channel dim 1 of size {channels}")
+        raise _Skip(FoldWhy.NO_CHANNEL_DIM, f"input shape {shape} has no channel dim 1 of size {channels}")
     return _affine(cap, site, mod, channels, len(shape))
 
 
@@ -160,7 +203,7 @@ def _affine(cap: Captured, site: NormSite, mod: nn.Module | None, channels: int,
         eps = float(site.eps or 0.0)
         for name, ten in zip((site.running_mean, site.running_var), tensors[:2]):
             if ten is None:
-                raise _Skip(f"running statistic {name} is not a tensor of the model")
+                raise _Skip(FoldWhy.STATS_NOT_TENSOR, f"running statistic {name} is not a tensor of the model")
     # native / functional BN reads (C,) vectors on dim 1; a hand-written one broadcasts its own shapes
     rank = rank if site.source == "handwritten" else 2
     vecs = [_channel_vector(v, channels, rank, name) for v, name in zip(tensors, ("mean", "var", "weight", "bias"))]
@@ -181,7 +224,8 @@ def _channel_vector(v: torch.Tensor | None, channels: int, rank: int, name: str)
     dims = [i for i, d in enumerate(v.shape) if d != 1]
     # the one non-broadcast dim must line up with dim 1 of the input
     if len(dims) != 1 or v.shape[dims[0]] != channels or rank - v.dim() + dims[0] != 1:
-        raise _Skip(f"BN {name} of shape {tuple(v.shape)} does not scale dim 1 of a {rank}-d input")
+        raise _Skip(FoldWhy.NOT_PER_CHANNEL, f"BN {name} of shape {tuple(v.shape)} does not scale dim 1 of a "
+                                             f"{rank}-d input")
     return v.reshape(channels)
 
 
@@ -219,19 +263,20 @@ def _check_layer(ctx: _Context, node: fx.Node, path: str | None, what: str) -> t
     kind = cap.op(node)
     # a functional conv / linear  =>  no module owns the weight we would change
     if path is None:
-        raise _Skip(f"{what} is a functional {kind} or a custom layer class, not a torch conv / linear module")
+        raise _Skip(FoldWhy.FUNCTIONAL_LAYER, f"{what} is a functional {kind} or a custom layer class, not a torch "
+                                              f"conv / linear module")
     mod = cap.modules[path]
     # the same layer called at several places  =>  one weight cannot carry two folds
     if ctx.layer_calls.get(path, 1) > 1:
-        raise _Skip(f"{path} is called at {ctx.layer_calls[path]} places")
+        raise _Skip(FoldWhy.LAYER_SHARED, f"{path} is called at {ctx.layer_calls[path]} places")
     # tied weights  =>  folding would change the other module too
     others = [p for t in (mod.weight, mod.bias) if t is not None for p in ctx.holders.get(id(t), [path]) if p != path]
     if others:
-        raise _Skip(f"{path} shares its weight with {others[0]}")
+        raise _Skip(FoldWhy.TIED_WEIGHT, f"{path} shares its weight with {others[0]}")
     if parametrize.is_parametrized(mod):
-        raise _Skip(f"{path} has a parametrized weight")
+        raise _Skip(FoldWhy.PARAMETRIZED, f"{path} has a parametrized weight")
     if not mod.weight.is_floating_point():
-        raise _Skip(f"{path} has a {mod.weight.dtype} weight")
+        raise _Skip(FoldWhy.NON_FLOAT, f"{path} has a {mod.weight.dtype} weight")
     return path, mod
 
 
@@ -249,65 +294,56 @@ def _backward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
         before = prev.args[0] if isinstance(prev, fx.Node) and prev.args else None
         # conv -> activation -> bn  =>  the activation does not commute with the scale
         if isinstance(before, fx.Node) and cap.op(before) in _LAYER_OPS and what not in ("cat", "add", "matmul"):
-            raise _Skip(f"{what} sits between {cap.describe(before)} and the BN")
-        raise _Skip(f"input comes from {what}, not a conv or linear")
+            raise _Skip(FoldWhy.OP_BETWEEN, f"{what} sits between {cap.describe(before)} and the BN")
+        raise _Skip(FoldWhy.NOT_A_LAYER, f"input comes from {what}, not a conv or linear")
     path, mod = _check_layer(ctx, node, _layer_path(cap, node), cap.describe(node))
     # conv output used elsewhere  =>  folding would change the other user (x.reshape_as(y) reads y's shape only)
     for n in [node, *chain]:
         if len([u for u in cap.users(n) if not _shape_only_use(cap, u, n)]) > 1:
-            raise _Skip(f"{path} output is also used elsewhere")
+            raise _Skip(FoldWhy.OUTPUT_SHARED, f"{path} output is also used elsewhere")
     layouts = [n for n in chain if _layout(cap, n) is not None]
     if layouts:
         # layer -> reshapes / permutes -> bn  =>  exact iff the layer's channel axis lands on the BN's dim 1
         _channel_axis_kept(cap, node, mod, layouts[::-1], path)
         out = mod.out_features if isinstance(mod, nn.Linear) else mod.out_channels
         if out != channels:
-            raise _Skip(f"BN has {channels} channels, {path} writes {out}")
+            raise _Skip(FoldWhy.CHANNELS, f"BN has {channels} channels, {path} writes {out}")
         return path
     rank = len(cap.shape(cap.nodes[site.input]) or ())
     # BN normalizes dim 1; Linear writes features on the last dim  =>  only (N, C) matches
     if isinstance(mod, nn.Linear) and rank != 2:
-        raise _Skip(f"BN normalizes dim 1 of a {rank}-d output, but {path} writes features on the last dim")
+        raise _Skip(FoldWhy.CHANNELS, f"BN normalizes dim 1 of a {rank}-d output, but {path} writes features on "
+                                      f"the last dim")
     if not isinstance(mod, nn.Linear) and rank != mod.weight.dim():
-        raise _Skip(f"{path} output is {rank}-d (unbatched?): dim 1 is not its channel dim")
+        raise _Skip(FoldWhy.CHANNELS, f"{path} output is {rank}-d (unbatched?): dim 1 is not its channel dim")
     out = mod.out_features if isinstance(mod, nn.Linear) else mod.out_channels
     if out != channels:
-        raise _Skip(f"BN has {channels} channels, {path} writes {out}")
+        raise _Skip(FoldWhy.CHANNELS, f"BN has {channels} channels, {path} writes {out}")
     return path
 
 
-# layout ops: permutations (axis moves with the permutation) and row-major reshapes (judged on shapes)
-_PERMUTES = {"transpose", "permute", "t", "swapaxes", "swapdims", "movedim"}
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "reshape_as", "view_as", "_unsafe_view", "squeeze",
-             "unsqueeze", "contiguous", "clone", "alias"}  # the last three: same shape, same axis
-
-
-def _fname(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", "").split(".")[0]
-    return ""
+# layout ops (graph.match): PERMUTE (the axis moves with the permutation) and VIEW (row-major reshapes, judged on
+# shapes; copies keep the shape and the axis)
 
 
 def _layout(cap: Captured, node: fx.Node) -> str | None:
     """'permute' / 'reshape' for an op that only moves or regroups the elements of its first argument."""
-    name = _fname(node)
-    if name not in _PERMUTES and name not in _RESHAPES:
+    name = call_name(node)
+    if name not in PERMUTE and name not in VIEW:
         return None
     if not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    return "permute" if name in _PERMUTES else "reshape"
+    return "permute" if name in PERMUTE else "reshape"
 
 
 def _shape_only_use(cap: Captured, user: fx.Node, n: fx.Node) -> bool:
     """``y.reshape_as(n)`` / ``y.view_as(n)``: ``n`` supplies a shape, not values."""
-    return _fname(user) in ("reshape_as", "view_as", "expand_as") and user.args[0] is not n
+    return call_name(user) in ("reshape_as", "view_as", "expand_as") and user.args[0] is not n
 
 
 def _perm(cap: Captured, node: fx.Node, rank: int) -> list[int] | None:
     """out[i] = in[perm[i]] for a permutation op, or None when its dims are not constants."""
-    name, args = _fname(node), list(node.args[1:])
+    name, args = call_name(node), list(node.args[1:])
     if name == "t":
         return [1, 0] if rank == 2 else list(range(rank))
     if name in ("transpose", "swapaxes", "swapdims"):
@@ -331,19 +367,19 @@ def _channel_axis_kept(cap: Captured, layer: fx.Node, mod: nn.Module, layouts, p
     """Follow the layer's channel axis through ``layouts`` (graph order); it must end on dim 1."""
     shape = cap.shape(layer)
     if shape is None:
-        raise _Skip(f"no recorded shape for the output of {path}")
+        raise _Skip(FoldWhy.NO_SHAPE, f"no recorded shape for the output of {path}")
     axis = len(shape) - 1 if isinstance(mod, nn.Linear) else 1  # Linear writes the last dim, conv dim 1
     if not isinstance(mod, nn.Linear) and len(shape) != mod.weight.dim():
-        raise _Skip(f"{path} output is {len(shape)}-d (unbatched?): dim 1 is not its channel dim")
+        raise _Skip(FoldWhy.CHANNELS, f"{path} output is {len(shape)}-d (unbatched?): dim 1 is not its channel dim")
     c = shape[axis]
     for n in layouts:
         src, out = cap.shape(n.args[0]), cap.shape(n)
         if src is None or out is None:
-            raise _Skip(f"no recorded shape at {cap.describe(n)}")
+            raise _Skip(FoldWhy.NO_SHAPE, f"no recorded shape at {cap.describe(n)}")
         if _layout(cap, n) == "permute":
             perm = _perm(cap, n, len(src))
             if perm is None:
-                raise _Skip(f"{_fname(n)} at {n.name} has non-constant dims")
+                raise _Skip(FoldWhy.LAYOUT, f"{call_name(n)} at {n.name} has non-constant dims")
             # out[i] = in[perm[i]]  =>  the channel axis moves to perm.index(axis)
             axis = perm.index(axis)
             continue
@@ -351,12 +387,12 @@ def _channel_axis_kept(cap: Captured, layer: fx.Node, mod: nn.Module, layouts, p
         before = math.prod(src[:axis])
         hits = [i for i in range(len(out)) if out[i] == c and math.prod(out[:i]) == before]
         if not hits:
-            raise _Skip(f"{_fname(n)} at {n.name} {tuple(src)} -> {tuple(out)} mixes the channel axis of {path} "
-                        f"with others")
+            raise _Skip(FoldWhy.LAYOUT, f"{call_name(n)} at {n.name} {tuple(src)} -> {tuple(out)} mixes the channel "
+                                        f"axis of {path} with others")
         axis = hits[0]
     if axis != 1:
-        raise _Skip(f"BN normalizes dim 1, but the channels of {path} arrive on dim {axis} after "
-                    f"{', '.join(_fname(n) for n in layouts)}")
+        raise _Skip(FoldWhy.LAYOUT, f"BN normalizes dim 1, but the channels of {path} arrive on dim {axis} after "
+                    f"{', '.join(call_name(n) for n in layouts)}")
 
 
 def _forward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
@@ -366,7 +402,7 @@ def _forward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
     while True:
         users = cap.users(node)
         if len(users) != 1:
-            raise _Skip(f"output feeds {len(users)} users" if users else "output is unused")
+            raise _Skip(FoldWhy.OUTPUT_SHARED, f"output feeds {len(users)} users" if users else "output is unused")
         nxt = users[0]
         if not _is_pass_through(cap, nxt):
             break
@@ -375,23 +411,24 @@ def _forward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
     if kind not in ("conv", "linear"):
         what = producer_of(cap, nxt)[0] if kind != "conv_transpose" else "conv_transpose"
         if kind == "conv_transpose":
-            raise _Skip(f"{cap.describe(nxt)} is a transposed conv: its edge outputs see fewer inputs, not exact")
-        raise _Skip(f"output feeds {what}, not a conv or linear")
+            raise _Skip(FoldWhy.TRANSPOSED_READER, f"{cap.describe(nxt)} is a transposed conv: its edge outputs see "
+                                                   f"fewer inputs, not exact")
+        raise _Skip(FoldWhy.NOT_A_LAYER, f"output feeds {what}, not a conv or linear")
     if (nxt.args[0] if nxt.args else nxt.kwargs.get("input")) is not node:
-        raise _Skip(f"output is not the input of {cap.describe(nxt)}")
+        raise _Skip(FoldWhy.OUTPUT_SHARED, f"output is not the input of {cap.describe(nxt)}")
     path, mod = _check_layer(ctx, nxt, _layer_path(cap, nxt), cap.describe(nxt))
     rank = len(cap.shape(cap.nodes[site.node]) or ())
     if isinstance(mod, nn.Linear):
         # BN scales dim 1; Linear mixes the last dim  =>  only (N, C) matches
         if rank != 2:
-            raise _Skip(f"BN scales dim 1 of a {rank}-d tensor, but {path} reads the last dim")
+            raise _Skip(FoldWhy.CHANNELS, f"BN scales dim 1 of a {rank}-d tensor, but {path} reads the last dim")
         return path
     if rank != mod.weight.dim():
-        raise _Skip(f"{path} input is {rank}-d (unbatched?): dim 1 is not its channel dim")
+        raise _Skip(FoldWhy.CHANNELS, f"{path} input is {rank}-d (unbatched?): dim 1 is not its channel dim")
     # bn -> conv with zero padding  =>  the padded zeros would have to be t (reflect / replicate / circular copy s x + t)
     if mod.padding_mode == "zeros" and any(p != 0 for p in mod._reversed_padding_repeated_twice):
-        raise _Skip(f"forward fold into {path} needs padding=0 (it pads the BN output with zeros, "
-                    f"padding={mod.padding})")
+        raise _Skip(FoldWhy.ZERO_PADDING, f"forward fold into {path} needs padding=0 (it pads the BN output with "
+                                          f"zeros, padding={mod.padding})")
     return path
 
 
@@ -442,11 +479,11 @@ def _store(layer: nn.Module, w: torch.Tensor, b: torch.Tensor) -> None:
     layer.bias = nn.Parameter(b.to(dtype).to(old.device), requires_grad=old.requires_grad)
 
 
-class FoldBatchNorm:
+class FoldBatchNorm(Pass):
     """The fold pass: apply what ``analyze`` decided, remove folded BNs, hand back the model."""
 
     name = NAME
-    exact = True
+    check = Check.EXACT
     by_parts = True  # a BN and its conv / linear neighbour: a submodule's graph that holds both proves the fold
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:

@@ -20,7 +20,10 @@ import torch.nn as nn
 
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite
-from normconv.report import PassResult, Site
+from normconv.graph.native import native_layer
+from normconv.report import PassResult, Site, Why
+
+from .base import Check, Pass
 
 NAME = "lift"
 _aten = torch.ops.aten
@@ -55,31 +58,17 @@ def _container(gm: fx.GraphModule, node: fx.Node) -> tuple[str, nn.Module] | Non
     return path, holder
 
 
-def _native(kind: type, node: fx.Node, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """The native module computing ``node``, holding the very same tensors."""
-    if kind is nn.Linear:
-        mod = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    else:
-        rank = weight.dim() - 2
-        stride, padding, dilation, groups = (list(node.args[3:7]) + [1, 0, 1, 1][len(node.args[3:7]):])
-        mod = kind(weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]), stride=_tuple(stride, rank),
-                   padding=_tuple(padding, rank), dilation=_tuple(dilation, rank), groups=groups,
-                   bias=bias is not None, device="meta")
-    mod.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        mod.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
-    return mod
+class LiftWhy(Why):
+    """The one rule of the lift (a call it cannot lift is left as it is, silently: nothing was asked of it)."""
+
+    LIFTED = "lifted"  # a functional conv / linear on constant weights is now the native module holding them
 
 
-def _tuple(v, rank: int) -> tuple[int, ...]:
-    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),) * rank
-
-
-class LiftLayers:
+class LiftLayers(Pass):
     """The pass: returns the model itself when there is nothing to lift (a user's own module tree)."""
 
     name = NAME
-    exact = True
+    check = Check.EXACT
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         return []
@@ -98,7 +87,7 @@ class LiftLayers:
             weight = holder._parameters.get("weight", holder._buffers.get("weight"))
             # functional conv / linear on constant weights  =>  the native module holding them, called in place
             parent, _, child = path.rpartition(".")
-            setattr(gm.get_submodule(parent) if parent else gm, child, _native(kind, node, weight, bias))
+            setattr(gm.get_submodule(parent) if parent else gm, child, native_layer(kind, node, weight, bias))
             attrs = [a for a in node.args[1:3] if isinstance(a, fx.Node)]
             with gm.graph.inserting_before(node):
                 call = gm.graph.call_module(path, (node.args[0],))
@@ -113,9 +102,10 @@ class LiftLayers:
         gm.recompile()
         gm.training = model.training  # the flag itself: an exported program's module refuses .train()
         return PassResult(gm, True, tuple(Site(NAME, p, True, "functional call on constant weights made a native "
-                                                             "module (exported program)") for p in lifted))
+                                                             "module (exported program)", LiftWhy.LIFTED)
+                                          for p in lifted))
 
 
 LIFT = LiftLayers()
 
-__all__ = ["LIFT", "LiftLayers", "NAME"]
+__all__ = ["LIFT", "LiftLayers", "LiftWhy", "NAME"]

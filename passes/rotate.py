@@ -9,7 +9,7 @@ and every linear reading a norm output z Q takes Q back out:
   linear W (out, D)             W <- W Q                          (z Q (W Q)^T = z Q Q^T W^T = z W^T)
   HF Conv1D W (D, out)          W <- Q^T W
 so the stream carries x Q everywhere and the model's outputs are unchanged. The stream is the sum tree of residual
-adds read by the norms (``swap_norm``'s analysis); its leaves (the writers) may be scaled by a constant on the way
+adds read by the norms (``normconv.graph.residual``); its leaves (the writers) may be scaled by a constant on the way
 (Gemma's sqrt(D) on the embeddings: it commutes with Q). Preconditions (refused with the reason otherwise): every
 norm on the stream is a weight-free RMSNorm (``fold_scales``; LayerNorm goes through the exact swap first), the
 stream is read only by its adds and norms, every norm output only by linears, and each rotated weight only by
@@ -28,14 +28,33 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.clone import owned
+from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
-from normconv.report import PassResult, Site
-from .fold_scales import Reader, norm_readers, untie
-from .swap_norm import Writer, _hidden, _norm_module, _param_readers, _passes_through, _walk, _writer
+from normconv.graph.residual import (Reader, Refused, Writer, hidden, norm_module, norm_readers, param_readers,
+                                     passes_through, untie, walk, writer)
+from normconv.report import PassResult, Site, Why
+
+from .base import Check, Pass
 
 NAME = "rotate"
 ROTATIONS = ("hadamard", "random", "none")
+
+
+class RotateWhy(Why):
+    """One member per rule of the rotation (a decision about the whole stream: every site gets the same)."""
+
+    ROTATED = "rotated"  # writers and reader linears rewritten: the stream carries x Q
+    NO_NORM = "no-norm"  # no norm: no residual stream to rotate
+    NOT_RMSNORM = "not-rmsnorm"  # a norm other than RMSNorm does not commute with Q
+    INLINE = "inline-norm"  # a norm that is not a module
+    HAS_SCALE = "norm-has-scale"  # an RMSNorm still scales: diag(g) Q != Q diag(g)
+    WRITER = "writer-refused"  # a stream writer has no rotation of its weights (``RotationPlan.problem``)
+    READER = "reader-refused"  # a norm output is read by something other than a linear
+    WIDTH = "width-mismatch"  # streams of different widths, or a tensor of another width
+    STREAM_READ = "stream-read-elsewhere"  # the stream is read by something that would see it rotated
+    WRITER_OUTPUT = "writer-output-shared"  # a writer's output is also read outside the stream
+    TENSOR_SHARED = "tensor-shared"  # a rotated tensor is also read unrotated, or rotated two ways
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -100,8 +119,6 @@ def rotation(d: int, kind: str = "hadamard", seed: int = 0) -> tuple[torch.Tenso
         return qm, how + (f": no Hadamard matrix of order {d} known here" if kind == "hadamard" else "")
     if kind == "none":
         return torch.eye(d, dtype=torch.float64), "identity (no rotation)"
-    from normconv.errors import NormconvError
-
     raise NormconvError(f"unknown rotation {kind!r}: choose {', '.join(ROTATIONS)}")
 
 
@@ -117,6 +134,11 @@ class RotationPlan:
     readers: list[Reader] = field(default_factory=list)
     unties: list[Reader] = field(default_factory=list)
     problem: str | None = None
+    code: RotateWhy = RotateWhy.ROTATED
+
+    def refuse(self, code: RotateWhy, why: str) -> RotationPlan:
+        self.code, self.problem = code, why
+        return self
 
 
 def _scalar(cap: Captured, v: Any) -> bool:
@@ -137,7 +159,7 @@ def _through_scalar(cap: Captured, leaf: Any) -> tuple[Any, list[fx.Node]]:
                 path.append(leaf)
                 leaf = b
                 continue
-        if _passes_through(cap, leaf):
+        if passes_through(cap, leaf):
             path.append(leaf)
             leaf = leaf.args[0]
             continue
@@ -148,88 +170,84 @@ def _through_scalar(cap: Captured, leaf: Any) -> tuple[Any, list[fx.Node]]:
 def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
     plan = RotationPlan()
     if not norms:
-        plan.problem = "the model has no norm: no residual stream to rotate"
-        return plan
+        return plan.refuse(RotateWhy.NO_NORM, "the model has no norm: no residual stream to rotate")
     other = next((s for s in norms if s.kind != "rmsnorm"), None)
+    # RMSNorm(x Q) = RMSNorm(x) Q only: a LayerNorm's mean or a BatchNorm's channels do not commute with Q
     if other is not None:
-        plan.problem = f"{other.target} is a {other.kind}: only weight-free RMSNorm commutes with a rotation"
-        return plan
+        return plan.refuse(RotateWhy.NOT_RMSNORM, f"{other.target} is a {other.kind}: only weight-free RMSNorm "
+                                                  f"commutes with a rotation")
     values: set[str] = set()
     norm_nodes: set[str] = set()
     chains: list[tuple[fx.Node, list[fx.Node]]] = []
     widths = set()
     for s in norms:
-        mod = cap.modules.get(_norm_module(cap, s) or "")
+        mod = cap.modules.get(norm_module(cap, s) or "")
         if not isinstance(mod, nn.RMSNorm):
-            plan.problem = f"{s.target}: a {s.source} norm that is not a module (canonicalize could not make it one)"
-            return plan
+            return plan.refuse(RotateWhy.INLINE, f"{s.target}: a {s.source} norm that is not a module (canonicalize "
+                                                 f"could not make it one)")
+        # x Q diag(g) != x diag(g) Q  =>  the scale must be folded into the readers first (fold-scales)
         if mod.weight is not None:
-            plan.problem = f"{s.target} still has a scale (fold it into its readers first)"
-            return plan
-        widths.add(_hidden(s))
+            return plan.refuse(RotateWhy.HAS_SCALE, f"{s.target} still has a scale (fold it into its readers first)")
+        widths.add(hidden(s))
         plan.sites.append(s)
         norm_nodes.update(s.nodes)
-        vals, leaves = _walk(cap, s)
+        vals, leaves = walk(cap, s)
         values |= vals
         for leaf, path, axis in leaves:
             w_node, extra = _through_scalar(cap, leaf)
             if w_node is not leaf and cap.shape(w_node) != cap.shape(leaf):
-                plan.problem = f"{s.target}: stream writer {cap.describe(w_node)} reaches the stream through a reshape"
-                return plan
-            w = _writer(cap, w_node, axis)
-            if isinstance(w, str):
-                plan.problem = f"{s.target}: {w}"
-                return plan
+                return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {cap.describe(w_node)} reaches the "
+                                                     f"stream through a reshape")
+            w = writer(cap, w_node, axis)
+            if isinstance(w, Refused):
+                return plan.refuse(RotateWhy.WRITER, f"{s.target}: {w}")
             if w.scale or w.kind == "norm":  # the rotation is not carried through a layer scale or a LayerNorm
                 what = f"is scaled by {w.scale}" if w.scale else "is a LayerNorm"
-                plan.problem = f"{s.target}: stream writer {w.module or w.node} {what}, which rotate does not rewrite"
-                return plan
+                return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {w.module or w.node} {what}, which "
+                                                     f"rotate does not rewrite")
             if w.node not in {x.node for x in plan.writers}:
                 plan.writers.append(w)
                 chains.append((w_node, list(reversed(extra)) + list(reversed(path))))
+        # every reader of the norm output a linear  =>  W <- W Q takes Q back out
         readers, why = norm_readers(cap, cap.nodes[s.node])
         if why:
-            plan.problem = f"{s.target}: {why}"
-            return plan
+            return plan.refuse(RotateWhy.READER, f"{s.target}: {why}")
         plan.readers += [r for r in readers if r.node not in {x.node for x in plan.readers}]
     if len(widths) != 1 or None in widths:
-        plan.problem = "the norms normalize more than one dim, or streams of different widths meet"
-        return plan
+        return plan.refuse(RotateWhy.WIDTH, "the norms normalize more than one dim, or streams of different widths "
+                                            "meet")
     plan.d = d = widths.pop()
     # the stream is read only by its own adds and norms (anything else would see x Q)
     allowed = values | norm_nodes
     for name in sorted(values):
         for u in cap.users(cap.nodes[name]):
             if u.name not in allowed:
-                plan.problem = (f"the residual stream ({name}) is also read by {cap.describe(u)}, which would see "
-                                f"it rotated")
-                return plan
+                return plan.refuse(RotateWhy.STREAM_READ, f"the residual stream ({name}) is also read by "
+                                                          f"{cap.describe(u)}, which would see it rotated")
     # a writer's output flows only into the stream
     for leaf, path in chains:
         chain = [leaf] + path
         for a, b in zip(chain, chain[1:]):
             if [u.name for u in cap.users(a)] != [b.name]:
-                plan.problem = f"the output of stream writer {cap.describe(leaf)} is also read elsewhere"
-                return plan
+                return plan.refuse(RotateWhy.WRITER_OUTPUT, f"the output of stream writer {cap.describe(leaf)} is also "
+                                                            f"read elsewhere")
         for u in cap.users(chain[-1]):
             if u.name not in allowed:
-                plan.problem = f"the output of stream writer {cap.describe(leaf)} is also read by {cap.describe(u)}"
-                return plan
+                return plan.refuse(RotateWhy.WRITER_OUTPUT, f"the output of stream writer {cap.describe(leaf)} is also "
+                                                            f"read by {cap.describe(u)}")
     # shapes: writers write d-wide rows, readers read d-wide rows
     for w in plan.writers:
         t = cap.tensor(w.weight)
         axis = w.axis
         if t is None or t.dim() <= axis or t.shape[axis] != d:
-            plan.problem = f"stream writer {w.module or w.node} does not write {d}-wide rows"
-            return plan
+            return plan.refuse(RotateWhy.WIDTH, f"stream writer {w.module or w.node} does not write {d}-wide rows")
     for r in plan.readers:
         t = cap.tensor(r.weight)
         axis = 1 if r.layout == "out_in" else 0
         if t is None or t.dim() != 2 or t.shape[axis] != d:
-            plan.problem = f"{r.module or r.node} does not read {d}-wide rows"
-            return plan
-    plan.problem = _check_tensors(cap, plan)
-    return plan
+            return plan.refuse(RotateWhy.WIDTH, f"{r.module or r.node} does not read {d}-wide rows")
+    why = _check_tensors(cap, plan)
+    return plan.refuse(RotateWhy.TENSOR_SHARED, why) if why else plan
 
 
 def _ops(plan: RotationPlan) -> list[tuple[str, str, str]]:
@@ -258,7 +276,7 @@ def rotate_along(t: torch.Tensor, q: torch.Tensor, axis: int) -> torch.Tensor:
 
 def _check_tensors(cap: Captured, plan: RotationPlan) -> str | None:
     """Each rotated tensor is read only by nodes that rotate it the same way (a tie: untie a reader's own copy)."""
-    param_readers = _param_readers(cap)
+    readers_of = param_readers(cap)
     by_tensor: dict[int, set[str]] = {}
     nodes_of: dict[int, set[str]] = {}
     for name, node, op in _ops(plan):
@@ -270,7 +288,7 @@ def _check_tensors(cap: Captured, plan: RotationPlan) -> str | None:
             nodes_of[id(cap.tensor(w.weight))].update(u.name for u in cap.nodes[w.node].users)
     for name, node, op in _ops(plan):
         t = cap.tensor(name)
-        foreign = [n for n in param_readers.get(id(t), []) if n not in nodes_of[id(t)]]
+        foreign = [n for n in readers_of.get(id(t), []) if n not in nodes_of[id(t)]]
         if foreign:
             return f"{name} is also read by {cap.describe(cap.nodes[foreign[0]])}, which is not rotated with it"
         if len(by_tensor[id(t)]) > 1:
@@ -286,37 +304,35 @@ def _check_tensors(cap: Captured, plan: RotationPlan) -> str | None:
 # the pass
 
 
-class Rotate:
+class Rotate(Pass):
     """x -> x Q on the residual stream, writers and norm readers compensating; see the module docstring."""
 
     name = NAME
-    exact = True
+    check = Check.EXACT
 
     def __init__(self, kind: str = "hadamard", seed: int = 0):
         if kind not in ROTATIONS:
-            from normconv.errors import NormconvError
-
             raise NormconvError(f"unknown --rotation {kind!r}: choose {', '.join(ROTATIONS)}")
         self.kind, self.seed = kind, seed
+        # what the last call returned (the flow reads these today; PassResult has them)
         self.notes: list[str] = []
         self.plan_: RotationPlan | None = None
         self.how = ""
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         p = analyze(cap, norms)
-        return [Site(NAME, s.target, p.problem is None, p.problem or f"stream of width {p.d} rotated")
+        return [Site(NAME, s.target, p.problem is None, p.problem or f"stream of width {p.d} rotated", p.code)
                 for s in norms]
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
-        from normconv.errors import NormconvError
-
         p = self.plan_ = analyze(cap, find_norms(cap))
         if p.problem:
-            raise NormconvError(f"rotate: {p.problem}")
+            raise NormconvError(f"rotate: {p.problem}", Code.REFUSED, pass_name=NAME)
         q, self.how = rotation(p.d, self.kind, self.seed)
+        notes: list[str] = []
         with torch.no_grad():
             for r in p.unties:
-                untie(model, cap, r, self.notes)
+                untie(model, cap, r, notes)
             done: set[int] = set()
             for name, _, op in _ops(p):
                 t = cap.tensor(name)
@@ -326,15 +342,17 @@ class Rotate:
                 new = rotate_along(t.detach().double(), q, int(op.split()[1]))
                 mine = owned(model, t)
                 mine.data.copy_(new.to(t.dtype))
-        sites = tuple(Site(NAME, s.target, True, f"stream of width {p.d} rotated ({self.how})") for s in p.sites)
-        self.notes.append(f"residual stream (width {p.d}) rotated by a {self.how} matrix (seed {self.seed}): "
-                          f"{len(p.writers)} writer(s), {len(p.readers)} reader linear(s)")
-        return PassResult(model, True, sites)
+        sites = tuple(Site(NAME, s.target, True, f"stream of width {p.d} rotated ({self.how})", p.code)
+                      for s in p.sites)
+        notes.append(f"residual stream (width {p.d}) rotated by a {self.how} matrix (seed {self.seed}): "
+                     f"{len(p.writers)} writer(s), {len(p.readers)} reader linear(s)")
+        self.notes.extend(notes)
+        return PassResult(model, True, sites, tuple(notes), {"plan": p, "how": self.how})
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     return Rotate().plan(cap, norms)
 
 
-__all__ = ["Rotate", "RotationPlan", "analyze", "rotation", "hadamard", "hadamard_order", "paley", "plan", "NAME",
-           "ROTATIONS", "rotate_along"]
+__all__ = ["Rotate", "RotateWhy", "RotationPlan", "analyze", "rotation", "hadamard", "hadamard_order", "paley",
+           "plan", "NAME", "ROTATIONS", "rotate_along"]

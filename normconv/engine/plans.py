@@ -42,11 +42,16 @@ def _export_plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
                             float32=float32_sites(cap, norms))
 
 
+def _swap_plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+    # swap plans on the model as canonicalize leaves it: swap's first step makes hand-written norms modules
+    return swap_norm.plan(cap, norms, first=canonicalize.Canonicalize(functional=True))
+
+
 # (pass, planner, plans a part captured alone): the order a user would run them
 PLANNERS: tuple[tuple[str, Planner, bool], ...] = (
     (fold_batchnorm.NAME, fold_batchnorm.plan, True),
     (canonicalize.NAME, canonicalize.plan, True),
-    (swap_norm.NAME, swap_norm.plan, True),
+    (swap_norm.NAME, _swap_plan, True),
     (deepnorm.NAME, deepnorm.plan, False),
     ("export", _export_plan, False),
 )

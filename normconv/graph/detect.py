@@ -178,7 +178,7 @@ def producer_of(cap: Captured, node: Any, norm_outputs: frozenset[str] = frozens
 
 
 
-def _ancestor(cap: Captured, a: fx.Node, b: Any, order: dict[str, int]) -> bool:
+def is_ancestor(cap: Captured, a: fx.Node, b: Any, order: dict[str, int]) -> bool:
     """Is ``a`` an ancestor of (or equal to) ``b``?"""
     if not isinstance(b, fx.Node):
         return False
@@ -212,14 +212,14 @@ def _with_placement(cap: Captured, site: NormSite, sites: list[NormSite], order:
                 other = other_operand(u, v)
             except NoMatch:
                 continue
-            if _ancestor(cap, out, other, order):
+            if is_ancestor(cap, out, other, order):
                 return replace(site, producer=kind, placement="pre-norm")
         if kind == "add" and len(pnode.args) >= 2:
             a, b = pnode.args[0], pnode.args[1]
             for res, branch in ((a, b), (b, a)):
-                if isinstance(res, fx.Node) and _ancestor(cap, res, branch, order):
+                if isinstance(res, fx.Node) and is_ancestor(cap, res, branch, order):
                     prenormed = any(res.name in {s.input} | aliases_of(cap, cap.nodes[s.input])
-                                    and _ancestor(cap, cap.nodes[s.node], branch, order)
+                                    and is_ancestor(cap, cap.nodes[s.node], branch, order)
                                     for s in sites if s is not site)
                     placement = "final-norm" if prenormed else "post-norm"
                     break

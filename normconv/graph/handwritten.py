@@ -17,11 +17,8 @@ import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
-from normconv.graph.match import arg, dims_of, scalar
+from normconv.graph.match import PARAM_VIEW, arg, dims_of, scalar
 from normconv.graph.site import NormSite
-
-# ops that only reshape a parameter for broadcasting (w[:, None, None], w.view(1, C, 1, 1))
-_VIEW_METHODS = {"view", "reshape", "unsqueeze", "expand", "expand_as"}
 
 
 class NoMatch(Exception):
@@ -72,7 +69,7 @@ def param_through_views(cap: Captured, value: Any, acc: set[str]) -> str | None:
             acc |= seen
             return name
         op = cap.op(value)
-        is_view = (value.op == "call_method" and value.target in _VIEW_METHODS) or op == "getitem" or \
+        is_view = (value.op == "call_method" and value.target in PARAM_VIEW) or op == "getitem" or \
             (value.op == "call_function" and getattr(value.target, "__name__", "").split(".")[0] in
              ("view", "reshape", "unsqueeze", "expand", "slice", "select"))
         if op != "cast" and not is_view:

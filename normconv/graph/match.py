@@ -75,6 +75,25 @@ _MODULE_OPS: tuple[tuple[type, str], ...] = (
 # ops that pass a value through unchanged for placement purposes
 TRANSPARENT = frozenset({"cast", "dropout", "identity"})
 
+# Op families by call name (``call_name(node)``: x.view, torch.reshape and aten.view.default alike), declared once:
+# what an op does to the elements of its first input. Passes and graph analyses compose them; none re-types them.
+RESHAPE = frozenset({"view", "reshape", "_unsafe_view"})  # the same values, row-major, in another shape
+REGROUP = RESHAPE | {"flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}  # row-major regroupings
+COPY = frozenset({"contiguous", "clone", "alias"})  # the same values in the same shape
+VIEW = REGROUP | COPY  # every op that keeps the row-major order of the elements
+SWAP = frozenset({"transpose", "swapaxes", "swapdims", "t"})  # two axes trade places
+PERMUTE = SWAP | {"permute", "movedim"}  # whole axes move
+EXPAND = frozenset({"expand", "expand_as", "broadcast_to", "repeat", "tile"})  # copies along (new) axes
+PARAM_VIEW = RESHAPE | {"unsqueeze", "expand", "expand_as"}  # a parameter shaped for broadcasting (w.view(1, C, 1, 1))
+PICK = frozenset({"select", "slice", "narrow", "index_select", "getitem"})  # some rows along an axis
+PAD = frozenset({"pad", "constant_pad_nd"})  # rows added along an axis
+CAT = frozenset({"cat", "concat", "concatenate"})  # tensors joined along an axis
+SPLIT = frozenset({"split", "chunk", "split_with_sizes", "tensor_split"})  # one tensor cut along an axis
+# resampling over the spatial axes with weights summing to one, each channel alone
+RESAMPLE = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d", "interpolate"})
+TEMPLATE = frozenset({"expand_as", "view_as", "reshape_as", "type_as"})  # the second operand gives a shape / dtype only
+LIKE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like"})  # the operand gives a shape / dtype only
+
 def module_op(module: nn.Module) -> str | None:
     for cls, name in _MODULE_OPS:
         if isinstance(module, cls):

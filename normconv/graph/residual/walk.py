@@ -1,0 +1,143 @@
+"""The residual stream behind a norm: the sum tree of residual adds, walked back from the norm's input.
+
+  x_L = w_0 + w_1 + ... + w_L          (pre-LN: every sublayer adds its output w_l to the stream)
+  mean_D(x_L) = sum_l mean_D(w_l)      so the stream is zero-mean if every leaf (writer) w_l is
+
+The walk goes back from a norm's input through pass-through ops (``axes``: the hidden axis is tracked through
+reshapes, transposes, scalar factors), adds (both operands; broadcasting from the right moves the hidden axis), a cat
+along another axis and a per-token ``where`` (every part is a sum of its own), and stops at anything else: a leaf.
+A leaf broadcast along the hidden axis has axis None (the same value added to every feature). The stream's values
+(the adds and views between them) are what a rewrite of the writers changes; who else reads them decides whether it
+may (``live_users``, ``stream_end``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from normconv.graph.capture import Captured
+from normconv.graph.detect import NormSite
+from normconv.graph.match import CAT, LIKE, TEMPLATE, call_name
+
+from .axes import last, passes_through, source
+
+Leaf = tuple[Any, list[fx.Node], "int | None"]  # (the leaf, the pass-through nodes between it and the stream, axis)
+
+
+def walk(cap: Captured, site: NormSite) -> tuple[set[str], list[Leaf]]:
+    """Stream values (adds, cats and pass-through nodes between them) behind a norm, and the leaves of its sum
+    tree with the hidden axis at each leaf (None: the leaf is broadcast along the hidden axis)."""
+    values: set[str] = set()
+    leaves: list[Leaf] = []
+    start = cap.nodes[site.input]
+    stack: list[tuple[Any, int | None]] = [(start, last(cap, start))]
+    seen: set[str] = set()
+    while stack:
+        v, axis = stack.pop()
+        if isinstance(v, fx.Node):
+            if v.name in seen:
+                continue
+            seen.add(v.name)
+        src, path, axis = source(cap, v, axis)
+        is_add = isinstance(src, fx.Node) and cap.op(src) == "add" and len(src.args) >= 2 and \
+            all(isinstance(a, fx.Node) for a in src.args[:2]) and src.kwargs.get("alpha", 1) == 1
+        parts = cat_parts(cap, src, axis) if isinstance(src, fx.Node) else None
+        if parts is not None:
+            parts = [(a, axis) for a in parts]
+        elif isinstance(src, fx.Node):
+            parts = where_parts(cap, src, axis)
+        if is_add and axis is not None:
+            values.update(n.name for n in path)
+            values.add(src.name)
+            rank = len(cap.shape(src) or ())
+            for a in src.args[:2]:
+                # x + y broadcasts from the right: y's hidden axis is rank(y) - rank(x) places lower
+                ra = len(cap.shape(a) or ())
+                j = axis - (rank - ra)
+                ok = j >= 0 and (cap.shape(a) or ())[j:j + 1] == (cap.shape(src) or ())[axis:axis + 1]
+                stack.append((a, j if ok else None))
+        elif parts is not None:
+            # cat along another axis, or a per-token choice (where): the mean over the hidden axis is zero iff it
+            # is zero in every part
+            values.update(n.name for n in path)
+            values.add(src.name)
+            stack.extend(parts)
+        else:
+            leaves.append((src, path, axis))
+    return values, leaves
+
+
+def cat_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[fx.Node] | None:
+    """The parts of a ``cat`` that joins along an axis other than the hidden one, else None."""
+    if axis is None or call_name(node) not in CAT or not node.args:
+        return None
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", node.kwargs.get("axis", 0))
+    rank = len(cap.shape(node) or ())
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, fx.Node) for p in parts) or not rank:
+        return None
+    if int(dim) % rank == axis or any(len(cap.shape(p) or ()) != rank for p in parts):
+        return None
+    return list(parts)
+
+
+def where_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[tuple[fx.Node, int]] | None:
+    """The tensors ``where(cond, a, b)`` picks whole hidden vectors from (cond the same along the hidden axis:
+    Pocket-TTS puts a BOS vector at masked tokens), each with its hidden axis (operands broadcast from the right), a
+    constant 0 left out; else None."""
+    if axis is None or call_name(node) != "where" or len(node.args) != 3:
+        return None
+    out = cap.shape(node)
+    if not out or not cap.broadcasts_along(node.args[0], out, axis):
+        return None
+    parts = []
+    for v in node.args[1:]:
+        shape = cap.shape(v) if isinstance(v, fx.Node) else None
+        j = axis - (len(out) - len(shape)) if shape is not None else -1
+        if shape is not None and j >= 0 and shape[j] == out[axis]:
+            parts.append((v, j))
+        elif not (isinstance(v, (int, float)) and v == 0):
+            return None  # broadcast along the hidden axis, or a constant other than 0: not zero-mean vectors
+    return parts
+
+
+def live_users(cap: Captured, node: fx.Node) -> list[fx.Node]:
+    """Users whose value is used (``Captured.live``: MBart's ``embeds[:, :, -1]`` read for its shape only is left
+    dead by export); a use as a shape template (``bos.expand_as(x)``, ``zeros_like(x)``) reads no value."""
+    return [u for u in cap.users(node) if u.name in cap.live and not _template_use(u, node)]
+
+
+def _template_use(u: fx.Node, node: fx.Node) -> bool:
+    """``u`` takes ``node`` only for its shape or dtype."""
+    name = call_name(u)
+    if name in LIKE:
+        return True
+    return name in TEMPLATE and len(u.args) == 2 and u.args[1] is node and u.args[0] is not node
+
+
+def stream_end(cap: Captured, node: fx.Node) -> fx.Node:
+    """Past the last norm the stream may go on (adds, views): the first node that really reads it."""
+    seen, stack = set(), [node]
+    while stack:
+        v = stack.pop()
+        if v.name in seen:
+            continue
+        seen.add(v.name)
+        if not (cap.op(v) == "add" or passes_through(cap, v)):
+            return v
+        stack.extend(reversed(live_users(cap, v)))
+    return node
+
+
+def cat_on_last(cap: Captured, node: fx.Node) -> bool:
+    """A cat joining along its last axis (where a stream keeps its hidden features)."""
+    rank = len(cap.shape(node) or ())
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return bool(rank) and isinstance(dim, int) and dim % rank == rank - 1
+
+
+def reader(cap: Captured, node: fx.Node) -> str:
+    """A reader of the stream, in words."""
+    return "the model's output" if node.op == "output" else cap.describe(node)
