@@ -434,23 +434,19 @@ class DeepNormPass(Pass):
         self.arch, self.alpha, self.beta, self.beta_mode = arch, alpha, beta, beta_mode
         self.n_layers, self.m_layers, self.seed = n_layers, m_layers, seed
         self.named = {"v": tuple(value_proj), "out": tuple(out_proj)}  # user-named roles (module patterns)
-        # what the last call returned (the flow reads these today; PassResult.extra has them)
-        self.analysis: Analysis | None = None
-        self.records: list[dict[str, Any]] = []
-        self.stacks: dict[str, dict[str, Any]] = {}
-        self.capture_method = ""
+
+    def _analyze(self, cap: Captured, norms: Sequence[NormSite]) -> Analysis:
+        return analyze(cap, norms, self.arch, self.n_layers, self.m_layers, self.beta_mode, self.named)
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-        self.analysis = analyze(cap, norms, self.arch, self.n_layers, self.m_layers, self.beta_mode, self.named)
-        return sites_of(self.analysis, self.beta_mode)
+        return sites_of(self._analyze(cap, norms), self.beta_mode)
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
         why = already_applied(model)
         if why:
             raise NormconvError(why, Code.REFUSED, pass_name=NAME)
-        sites = self.plan(cap, find_norms(cap))
-        self.capture_method = cap.method
-        an = self.analysis
+        an = self._analyze(cap, find_norms(cap))
+        sites = sites_of(an, self.beta_mode)
         if an.refusal:
             raise NormconvError(an.refusal, Code.REFUSED, pass_name=NAME)
         bad = [s for s in an.sublayers if s.problem]
@@ -459,7 +455,7 @@ class DeepNormPass(Pass):
                                 f"{bad[0].norm.target}: {bad[0].problem} (a partial DeepNorm would mix scaled "
                                 f"and unscaled residuals)", Code.REFUSED, pass_name=NAME)
         gen = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
-        self.records = _apply(model, an, self.beta_mode, self.alpha, self.beta, gen)
+        records = _apply(model, an, self.beta_mode, self.alpha, self.beta, gen)
         stacks = {k: {"layers": an.layers[k], "counted_from": an.counted_from[k],
                       "alpha": self.alpha if self.alpha is not None else v[0],
                       "beta": self.beta if self.beta is not None else v[1]}
@@ -467,11 +463,9 @@ class DeepNormPass(Pass):
         model.__dict__[MARKER] = {"arch": an.arch, "beta_mode": self.beta_mode,
                                   "alpha": {k: v["alpha"] for k, v in stacks.items()},
                                   "beta": {k: v["beta"] for k, v in stacks.items()},
-                                  "layers": dict(an.layers), "sites": self.records}
-        self.stacks = stacks
+                                  "layers": dict(an.layers), "sites": records}
         return PassResult(model, True, tuple(sites), exact=False,
-                          extra={"analysis": an, "stacks": stacks, "capture_method": cap.method,
-                                 "records": self.records})
+                          extra={"analysis": an, "stacks": stacks, "capture_method": cap.method, "records": records})
 
     def reference(self, rewritten: nn.Module) -> nn.Module:
         """LN(alpha * x + f(x)) computed literally on the rewritten model's weights."""

@@ -131,23 +131,20 @@ class FoldScales(Pass):
 
     def __init__(self, strict: bool = False):
         self.strict = strict  # raise on the first site that cannot fold (rotate needs every scale gone)
-        # what the last call returned (the flow reads these today; PassResult has them)
-        self.notes: list[str] = []
-        self.plans: list[ScalePlan] = []
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         return plan(cap, norms)
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
-        self.plans = analyze(cap, find_norms(cap))
+        plans = analyze(cap, find_norms(cap))
         if self.strict:
-            bad = next((p for p in self.plans if not p.ok and p.code != FoldScalesWhy.WEIGHT_FREE), None)
+            bad = next((p for p in plans if not p.ok and p.code != FoldScalesWhy.WEIGHT_FREE), None)
             if bad is not None:
                 raise NormconvError(f"fold-scales: {bad.site.target}: {bad.problem}", Code.REFUSED, pass_name=NAME)
         modified = False
         notes: list[str] = []
         with torch.no_grad():
-            for p in self.plans:
+            for p in plans:
                 if not p.ok:
                     continue
                 norm = cap.modules[p.module]
@@ -169,8 +166,7 @@ class FoldScales(Pass):
                 replace_module(model, p.module, make_rmsnorm(tuple(norm.normalized_shape), norm.eps, None,
                                                              norm.weight.dtype))
                 modified = True
-        self.notes.extend(notes)
-        return PassResult(model, modified, tuple(sites(self.plans)), tuple(notes), {"plans": tuple(self.plans)})
+        return PassResult(model, modified, tuple(sites(plans)), tuple(notes), {"plans": tuple(plans)})
 
 
 __all__ = ["FoldScales", "FoldScalesWhy", "ScalePlan", "analyze", "plan", "sites", "NAME"]

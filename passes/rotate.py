@@ -314,10 +314,6 @@ class Rotate(Pass):
         if kind not in ROTATIONS:
             raise NormconvError(f"unknown --rotation {kind!r}: choose {', '.join(ROTATIONS)}")
         self.kind, self.seed = kind, seed
-        # what the last call returned (the flow reads these today; PassResult has them)
-        self.notes: list[str] = []
-        self.plan_: RotationPlan | None = None
-        self.how = ""
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         p = analyze(cap, norms)
@@ -325,10 +321,10 @@ class Rotate(Pass):
                 for s in norms]
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
-        p = self.plan_ = analyze(cap, find_norms(cap))
+        p = analyze(cap, find_norms(cap))
         if p.problem:
             raise NormconvError(f"rotate: {p.problem}", Code.REFUSED, pass_name=NAME)
-        q, self.how = rotation(p.d, self.kind, self.seed)
+        q, how = rotation(p.d, self.kind, self.seed)
         notes: list[str] = []
         with torch.no_grad():
             for r in p.unties:
@@ -342,12 +338,11 @@ class Rotate(Pass):
                 new = rotate_along(t.detach().double(), q, int(op.split()[1]))
                 mine = owned(model, t)
                 mine.data.copy_(new.to(t.dtype))
-        sites = tuple(Site(NAME, s.target, True, f"stream of width {p.d} rotated ({self.how})", p.code)
+        sites = tuple(Site(NAME, s.target, True, f"stream of width {p.d} rotated ({how})", p.code)
                       for s in p.sites)
-        notes.append(f"residual stream (width {p.d}) rotated by a {self.how} matrix (seed {self.seed}): "
+        notes.append(f"residual stream (width {p.d}) rotated by a {how} matrix (seed {self.seed}): "
                      f"{len(p.writers)} writer(s), {len(p.readers)} reader linear(s)")
-        self.notes.extend(notes)
-        return PassResult(model, True, sites, tuple(notes), {"plan": p, "how": self.how})
+        return PassResult(model, True, sites, tuple(notes), {"plan": p, "how": how})
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:

@@ -254,19 +254,6 @@ class SwapPass(Pass):
         self.partial = partial  # swap the exact sites, keep the others as they are: the result stays exact
         self.require = require  # False: a model with no norm to swap passes through unchanged (rotate, fold-scales)
         self._parts = False  # True while run on parts: a part with nothing to swap is no error (end_parts)
-        # what every call returned, over all the graphs it ran on (the flow reads these today; PassResult has them)
-        self.exact = True  # False once an approximate site was applied
-        self.notes: list[str] = []
-        self.dropped: list[str] = []  # approximate: norms whose bias could not be folded
-        self.plans: list[SitePlan] = []  # every site planned (parts: one graph each)
-
-    @property
-    def in_parts(self) -> bool:
-        return self._parts
-
-    @in_parts.setter
-    def in_parts(self, value: bool) -> None:  # the flow's older spelling of begin_parts()
-        self._parts = bool(value)
 
     def begin_parts(self) -> None:
         self._parts = True
@@ -276,7 +263,6 @@ class SwapPass(Pass):
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
         a = analyze(cap, find_norms(cap), self.to)
-        self.plans.extend(a.plans)
         kind = SOURCE_KIND[self.to]
         extra = {"plans": tuple(a.plans), "dropped": []}
         if not a.plans and (not self.require or self._parts):
@@ -312,11 +298,8 @@ class SwapPass(Pass):
                 if p.module not in replaced:
                     replaced.add(p.module)
                     replace_module(model, p.module, self._replacement(cap, p))
-        self.exact = self.exact and exact
-        self.dropped = plan.dropped
         if plan.dropped:
             notes.append(f"bias dropped at {len(plan.dropped)} norm(s), e.g. {plan.dropped[0]}")
-        self.notes.extend(notes)
         return PassResult(model, bool(replaced), tuple(a.sites(self.approximate)), tuple(notes),
                           {"plans": tuple(a.plans), "dropped": list(plan.dropped)}, exact)
 
