@@ -6,7 +6,7 @@
 
 Neither library is a dependency of normconv: install them to run this (torchvision's PyPI wheel is CUDA-linked;
 on a CPU-only machine install it with --no-deps, its models are Python). Each model is checked outside the passes,
-as in benchmarks/coverage.py: the rewritten model against the original on a second batch size, the ONNX in
+as in benchmarks/coverage_transformers.py: the rewritten model against the original on a second batch size, the ONNX in
 onnxruntime against torch, fused norm ops against inspect's sites, inspect's sites against forward hooks on the norm
 modules. Zero-initialized parameters (heads, layer scales) are drawn at random (a check on zeros compares nothing),
 and BatchNorm statistics are random so that folding changes the weights. One JSON line per model goes to
@@ -35,8 +35,8 @@ COMMANDS = ("inspect", "fold", "swap", "canonicalize", "export")
 
 
 def _sweep():
-    """benchmarks/coverage.py (its comparison and fused-op counting), loaded under a name that shadows nothing."""
-    spec = importlib.util.spec_from_file_location("normconv_coverage_sweep", HERE / "coverage.py")
+    """benchmarks/coverage_transformers.py (its comparison and fused-op counting), loaded under a name that shadows nothing."""
+    spec = importlib.util.spec_from_file_location("normconv_coverage_sweep", HERE / "coverage_transformers.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)

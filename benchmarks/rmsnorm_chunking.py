@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn as nn
 
-from bench_output import emit_table
+from results_table import emit_table
 from normconv.nn.rmsnorm import rms_norm_cpu
 
 CHUNK_KIB = (256, 1024, 4096)

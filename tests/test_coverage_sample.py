@@ -1,4 +1,4 @@
-"""A fixed, diverse sample of the coverage sweep (benchmarks/coverage.py): tiny configs built the sweep's way, the
+"""A fixed, diverse sample of the coverage sweep (benchmarks/coverage_transformers.py): tiny configs built the sweep's way, the
 verdicts checked the sweep's way, outside normconv.
 
 - inspect: every norm module a forward hook sees is a site, and no module site is one no hook saw;
@@ -20,12 +20,12 @@ import torch
 
 import normconv
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "coverage.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "coverage_transformers.py"
 
 
 @lru_cache(maxsize=None)
 def sweep():
-    """benchmarks/coverage.py as a module (named so it cannot shadow the `coverage` package)."""
+    """benchmarks/coverage_transformers.py as a module (named so it cannot shadow the `coverage` package)."""
     spec = importlib.util.spec_from_file_location("normconv_coverage_sweep", _PATH)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod

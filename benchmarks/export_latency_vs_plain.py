@@ -4,7 +4,7 @@ Both files run at onnxruntime's default optimization level (ORT_ENABLE_ALL) on t
 Models: the zoo transformers, HF-sized GPT-2 / Llama configs (12 layers, hidden 768, small vocab so export
 stays quick), and norm-only models (a stack of 8 norms on (B, L, 768)) that isolate the norm-op time.
 
-    python benchmarks/bench_export.py --seq 128 --repeats 20 --out benchmarks/results/export.md
+    python benchmarks/export_latency_vs_plain.py --seq 128 --repeats 20 --out benchmarks/results/export.md
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from bench_output import emit_table
+from results_table import emit_table
 warnings.filterwarnings("ignore")
 
 
@@ -121,7 +121,7 @@ def main() -> None:
 
     slim = onnxslim is not None
     lines = ["# normconv export: onnxruntime CPU latency vs plain torch.onnx.export", "",
-             f"Command: `python benchmarks/bench_export.py {' '.join(sys.argv[1:])}`", "",
+             f"Command: `python benchmarks/export_latency_vs_plain.py {' '.join(sys.argv[1:])}`", "",
              f"normconv: `--target {a.target} --opset {a.opset}`; plain: `torch.onnx.export(model, dynamo=True)` "
              "defaults (opset 20)" + (f"; plain + onnxslim {onnxslim.__version__}: `onnxslim.slim` on the plain file"
                                       if slim else "") +

@@ -6,7 +6,7 @@ V chosen so the fp32 weights are ``--gb`` GB, random weights. ``normconv.export`
 (external data resolved next to the file) and match torch; every LayerNorm is one fused op. Wall time and peak
 RSS of the export (this process: ``resource.getrusage``) are reported next to the weight bytes.
 
-    python benchmarks/bench_big_export.py [--gb 2.2] [--out benchmarks/results/big_export.md]
+    python benchmarks/export_past_2gb.py [--gb 2.2] [--out benchmarks/results/big_export.md]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_output import emit_table  # noqa: E402
+from results_table import emit_table  # noqa: E402
 
 D = 1024
 

@@ -6,7 +6,7 @@ random-rotated model (all equal in exact arithmetic), we measure the inputs of e
 symmetric int8 / int4 activation fake-quant on every linear input (weights unquantized), against the
 unquantized original.
 
-    python benchmarks/bench_rotate.py [--out benchmarks/results/rotate.md] [--png benchmarks/results/rotate.png]
+    python benchmarks/rotate_outliers.py [--out benchmarks/results/rotate.md] [--png benchmarks/results/rotate.png]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_output import emit_table  # noqa: E402
+from results_table import emit_table  # noqa: E402
 
 import normconv  # noqa: E402
 from normconv.verify import Inputs  # noqa: E402

@@ -7,7 +7,7 @@
 3. Pass running time vs model size (chains of 10 -> 3000 conv-BN-ReLU blocks; ``--ladder`` runs only this): the fold
    pass alone, ``normconv.fold`` end to end (with its verification), fuse alone, and fuse + one eager forward.
 
-    python benchmarks/bench_fold.py [--quick] [--ladder] [--threads N] [--out benchmarks/results/fold.md]
+    python benchmarks/fold_latency_and_pass_time.py [--quick] [--ladder] [--threads N] [--out benchmarks/results/fold.md]
 
 Timings interleave the variants round by round and report medians, so ratios are comparable within a run.
 """
@@ -306,7 +306,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     a.out = a.out or str(Path(__file__).parent / "results" / ("fold_ladder.md" if a.ladder else "fold.md"))
-    cmd = "python benchmarks/bench_fold.py" + (" --quick" if a.quick else "") + (" --ladder" if a.ladder else "") + \
+    cmd = "python benchmarks/fold_latency_and_pass_time.py" + (" --quick" if a.quick else "") + (" --ladder" if a.ladder else "") + \
         (f" --threads {a.threads}" if a.threads else "")
     lines = ["# normconv fold: benchmark", "",
              f"Command: `{cmd}`  ", f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch "

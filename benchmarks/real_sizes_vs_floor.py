@@ -12,7 +12,7 @@ run interleaved, round after round, and each keeps its best of ``--rounds``, so 
     plain-export   load + torch.onnx.export (dynamo, opset 20, the same inputs) + save: export's floor
     export         normconv export FOLDER -o out.onnx
 
-    python benchmarks/bench_scale.py [--sizes 124m,355m] [--rounds 2] [--out benchmarks/results/scale.md]
+    python benchmarks/real_sizes_vs_floor.py [--sizes 124m,355m] [--rounds 2] [--out benchmarks/results/scale.md]
                                      [--before COMMIT]   (each normconv case also as COMMIT's code, interleaved)
 """
 
@@ -161,7 +161,7 @@ def main() -> None:
             rows.append(f"| {size} | {name} | {b['rc']} | {b['wall_s']:.1f} | {b['rss'] / 2**30:.2f} | "
                         f"{b['wall_s'] / floor['wall_s']:.2f}x | {b['rss'] / floor['rss']:.2f}x |")
     load = os.getloadavg()
-    head = [f"# bench_scale {args.label}".rstrip(), "",
+    head = [f"# real_sizes_vs_floor {args.label}".rstrip(), "",
             f"`{' '.join([Path(PY).name] + sys.argv)}` — {time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, "
             f"{os.cpu_count()} cores (shared), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "
             f"best of {args.rounds} interleaved rounds, each a fresh subprocess; ratios against `floor` "

@@ -7,7 +7,7 @@ idle threads not spinning, ORT_ENABLE_ALL), interleaved and rotated rounds, medi
   plain torch.onnx.export at opset 20 (torch's default) and 23 (its best for RMSNorm).
 Ratios are variant time / the fastest plain export's time (< 1: faster than plain export at its best opset).
 
-    python benchmarks/bench_export_defaults.py --rounds 5 --out benchmarks/results/export_defaults.md
+    python benchmarks/export_forms_latency.py --rounds 5 --out benchmarks/results/export_defaults.md
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_export import NormStack
-from bench_output import emit_table
+from export_latency_vs_plain import NormStack
+from results_table import emit_table
 
 warnings.filterwarnings("ignore")
 
@@ -89,7 +89,7 @@ def main() -> None:
             print(name, {k: round(v, 3) for k, v in ms.items()}, file=sys.stderr)
 
     lines = ["# Export form vs onnxruntime CPU latency (the default's evidence)", "",
-             f"Command: `python benchmarks/bench_export_defaults.py {' '.join(sys.argv[1:])}`. onnxruntime CPU, one "
+             f"Command: `python benchmarks/export_forms_latency.py {' '.join(sys.argv[1:])}`. onnxruntime CPU, one "
              f"intra-op thread, ORT_ENABLE_ALL, median of {a.rounds} interleaved rotated rounds of >= 0.3 s each; "
              "cell: ms (time / fastest plain export). 2-core machine, shared.", "",
              "| model | " + " | ".join(k for k, _, _ in VARIANTS) + " |", "|---|" + "---|" * len(VARIANTS)]

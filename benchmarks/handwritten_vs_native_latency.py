@@ -5,7 +5,7 @@ GemmaRMSNorm) on a transformer-sized input: eager CPU time of the original modul
 replacement, measured side by side in one run (median of interleaved repeats), and the ONNX node count of each
 (dynamo exporter, opset 23: one LayerNormalization / RMSNormalization / BatchNormalization after).
 
-    python benchmarks/canonicalize.py [--repeats 30] [--out benchmarks/results/canonicalize.md]
+    python benchmarks/handwritten_vs_native_latency.py [--repeats 30] [--out benchmarks/results/canonicalize.md]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from bench_output import emit_table
+from results_table import emit_table
 from normconv.models.handwritten import BatchNorm, GemmaRMSNorm, LayerNorm, LlamaRMSNorm, T5LayerNorm
 from normconv.api import canonicalize
 from normconv.verify import Inputs
@@ -97,7 +97,7 @@ def main() -> None:
     lines = [
         "# canonicalize: hand-written norms vs their native replacements",
         "",
-        f"Command: `python benchmarks/canonicalize.py --repeats {a.repeats} --hidden {a.hidden}`  ",
+        f"Command: `python benchmarks/handwritten_vs_native_latency.py --repeats {a.repeats} --hidden {a.hidden}`  ",
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}. Inputs: (32, 512, {a.hidden}) fp32 for the token norms, (32, 64, 56, 56) fp32 "
         f"for BatchNorm. Eager CPU, no grad, median of {a.repeats} interleaved runs. ONNX: dynamo exporter, "

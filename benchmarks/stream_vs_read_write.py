@@ -12,7 +12,7 @@ Then, side by side in the same run, each as its own process (peak RSS from ``os.
            rungs): plan on meta, rewrite, then verify block by block (reading the input and the output once more)
 The folders are deleted after each rung.
 
-    python benchmarks/bench_stream.py [--rungs 124m,1.3b] [--root DIR] [--out benchmarks/results/stream.md]
+    python benchmarks/stream_vs_read_write.py [--rungs 124m,1.3b] [--root DIR] [--out benchmarks/results/stream.md]
 """
 
 from __future__ import annotations

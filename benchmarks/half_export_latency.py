@@ -6,7 +6,7 @@ Each model is exported three times (normconv.export, one per mode, validated aga
 mode passes), then the three sessions are timed interleaved and rotated (one intra-op thread, ORT_ENABLE_ALL),
 median of the rounds. Ratio = time / the `none` export's time. The table also says which sites auto kept in float32.
 
-    python benchmarks/bench_halfprec.py --rounds 7 --out benchmarks/results/halfprec.md
+    python benchmarks/half_export_latency.py --rounds 7 --out benchmarks/results/halfprec.md
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_export_defaults import one_thread_session
-from bench_output import emit_table
+from export_forms_latency import one_thread_session
+from results_table import emit_table
 
 warnings.filterwarnings("ignore")
 
@@ -91,7 +91,7 @@ def main() -> None:
             print(label, {k: round(v, 4) for k, v in ms.items()}, kept, err, file=sys.stderr)
 
     lines = ["# fp16 export: --keep-fp32 auto vs none vs all (onnxruntime CPU)", "",
-             f"Command: `python benchmarks/bench_halfprec.py {' '.join(sys.argv[1:])}`. onnxruntime CPU, one intra-op "
+             f"Command: `python benchmarks/half_export_latency.py {' '.join(sys.argv[1:])}`. onnxruntime CPU, one intra-op "
              f"thread, ORT_ENABLE_ALL, median of {a.rounds} interleaved rotated rounds of >= 0.3 s each; cell: ms "
              "(time / none). ORT err: max abs error of the export against the float32 model. 2-core machine, shared.",
              "", "| model | none | auto | all | float32 sites (auto / all) | ORT err none / auto / all |",

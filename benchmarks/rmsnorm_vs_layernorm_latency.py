@@ -1,7 +1,7 @@
 """Benchmark: normconv's RMSNorm vs nn.LayerNorm vs nn.RMSNorm (eager CPU), and the swapped zoo gpt vs the
 original (eager CPU and onnxruntime CPU). Timings are interleaved (round-robin) and the median is reported.
 
-    python benchmarks/bench_swap.py [--repeats 30] [--out benchmarks/results/swap.md]
+    python benchmarks/rmsnorm_vs_layernorm_latency.py [--repeats 30] [--out benchmarks/results/swap.md]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn as nn
 
-from bench_output import emit_table
+from results_table import emit_table
 from normconv.nn.rmsnorm import make_rmsnorm
 
 SHAPES = [(32, 512, 768), (8, 128, 768), (4, 2048, 4096)]

@@ -6,7 +6,7 @@ intermediate 5632, vocab 32000 (TinyLlama's shapes at 16 layers), no KV cache, i
 Exports run in parallel processes; then each file is timed in turn in one process:
 input and logits bound on the GPU (IOBinding), 10 warm-up runs, median and p90 of the timed runs.
 torch eager fp16 on CUDA is timed too, as the reference point users have today.
-Run: python benchmarks/bench_gpu_llama.py --dir /tmp/llama --out results/gpu_llama.md
+Run: python benchmarks/gpu_llama_latency.py --dir /tmp/llama --out results/gpu_llama.md
 """
 
 from __future__ import annotations

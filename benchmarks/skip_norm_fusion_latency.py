@@ -6,7 +6,7 @@ Three measurements per shape, side by side in one run (fp32, 2 intra-op threads,
   3. Add + LayerNormalization with only y as output: onnxruntime's own SkipLayerNormFusion on vs disabled
 
 Why `normconv export --target ort` leaves residual add + norm unfused unless --skip-fusion asks.
-Run: python benchmarks/bench_skip_norm.py --out benchmarks/results/skip_norm.md
+Run: python benchmarks/skip_norm_fusion_latency.py --out benchmarks/results/skip_norm.md
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from onnx import TensorProto, helper
 
-from bench_output import emit_table
+from results_table import emit_table
 from normconv.onnx.validate import latency_ms
 
 SHAPES = ([1, 128, 768], [8, 128, 768], [4, 512, 768], [1, 128, 4096])
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lines = ["# onnxruntime CPU: residual add + norm, fused or not", "",
-             f"Command: `python benchmarks/bench_skip_norm.py --repeats {a.repeats}`; onnxruntime {ort.__version__}, "
+             f"Command: `python benchmarks/skip_norm_fusion_latency.py --repeats {a.repeats}`; onnxruntime {ort.__version__}, "
              "fp32, 2 threads, median ms. Ratio > 1: the fused op is slower.", "",
              "| shape | Add+LN | SkipLN | SkipLN / Add+LN | Add+RMS | SkipRMS | SkipRMS / Add+RMS | "
              "y-only Add+LN, ORT fusion on | fusion disabled | on / disabled |",

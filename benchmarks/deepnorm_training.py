@@ -8,7 +8,7 @@ Task: reverse a random token sequence (encoder-only, per-position cross-entropy)
 no warm-up (the setting in which the paper reports post-LN instability). Writes the loss curves to
 benchmarks/results/deepnorm_loss.png and the table to benchmarks/results/deepnorm.md.
 
-    python benchmarks/bench_deepnorm.py [--layers 32] [--steps 500] [--lr 1e-3] [--stem deepnorm]
+    python benchmarks/deepnorm_training.py [--layers 32] [--steps 500] [--lr 1e-3] [--stem deepnorm]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def write(args, runs, stack, applied, report) -> None:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(png, dpi=110)
-    cmd = "python " + " ".join(["benchmarks/bench_deepnorm.py", *sys.argv[1:]])
+    cmd = "python " + " ".join(["benchmarks/deepnorm_training.py", *sys.argv[1:]])
     lines = [
         "# deepnorm: training a deep post-LN transformer three ways",
         "",
