@@ -51,15 +51,16 @@ def fold(model: nn.Module, example_inputs: Any, *, eval_mode: bool = False, atol
          rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
     """BatchNorm folded into its neighbouring conv / linear; ``eval_mode`` rewrites a training-mode model as its
     eval-mode self. Returns (folded model, report)."""
-    report, new = fold_cmd.fold(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method,
-                                                              eval_mode=eval_mode))
+    opts = Options(atol=atol, rtol=rtol, method=method, eval_mode=eval_mode)
+    report, new = fold_cmd.fold(_loaded(model, example_inputs), opts)
     return new, report
 
 
 def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = None, rtol: float | None = None,
                  method: str = "auto") -> tuple[nn.Module, Report]:
     """Hand-written norms replaced by torch's native modules. Returns (new model, report)."""
-    report, new = canonicalize_cmd.canonicalize(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method))
+    opts = Options(atol=atol, rtol=rtol, method=method)
+    report, new = canonicalize_cmd.canonicalize(_loaded(model, example_inputs), opts)
     return new, report
 
 
@@ -70,8 +71,9 @@ def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate
     ``partial`` swaps only the sites that are exact and keeps the others (the result stays exact);
     ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers).
     Returns (new model, report)."""
-    report, new = swap_cmd.swap(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method), to, approximate,
-                      canonicalize=canonicalize, fold_scales_=fold_scales, partial=partial)
+    opts = Options(atol=atol, rtol=rtol, method=method)
+    report, new = swap_cmd.swap(_loaded(model, example_inputs), opts, to, approximate, canonicalize=canonicalize,
+                                fold_scales_=fold_scales, partial=partial)
     return new, report
 
 
@@ -97,7 +99,8 @@ def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", se
            atol: float | None = None, rtol: float | None = None, method: str = "auto") -> tuple[nn.Module, Report]:
     """Exact swap (pre-LN) -> norm scales folded into the linears -> residual stream rotated by an orthogonal Q
     (``rotation``: hadamard, random or none). Returns (new model, report)."""
-    report, new = swap_cmd.rotate(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method), rotation, seed)
+    opts = Options(atol=atol, rtol=rtol, method=method)
+    report, new = swap_cmd.rotate(_loaded(model, example_inputs), opts, rotation, seed)
     return new, report
 
 
@@ -109,13 +112,14 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
     """DeepNorm: LN(alpha*x + f(x)) at every post-LN sublayer, beta on FFN / v / out. Returns (new model, report).
     ``value_proj`` / ``out_proj``: module-name patterns (fnmatch) naming attention projections the graph does
     not identify."""
-    report, new = deepnorm_cmd.deepnorm(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method), arch=arch,
-                      alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=n_layers, m_layers=m_layers, seed=seed,
-                      value_proj=value_proj, out_proj=out_proj)
+    opts = Options(atol=atol, rtol=rtol, method=method)
+    report, new = deepnorm_cmd.deepnorm(_loaded(model, example_inputs), opts, arch=arch, alpha=alpha, beta=beta,
+                                        beta_mode=beta_mode, n_layers=n_layers, m_layers=m_layers, seed=seed,
+                                        value_proj=value_proj, out_proj=out_proj)
     return new, report
 
 
-def export(model: nn.Module, example_inputs: Any, path: str, target: str = "ort", opset: int | None = None, *,
+def export(model: nn.Module, example_inputs: Any, path: str, target: str | None = None, opset: int | None = None, *,
            dynamic: bool = False, fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
            skip_fusion: bool | None = None, dim_names: dict[str, str] | None = None, dtype: torch.dtype | None = None,
@@ -123,9 +127,10 @@ def export(model: nn.Module, example_inputs: Any, path: str, target: str = "ort"
     """ONNX at ``path`` with one fused op per norm, validated in onnxruntime. Returns the report. ``dtype``
     (torch.float16 / bfloat16): exported in it, validated against ``model``; ``keep_fp32``: auto | none | all norm
     sites in float32 between Casts."""
-    return export_cmd.export(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, output=str(path), dtype=dtype), target,
-               opset, dynamic=dynamic, fold=fold, canonicalize=canonicalize, validate=validate, baseline=baseline,
-               repeats=repeats, skip_fusion=skip_fusion, dim_names=dim_names, keep_fp32=keep_fp32, device=device)
+    opts = Options(atol=atol, rtol=rtol, output=str(path), dtype=dtype)
+    return export_cmd.export(_loaded(model, example_inputs), opts, target, opset, dynamic=dynamic, fold=fold,
+                             canonicalize=canonicalize, validate=validate, baseline=baseline, repeats=repeats,
+                             skip_fusion=skip_fusion, dim_names=dim_names, keep_fp32=keep_fp32, device=device)
 
 
 def inspect(model: nn.Module, example_inputs: Any, method: str = "auto") -> Report:

@@ -9,7 +9,7 @@ import typer
 from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, load_half_target, options_from_flags, user_errors)
 from normconv.errors import NormconvError
-from normconv.onnx.export import DEFAULT_OPSET
+from normconv.onnx.export import DEFAULT_OPSET, DEFAULT_TARGET
 from normconv.report import Report, console, render_headroom, render_sites, render_validation, table
 
 
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         output: Annotated[str, typer.Option("--output", "-o", help="the .onnx file to write")],
         target: Annotated[str, typer.Option(help="ort (default): onnxruntime's fused ops (SimplifiedLayerNormalization "
                                                  "for RMSNorm, the fastest measured there); onnx: standard ops only "
-                                                 "(RMSNormalization at opset 23, a portable function op below)")] = "ort",
+                                                 "(RMSNormalization at opset 23, a portable function op below)")] = DEFAULT_TARGET,
         opset: Annotated[int, typer.Option(help="ONNX opset, 17 to 23")] = DEFAULT_OPSET,
         dynamic: Annotated[bool, typer.Option("--dynamic", help="dynamic batch and sequence axes where the "
                                                                 "model allows them")] = False,

@@ -39,7 +39,7 @@ from normconv.verify import Inputs, compare, default_tolerance, run
 from .fold import lifted
 
 
-def export(loaded: Loaded, opts: Options, target: str = "ort", opset: int | None = None, *, dynamic: bool = False,
+def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int | None = None, *, dynamic: bool = False,
            fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",), baseline: bool = False,
            repeats: int = 10, skip_fusion: bool | None = None, dim_names: dict[str, str] | None = None,
            keep_fp32: str = "auto", device: str = "cpu") -> Report:
@@ -50,7 +50,8 @@ def export(loaded: Loaded, opts: Options, target: str = "ort", opset: int | None
     from normconv.onnx import export as onnx_export
 
     check_keep_fp32(keep_fp32, torch.float16)  # the name first; whether a half export asks for it, below
-    opset = onnx_export.DEFAULT_OPSET if opset is None else opset
+    opset = onnx_export.DEFAULT_OPSET if opset is None else opset  # the defaults live in normconv.onnx.export
+    target = onnx_export.DEFAULT_TARGET if target is None else target
     out = onnx_export.check_args(opts.output, target, opset, device)
     if skip_fusion is None:  # measured: fused residual add + norm is faster on CUDA, slower on CPU (BENCHMARKS.md)
         skip_fusion = device == "cuda"

@@ -64,11 +64,13 @@ def model_stats(model: nn.Module, inputs: Inputs | None = None, repeats: int = 5
 def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: str, write: bool = True,
             judge: bool = True, outputs_seen: dict[str, Any] | None = None,
             by_parts: bool = True) -> tuple[Report, Run]:
-    """Apply ``passes`` to a loaded model, verify by their ``check``, write ``opts.output`` if it passed
-    (``write=False``: the caller writes, after checks of its own; ``judge=False``: the caller judges the checks,
-    against references of its own, e.g. the half-precision policy's float32 model). ``outputs_seen``, when given, receives the
+    """Apply ``passes`` to a loaded model, verify by their ``check``, write ``opts.output`` if it passed.
+
+    ``write=False``: the caller writes, after checks of its own. ``judge=False``: the caller judges the checks against
+    references of its own (the half-precision policy's float32 model). ``outputs_seen``, when given, receives the
     original's and the rewritten model's outputs on the example inputs ("reference", "rewritten"), so that a
-    caller's further checks reuse them instead of running both models again."""
+    caller's further checks reuse them instead of running both models again. ``by_parts``: a model no method
+    captures whole is rewritten part by part when every pass allows it."""
     inputs = loaded.require_inputs()
     if opts.output is not None:
         check_output_path(loaded, opts.output, opts.in_place)  # fail before the work, not after
