@@ -156,7 +156,7 @@ def lower_norm_ops(model: ir.Model, target: str, opset: int) -> dict[str, int]:
     """Turn normconv placeholders into the target's ops in place; returns counts of what each became."""
     made: dict[str, int] = {}
     kept: set[str] = set()
-    for node in list(model.graph):
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):  # If / Loop bodies too
         if node.domain != DOMAIN:
             continue
         eps = float(_attr(node, "epsilon", 1e-5))
@@ -183,7 +183,7 @@ def lower_norm_ops(model: ir.Model, target: str, opset: int) -> dict[str, int]:
             made[f"{DOMAIN}.{node.op_type}"] = made.get(f"{DOMAIN}.{node.op_type}", 0) + 1
             continue
         made[new.op_type] = made.get(new.op_type, 0) + 1
-        _replace(model.graph, node, new)
+        _replace(node.graph, node, new)
     default_opset = model.opset_imports.get("", opset)
     for op_type in sorted(kept):
         fn = ir.serde.deserialize_function(function_proto(op_type, default_opset))
