@@ -47,6 +47,7 @@ class Plan:
 def session(path_or_bytes, level: str):
     import onnxruntime as ort
 
+    ort.set_default_logger_severity(3)  # a size the model refuses while sizes are tried is not an error to print
     opts = ort.SessionOptions()
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if level == "disabled"
                                      else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
@@ -147,8 +148,12 @@ def feeds(specs: list[Spec], sizes: dict, seed: int) -> dict[str, np.ndarray]:
 
 
 def _runs(sess, specs, sizes) -> bool:
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4
     try:
-        sess.run(None, feeds(specs, sizes, 0))
+        sess.run(None, feeds(specs, sizes, 0), quiet)
         return True
     except Exception:  # noqa: BLE001 - the model refuses this size: try another
         return False
