@@ -139,7 +139,7 @@ def feeds(specs: list[Spec], sizes: dict, seed: int) -> dict[str, np.ndarray]:
         if np.issubdtype(s.dtype, np.floating):
             out[s.name] = rng.standard_normal(shape).astype(s.dtype)
         elif s.dtype == np.bool_:
-            out[s.name] = rng.integers(0, 2, shape).astype(np.bool_)
+            out[s.name] = np.ones(shape, dtype=np.bool_)  # a mask or a branch condition: on
         elif s.values:
             out[s.name] = np.full(shape, s.values[0], dtype=s.dtype)
         else:
