@@ -249,7 +249,8 @@ def run(spec: str, command: str, output: str | None, target: str = "ort", opset:
             report.notes.append(f"opset conversion validated: max abs error "
                                 f"{max(v.max_abs_error for v in checks):.3g}")
         proto = _as_written(ir.serde.serialize_model(model), src)
-        external = bool(src.external) or proto.ByteSize() > EXTERNAL_DATA_BYTES if not src.external else True
+        # the input's layout kept: external data in, external data out; past protobuf's 2 GB, external data too
+        external = bool(src.external) or sum(len(t.raw_data) for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES
         tmp = tmpdir / (out.name if out is not None else "out.onnx")
         _save(proto, tmp, external)
         report.extra["external_data"] = (tmp.name + ".data") if external else None
