@@ -274,8 +274,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
     in both cases nothing is left under ``out``.
 
-    ``fuse_inline``: RMSNorms and LayerNorms written inside bigger modules are matched in the ONNX graph
-    (fuse_inline.py).
+    ``fuse_inline``: RMSNorms and LayerNorms written inside bigger modules are matched in the ONNX graph by the
+    same rules an ONNX file goes through (rules/layernorm.py, rules/rmsnorm.py).
 
     ``skip_fusion`` (with target "ort") fuses residual add + norm into com.microsoft Skip*LayerNormalization.
     It is off by default because onnxruntime 1.31's CPU kernels for those ops measured 4.5-8x (LayerNorm) and
@@ -284,8 +284,11 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     import onnx_ir as ir
 
     from normconv.onnx.fuse import fuse_skip_norms
-    from normconv.onnx.fuse_inline import fuse_inline_layernorm, fuse_inline_rms
-    from normconv.onnx.ops import lower_norm_ops, repair_downconverted
+    from normconv.onnx.passes.lower import LowerNorms
+    from normconv.onnx.passes.repair import RepairDownconverted
+    from normconv.onnx.passes.rewrite import RulesPass
+    from normconv.onnx.rules import inline_rules
+    from normconv.onnx.rules.base import SiteLog
     from normconv.onnx.validate import validate as ort_validate
 
     extra = report.extra
@@ -295,11 +298,13 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
 
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported)
     onnx_model = program.model
-    repair_downconverted(onnx_model)
-    # norms written inside bigger modules (not replaced in torch) are matched in the ONNX graph instead
-    # LayerNorms first: (x - mean) / sqrt(mean((x - mean)^2) + eps) also reads as an RMSNorm of x - mean
-    extra["inline_fused"] = fuse_inline_layernorm(onnx_model) + fuse_inline_rms(onnx_model) if fuse_inline else 0
-    extra["lowered"] = lower_norm_ops(onnx_model, target, opset)
+    # the ONNX half, one pass set with ONNX files in: repair the down-conversion, match the norms written inside
+    # bigger modules (not replaced in torch) in the ONNX graph, lower normconv's placeholders for the target
+    log, lower = SiteLog(), LowerNorms(target)
+    inline = [RulesPass(inline_rules(log), log, "inline")] if fuse_inline else []
+    ir.passes.PassManager([RepairDownconverted(), *inline, lower])(onnx_model)
+    extra["inline_fused"] = sum(1 for _, s in log.sites() if s.applied)
+    extra["lowered"] = lower.made
     if target == "ort" and skip_fusion:
         for name, fused, reason in fuse_skip_norms(onnx_model):
             report.sites.append(Site(NAME + ":skip-fusion", name, fused, reason))
@@ -419,9 +424,9 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     except NormconvError as exc:
         report.notes.append(f"plain torch.onnx.export failed, no baseline: {exc}")
         return
-    from normconv.onnx.ops import repair_downconverted
+    from normconv.onnx.passes.repair import RepairDownconverted
 
-    repair_downconverted(plain.model)  # the same down-conversion fix, or plain opset-17 exports do not load
+    RepairDownconverted()(plain.model)  # the same down-conversion fix, or plain opset-17 exports do not load
     report.before = op_counts(plain.model)
     report.extra["baseline_fused_norm_ops"] = fused_norms(plain.model)
     path = tmpdir / "baseline.onnx"

@@ -19,3 +19,9 @@ def fold_rules(log: SiteLog) -> list:
 
 def fuse_rules(log: SiteLog) -> list:
     return layernorm.rules(log) + rmsnorm.rules(log) + groupnorm.rules(log)
+
+
+def inline_rules(log: SiteLog) -> list:
+    """The torch export's ONNX half: LayerNorms and RMSNorms written inside bigger modules (not replaced in torch)
+    matched in the exported graph; the exporter emits GroupNorm as normconv's placeholder itself."""
+    return layernorm.rules(log) + rmsnorm.rules(log)

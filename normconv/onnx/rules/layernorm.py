@@ -5,7 +5,8 @@
   Var[x] = E[(x − E[x])²]                   torch, paddle2onnx, keras (Pow or Mul for the square; torch.var's
                                              x − E[x] may be computed a second time)
          = max(E[x²] − E[x]², 0)            tf2onnx / jax2tf (flax: mean2 − mean², clamped)
-  1/sqrt(·) as Div(d, Sqrt(·)), Mul(d, Reciprocal(Sqrt(·))) or Mul(d, Div(1, Sqrt(·))); flax multiplies the
+  1/sqrt(·) as Div(d, Sqrt(·)), Mul(d, Reciprocal(Sqrt(·))) or Mul(d, Div(1, Sqrt(·))) (ε = 0: the exporter
+  drops the + 0, so Sqrt(Var) alone); flax multiplies the
   scale into the inverse first: d · (rsqrt(v + ε) · w). E[·] is read by ``base.mean_of`` (ReduceMean, or ReduceSum
   times 1/n, then put back to rank by Reshape / Unsqueeze / Expand).
 
@@ -48,9 +49,14 @@ def opset_of(context) -> int:
     return int(imports.get("", context.model.opset_imports.get("", 1)))
 
 
-def _inverse_root(op, var, eps, one):
+def _root(op, var, eps, no_eps: bool):
+    """sqrt(var + ε); sqrt(var) where the exporter dropped a + 0 (ε = 0)."""
+    return op.Sqrt(var) if no_eps else op.Sqrt(op.Add(var, eps))
+
+
+def _inverse_root(op, var, eps, one, no_eps: bool):
     """1 / sqrt(var + ε), as Reciprocal(Sqrt(·)) or Div(1, Sqrt(·))."""
-    root = op.Sqrt(op.Add(var, eps))
+    root = _root(op, var, eps, no_eps)
     return pattern.OrValue([op.Reciprocal(root), op.Div(one, root)])
 
 
@@ -58,7 +64,7 @@ def variance_nodes(v: ir.Value, x: ir.Value, mean: ir.Value, axes: tuple[int, ..
     """The nodes computing ``v`` = Var[x] over ``axes`` (module docstring), else None."""
     inner, back = restored(v)
     node = inner.producer() if inner is not None else None
-    m = mean_of(inner)
+    m = mean_of(v)
     if m is not None and m.axes == axes:  # E[(x − E[x])²]
         d = square_of(m.source)
         sub = d.producer() if d is not None else None
@@ -66,7 +72,7 @@ def variance_nodes(v: ir.Value, x: ir.Value, mean: ir.Value, axes: tuple[int, ..
             m2 = mean_of(sub.inputs[1])
             if sub.inputs[1] is mean or (m2 is not None and m2.source is x and m2.axes == axes):
                 extra = list(m2.nodes) if sub.inputs[1] is not mean else []
-                return back + list(m.nodes) + [m.source.producer(), sub] + extra
+                return list(m.nodes) + [m.source.producer(), sub] + extra
         return None
     clamp = None
     if node is not None and node.op_type in ("Max", "Relu") and default(node):  # max(·, 0)
@@ -97,12 +103,12 @@ class LayerNormFusion(NormRule):
     kind = "layernorm"
 
     def pattern(self, op, x, mean, var, eps, one, w):
-        d = op.Sub(x, mean)
+        d, no_eps = op.Sub(x, mean), self.options["no_eps"]
         if self.options["form"] == "div":  # d / sqrt(v + ε)
-            return op.Div(d, op.Sqrt(op.Add(var, eps)))
+            return op.Div(d, _root(op, var, eps, no_eps))
         if self.options["form"] == "mul":  # d · rsqrt(v + ε)
-            return op.Mul(d, _inverse_root(op, var, eps, one))
-        return op.Mul(d, op.Mul(_inverse_root(op, var, eps, one), w))  # d · (rsqrt(v + ε) · w)   (flax)
+            return op.Mul(d, _inverse_root(op, var, eps, one, no_eps))
+        return op.Mul(d, op.Mul(_inverse_root(op, var, eps, one, no_eps), w))  # d · (rsqrt(v + ε) · w)   (flax)
 
     def check(self, context, x, mean, var, eps, one=None, w=None, **_) -> MatchResult:
         W = LayerNormWhy
@@ -112,7 +118,7 @@ class LayerNormFusion(NormRule):
         m = mean_of(mean)
         if (one is not None and scalar(one) != 1.0) or m is None:
             return MatchResult().fail("not (x − E[·]) / sqrt(·)")  # not LayerNorm-shaped at all: no site
-        e = scalar(eps)
+        e = 0.0 if self.options["no_eps"] else scalar(eps)
         if e is None or e < 0:
             return self.refuse(context, W.EPS_NOT_CONSTANT, "epsilon is not a constant scalar >= 0", eps)
         if m.source is not x:
@@ -136,7 +142,8 @@ class LayerNormFusion(NormRule):
                 return self.refuse(context, W.SCALE_NOT_PER_FEATURE, "the scale is not a constant per normalized "
                                                                      "element", w)
         nodes = list(context.nodes) + list(m.nodes) + var_nodes
-        nodes += producers(eps, {id(x)}) + (producers(w, {id(x)}) if w is not None else [])
+        nodes += (producers(eps, {id(x)}) if eps is not None else []) + \
+            (producers(w, {id(x)}) if w is not None else [])
         if not closed(nodes, context.root):
             return self.refuse(context, W.INNER_VALUE_READ, "a value inside the norm is read outside it", x)
         if opset_of(context) < OPSET:
@@ -218,5 +225,6 @@ class LayerNormAffine(NormRule):
 
 def rules(log: SiteLog) -> list:
     """The LayerNorm rules, most specific first."""
-    return [LayerNormFusion.rule(f"layernorm-{form}", log, form=form) for form in ("scaled", "div", "mul")] + \
+    return [LayerNormFusion.rule(f"layernorm-{form}{'-no-eps' if no_eps else ''}", log, form=form, no_eps=no_eps)
+            for no_eps in (False, True) for form in ("scaled", "div", "mul")] + \
         [LayerNormAffine.rule(f"layernorm-affine-{o}", log, op=o) for o in ("Mul", "Add")]
