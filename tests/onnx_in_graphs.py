@@ -113,15 +113,17 @@ def _bn(x, y, c, name="bn"):
     return h.make_node("BatchNormalization", [x, *[i.name for i in inits]], [y], name=name, epsilon=1e-5), inits
 
 
-def conv_bn(op="Conv", groups=1, dilation=1, opset=13, cin=4, cout=8):
-    """Conv / ConvTranspose (groups, dilation) -> BN."""
+def conv_bn(op="Conv", groups=1, dilation=1, opset=13, cin=4, cout=8, bias_add=False):
+    """Conv / ConvTranspose (groups, dilation) -> BN; ``bias_add``: the bias as a separate Add of a [1, C, 1, 1]
+    constant (paddle2onnx)."""
     w = RNG.standard_normal((cout, cin // groups, 3, 3) if op == "Conv" else (cin, cout // groups, 3, 3))
-    conv = h.make_node(op, ["x", "w", "cb"], ["z"], name="conv", group=groups, dilations=[dilation, dilation],
-                       pads=[1, 1, 1, 1])
+    conv = h.make_node(op, ["x", "w"] + ([] if bias_add else ["cb"]), ["c" if bias_add else "z"], name="conv",
+                       group=groups, dilations=[dilation, dilation], pads=[1, 1, 1, 1])
+    nodes = [conv] + ([h.make_node("Add", ["c", "cb"], ["z"])] if bias_add else [])
     bn, inits = _bn("z", "y", cout)
-    return model([conv, bn], [h.make_tensor_value_info("x", T.FLOAT, ["n", cin, "h", "w"])],
-                 [h.make_tensor_value_info("y", T.FLOAT, None)], [_f("w", w), _f("cb", RNG.standard_normal(cout))]
-                 + inits, opset)
+    cb = RNG.standard_normal(cout).reshape((1, cout, 1, 1) if bias_add else (cout,))
+    return model(nodes + [bn], [h.make_tensor_value_info("x", T.FLOAT, ["n", cin, "h", "w"])],
+                 [h.make_tensor_value_info("y", T.FLOAT, None)], [_f("w", w), _f("cb", cb)] + inits, opset)
 
 
 def gemm_bn(trans_b=1, matmul=False, opset=13, k=6, n=5):

@@ -150,7 +150,7 @@ def _real(real_files, name):
 
 @pytest.mark.parametrize("name,folded,fused,opset_out", [
     ("ch_ppocr_mobile_v2.0_cls_infer.onnx", 35, {}, 11),  # PaddleOCR direction classifier: 35 BN after convs
-    ("ch_PP-OCRv4_det_infer.onnx", 2, {}, 12),  # detection: BN after ConvTranspose, one BN kept
+    ("ch_PP-OCRv4_det_infer.onnx", 3, {}, 12),  # detection: BN after Conv, and after ConvTranspose + bias Add
     ("ch_PP-OCRv4_rec_infer.onnx", 6, {"layernorm": 5}, 17),  # recognition: paddle2onnx LayerNorms, opset 12
 ])
 def test_paddleocr(cli, tmp_path, real_files, name, folded, fused, opset_out):

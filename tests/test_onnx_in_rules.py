@@ -107,6 +107,12 @@ def test_bn_after_conv_folded(tmp_path, op, groups, dilation):
     assert ops == {op: 1} and _codes(report) == {"folded": 1}
 
 
+@pytest.mark.parametrize("op", ["Conv", "ConvTranspose"])
+def test_bn_after_conv_with_a_separate_bias_add_folded(tmp_path, op):
+    report, ops = _run(tmp_path, G.conv_bn(op, bias_add=True), command="fold")
+    assert ops == {op: 1} and _codes(report) == {"folded": 1}
+
+
 @pytest.mark.parametrize("kw", [dict(trans_b=1), dict(trans_b=0), dict(matmul=True)])
 def test_bn_after_gemm_and_matmul_folded(tmp_path, kw):
     report, ops = _run(tmp_path, G.gemm_bn(**kw), command="fold")

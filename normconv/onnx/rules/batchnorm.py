@@ -5,6 +5,7 @@
   after  ConvTranspose: W (Cin, Cout/g, k…): W'[g, ·, o] = W[g, ·, o]·s[g·Cout/g + o],  b' = b·s + t
   after  Gemm:          B' = B·s along N (axis 0 if transB), C' = β_gemm·C·s + t, β_gemm = 1
   after  MatMul (+ c):  W' = W·s[None, :], c' = c·s + t           (only a rank-2 output: BN's axis 1 is then N)
+  after  Conv + c:      a bias added after the conv (paddle2onnx: Add of a [1, C, 1, 1] constant) folds the same way
   before Conv:          W'[o, j] = W[o, j]·s[c],  b'[o] = b[o] + Σ_{j,k} W[o, j, k]·t[c]   (c = g(o)·Cin/g + j)
                         exact only when the conv pads nothing: padding pads BN's output with 0, not with t
 
@@ -19,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter._basics import MatchResult
 
-from normconv.onnx.rules.base import NormRule, SiteLog, attr, const, name_of, rank
+from normconv.onnx.rules.base import NormRule, SiteLog, attr, const, name_of, per_feature, rank
 from normconv.report import Site, Why
 
 
@@ -64,8 +65,9 @@ class FoldForward(NormRule):
 
     def pattern(self, op, x, w, gamma, beta, mu, var, c):
         p = self.options["producer"]
-        if p == "MatMulAdd":  # BN(x @ W + c)
-            inner = op.Add(op.MatMul(x, w, _outputs=["mm"]), c, _outputs=["z"])
+        if p.endswith("Add"):  # BN(x @ W + c), BN(conv(x, W) + c): a bias added after the op (paddle2onnx)
+            inner = op.Add(getattr(op, p[:-3])(x, w, _allow_other_inputs=p != "MatMulAdd", _outputs=["mm"]), c,
+                           _outputs=["z"])
         else:
             inner = getattr(op, p)(x, w, _allow_other_inputs=True, _outputs=["z"])
         return op.BatchNormalization(inner, gamma, beta, mu, var, _allow_other_attributes=True, _outputs=["y"])
@@ -84,29 +86,34 @@ class FoldForward(NormRule):
                                                                              mm.is_graph_output())):
             return self.refuse(context, W.SHARED_OUTPUT, f"the {p} output is read by more than the BN", z)
         inner = mm.producer() if mm is not None else prod
-        bias = (prod.inputs[1] if prod.inputs[0] is mm else prod.inputs[0]) if mm is not None else \
-            (inner.inputs[2] if len(inner.inputs) > 2 else None)
-        if not _own(w, inner) or (bias is not None and not _own(bias, prod)):
-            return self.refuse(context, W.SHARED_WEIGHT if w.is_initializer() else W.WEIGHT_NOT_CONSTANT,
-                               f"the {p} weight or bias is not a constant initializer it alone reads", w)
+        own = inner.inputs[2] if len(inner.inputs) > 2 and inner.op_type != "MatMul" else None
+        added = (prod.inputs[1] if prod.inputs[0] is mm else prod.inputs[0]) if mm is not None else None
+        if not _own(w, inner) or any(v is not None and not _own(v, n) for v, n in ((own, inner), (added, prod))):
+            return self.refuse(context, W.SHARED_WEIGHT if w.const_value is not None else W.WEIGHT_NOT_CONSTANT,
+                               f"the {p} weight or bias is not a constant it alone reads", w)
         weight = w.const_value.numpy().astype(np.float64)
         s, t = st
+        b = own.const_value.numpy().astype(np.float64) if own is not None else np.zeros(len(s))
+        if added is not None:  # the bias added after the op: one value per output channel (axis 1)
+            per = per_feature(added.const_value.numpy(), z.shape, (1,)) if z.shape is not None else None
+            if per is None or per.size != len(s):
+                return self.refuse(context, W.AXIS_NOT_FEATURES, "the added bias is not one value per channel", added)
+            b = b + per
         if p in ("MatMul", "MatMulAdd") and (rank(z) != 2 or weight.ndim != 2):
             return self.refuse(context, W.AXIS_NOT_FEATURES, f"the MatMul output is rank {rank(z)}: BN's channel "
                                                              f"axis 1 is not its feature axis", z)
-        if p == "ConvTranspose" and weight.shape[0] % int(attr(inner, "group", 1)):
+        if p.startswith("ConvTranspose") and weight.shape[0] % int(attr(inner, "group", 1)):
             return self.refuse(context, W.BAD_GROUPS, "in_channels not divisible by group", w)
-        b = bias.const_value.numpy().astype(np.float64) if bias is not None else np.zeros(len(s))
         if p == "Gemm":
             b = b * float(attr(inner, "beta", 1.0))
-            if bias is not None and b.size not in (1, len(s)):
-                return self.refuse(context, W.AXIS_NOT_FEATURES, "the Gemm bias is not per output feature", bias)
-        self._new = (inner, weight, np.broadcast_to(b.reshape(-1), s.shape) * s + t, s, bias)
+            if own is not None and b.size not in (1, len(s)):
+                return self.refuse(context, W.AXIS_NOT_FEATURES, "the Gemm bias is not per output feature", own)
+        self._new = (inner, weight, np.broadcast_to(b.reshape(-1), s.shape) * s + t, s)
         return MatchResult()
 
     def rewrite(self, op, x, w, z, **_):
-        inner, weight, b, s, bias = self._new
-        p = self.options["producer"]
+        inner, weight, b, s = self._new
+        p = self.options["producer"].removesuffix("Add") if self.options["producer"] != "MatMulAdd" else "MatMulAdd"
         self.done(self._bn, FoldWhy.FOLDED, f"folded into {inner.op_type} {name_of(inner)} (float64)")
         if p == "Conv":
             weight = weight * s.reshape((-1,) + (1,) * (weight.ndim - 1))
@@ -178,7 +185,7 @@ class FoldBackward(NormRule):
 
 def rules(log: SiteLog) -> list:
     return [FoldForward.rule(f"fold-after-{p}", log, producer=p)
-            for p in ("Conv", "ConvTranspose", "Gemm", "MatMulAdd", "MatMul")] + [FoldBackward.rule("fold-before-conv", log)]
+            for p in ("ConvAdd", "ConvTransposeAdd", "Conv", "ConvTranspose", "Gemm", "MatMulAdd", "MatMul")] + [FoldBackward.rule("fold-before-conv", log)]
 
 
 def standalone(model: ir.Model, log: SiteLog) -> None:
