@@ -11,7 +11,9 @@
 
 Flow (normconv.flow.export runs the first step through the same door as every command, this module the rest):
 canonicalize + fold (exact, verified against torch) -> torch.onnx.export (dynamo) with normconv's
-translations (onnx.ops) -> lower placeholders for the target -> skip fusion (onnx_fuse, --target ort)
+translations (onnx.ops) -> the ONNX half an .onnx file goes through too (passes/: repair the down-conversion, the
+LayerNorm / RMSNorm rules for norms written inline, lower placeholders for the target) -> skip fusion
+(rules/skipnorm, --target ort)
 -> write into a temp folder -> onnx.checker where the ops allow -> onnxruntime validation (onnx_validate)
 -> rename into place. Any failure leaves no file under the requested name.
 """
@@ -283,11 +285,10 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     """
     import onnx_ir as ir
 
-    from normconv.onnx.fuse import fuse_skip_norms
     from normconv.onnx.passes.lower import LowerNorms
     from normconv.onnx.passes.repair import RepairDownconverted
     from normconv.onnx.passes.rewrite import RulesPass
-    from normconv.onnx.rules import inline_rules
+    from normconv.onnx.rules import inline_rules, skipnorm
     from normconv.onnx.rules.base import SiteLog
     from normconv.onnx.validate import validate as ort_validate
 
@@ -305,9 +306,12 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     ir.passes.PassManager([RepairDownconverted(), *inline, lower])(onnx_model)
     extra["inline_fused"] = sum(1 for _, s in log.sites() if s.applied)
     extra["lowered"] = lower.made
-    if target == "ort" and skip_fusion:
-        for name, fused, reason in fuse_skip_norms(onnx_model):
-            report.sites.append(Site(NAME + ":skip-fusion", name, fused, reason))
+    if target == "ort" and skip_fusion:  # residual add -> norm  =>  one Skip*LayerNormalization (rules/skipnorm)
+        skip_log, exposed = SiteLog(), []
+        ir.passes.PassManager([RulesPass(skipnorm.rules(skip_log, exposed, NAME + ":skip-fusion"), skip_log,
+                                         "skip-fusion")])(onnx_model)
+        skipnorm.expose_sums(onnx_model, exposed)
+        report.sites.extend(site for _, site in skip_log.sites())
     elif target == "ort" and any("residual add left unfused" in s.reason for s in report.sites):
         report.notes.append("residual add + norm left unfused: onnxruntime CPU Skip*LayerNormalization measured "
                             "slower than Add + norm (--device cuda, where it is faster, or --skip-fusion fuses them); onnxruntime's "

@@ -226,6 +226,7 @@ class NormRule(pattern.RewriteRuleClassBase):
     def __init__(self, name: str, log: SiteLog, **options) -> None:
         super().__init__(name, remove_nodes=False)
         self.log = log
+        self.pass_name = options.pop("pass_name", type(self).pass_name)
         self.options = options
 
     def refuse(self, context, code: Why, reason: str, *sources, at: ir.Node | None = None) -> MatchResult:
