@@ -8,7 +8,7 @@ each as one node instead:
      (built from a hand-written ``onnx.defs.OpSchema``; the recorder needs one):
        rms_norm(x, shape, w, eps)          -> normconv.RMSNorm(x, w; axes=[-k..-1], epsilon)
        group_norm(x, G, w, b, eps)         -> normconv.GroupNorm(x, w, b; num_groups=G, epsilon)
-  2. lower (``lower_norm_ops``) on the exported onnx_ir model:
+  2. lower (``passes/lower.py``, with the rules of ``rules/lower.py``) on the exported onnx_ir model:
        RMSNorm, target ort                 -> SimplifiedLayerNormalization (default domain, ORT kernel)
        RMSNorm, target onnx, opset >= 23   -> RMSNormalization
        RMSNorm, target onnx, opset < 23    -> stays normconv.RMSNorm, its FunctionProto attached (inlined by ORT)
@@ -137,62 +137,6 @@ def missing_translations() -> dict:
         return op.Cast(op.ReduceMin(op.Cast(self, to=ir.DataType.INT32), keepdims=0), to=ir.DataType.BOOL)
 
     return {torch.ops.aten._is_all_true.default: is_all_true}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# lowering placeholders to the target's ops
-
-
-def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
-    a = node.attributes.get(name)
-    return a.value if a is not None else default
-
-
-def _replace(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
-    ir.convenience.replace_nodes_and_values(graph, old, [old], [new], old.outputs[:1], new.outputs[:1])
-
-
-def lower_norm_ops(model: ir.Model, target: str, opset: int) -> dict[str, int]:
-    """Turn normconv placeholders into the target's ops in place; returns counts of what each became."""
-    made: dict[str, int] = {}
-    kept: set[str] = set()
-    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):  # If / Loop bodies too
-        if node.domain != DOMAIN:
-            continue
-        eps = float(_attr(node, "epsilon", 1e-5))
-        new = None
-        if node.op_type == "RMSNorm":
-            axis = int(_attr(node, "axes")[0])
-            attrs = {"axis": axis, "epsilon": eps, "stash_type": 1}
-            if target == "ort":
-                # rms_norm, --target ort  =>  SimplifiedLayerNormalization (onnxruntime kernel, any opset)
-                new = ir.Node("", "SimplifiedLayerNormalization", node.inputs[:2],
-                              ir.convenience.convert_attributes(attrs), num_outputs=1)
-            elif opset >= 23:
-                # rms_norm, opset >= 23  =>  RMSNormalization
-                new = ir.Node("", "RMSNormalization", node.inputs[:2], ir.convenience.convert_attributes(attrs),
-                              num_outputs=1)
-        elif node.op_type == "GroupNorm" and opset >= 21:
-            # group_norm, opset >= 21  =>  GroupNormalization (per-channel affine)
-            attrs = {"num_groups": int(_attr(node, "num_groups")), "epsilon": eps, "stash_type": 1}
-            new = ir.Node("", "GroupNormalization", node.inputs[:3], ir.convenience.convert_attributes(attrs),
-                          num_outputs=1)
-        if new is None:
-            # no standard op at this opset  =>  keep normconv.<op>, attach its function body
-            kept.add(node.op_type)
-            made[f"{DOMAIN}.{node.op_type}"] = made.get(f"{DOMAIN}.{node.op_type}", 0) + 1
-            continue
-        made[new.op_type] = made.get(new.op_type, 0) + 1
-        _replace(node.graph, node, new)
-    default_opset = model.opset_imports.get("", opset)
-    for op_type in sorted(kept):
-        fn = ir.serde.deserialize_function(function_proto(op_type, default_opset))
-        model.functions[fn.identifier()] = fn
-    if kept:
-        model.opset_imports[DOMAIN] = 1
-    else:
-        model.opset_imports.pop(DOMAIN, None)
-    return made
 
 
 # ---------------------------------------------------------------------------------------------------------
