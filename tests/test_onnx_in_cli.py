@@ -66,8 +66,8 @@ def test_bad_inputs_exit_2_in_one_line(cli, tmp_path):
     assert code == 2 and "refusing to overwrite the input" in err
     code, _, err = cli("swap", src)
     assert code == 2 and "inspect, fold and export read ONNX files" in err
-    code, _, err = cli("export", src, "-o", tmp_path / "o.onnx", "--dtype", "float16")
-    assert code == 2 and "not supported yet" in err
+    code, _, err = cli("export", src, "-o", tmp_path / "o.onnx", "--dtype", "bfloat16")
+    assert code == 2 and "normconv writes float16" in err
 
 
 def test_not_verified_exits_1_and_writes_nothing(cli, tmp_path):

@@ -167,3 +167,51 @@ def test_validation_failure_writes_nothing(tmp_path):
     with pytest.raises(VerificationError):
         onnx_in.run(src, "export", str(tmp_path / "out.onnx"), target="onnx", atol=0.0, rtol=0.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
+
+
+@pytest.mark.parametrize("keep", ["none", "all"])
+def test_float16_keeps_the_interface_and_float32_statistics(tmp_path, keep):
+    report, ops = _run(tmp_path, G.layernorm_torch(17), dtype="float16", keep_fp32=keep)
+    m = onnx.load(str(tmp_path / "out.onnx"))
+    assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # the interface as declared
+    assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    ln = next(n for n in m.graph.node if n.op_type == "LayerNormalization")
+    assert onnx.helper.get_attribute_value(next(a for a in ln.attribute if a.name == "stash_type")) == 1
+    cast = next(n for n in m.graph.node if ln.input[0] in n.output)
+    # none: the LayerNormalization reads float16 (its statistics in float32); all: float32 between Casts
+    assert cast.op_type == "Cast" and onnx.helper.get_attribute_value(cast.attribute[0]) == (
+        onnx.TensorProto.FLOAT16 if keep == "none" else onnx.TensorProto.FLOAT)
+    assert report.extra["dtype"] == "float16" and len(report.extra["float32_nodes"]) == (keep == "all")
+
+
+def test_float16_auto_keeps_unfused_statistics_in_float32(tmp_path):
+    """What no rule fused (an L2 norm's Σx², a magnitude's squares and roots) overflows float16 past |x| = 256:
+    auto keeps those nodes in float32 between Casts, none keeps nothing (asserted on the graph: onnxruntime's CPU
+    kernels reduce float16 in float32, so its outputs would not show the overflow)."""
+    report, _ = _run(tmp_path, G.l2_and_magnitude(), dtype="float16", keep_fp32="auto")
+    kept = report.extra["float32_nodes"]
+    assert len(kept) == 6  # Mul(x, x), ReduceSum, Sqrt; Pow, Pow, Sqrt
+    report, _ = _run(tmp_path, G.l2_and_magnitude(), dtype="float16", keep_fp32="none")
+    assert report.extra["float32_nodes"] == []
+
+
+def test_float16_auto_keeps_a_weight_beyond_its_range_in_float32():
+    """A BN with a tiny running variance folds into conv weights beyond 65504: auto keeps that conv in float32."""
+    import onnx_ir as ir
+
+    from normconv.onnx.passes.half import HalfPrecision
+
+    proto = G.conv_bn()
+    var = next(i for i in proto.graph.initializer if i.name == "bn_v")
+    var.CopyFrom(onnx.numpy_helper.from_array(np.full(8, 1e-14, np.float32), "bn_v"))
+    next(i for i in proto.graph.initializer if i.name == "w").CopyFrom(
+        onnx.numpy_helper.from_array(np.full((8, 4, 3, 3), 0.5, np.float32), "w"))
+    next(a for n in proto.graph.node if n.op_type == "BatchNormalization" for a in n.attribute
+         if a.name == "epsilon").f = 1e-14
+    model, report, _ = onnx_in.plan(onnx_in.Source(onnx_in.Path("x.onnx"), proto), "fold")
+    assert report.extra["folded_batchnorm"] == 1
+    half = HalfPrecision("auto")
+    out = half(model).model
+    assert half.kept == [next(n.name for n in model.graph if n.op_type == "Conv")]
+    conv = next(n for n in out.graph if n.op_type == "Conv")
+    assert conv.inputs[1].dtype == ir.DataType.FLOAT  # the folded weight stays float32

@@ -65,11 +65,8 @@ def register(app: typer.Typer) -> None:
         from normconv.onnx.validate import parse_providers
 
         if onnx_in.is_onnx(model):  # an ONNX file: fold + fuse, validated against the file given
-            if dtype is not None:
-                raise NormconvError("--dtype with an .onnx input is not supported yet: export the float32 file, "
-                                    "or export from the PyTorch model with --dtype")
-            emit(onnx_in.run(model, "export", output, target, opset, input_shape=input_shape, atol=atol, rtol=rtol),
-                 as_json)
+            emit(onnx_in.run(model, "export", output, target, opset, input_shape=input_shape, atol=atol, rtol=rtol,
+                             dtype=dtype, keep_fp32=keep_fp32), as_json)
             return
         opset = DEFAULT_OPSET if opset is None else opset
 

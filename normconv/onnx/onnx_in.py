@@ -26,6 +26,7 @@ import onnx_ir as ir
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.onnx import parity
 from normconv.onnx.passes.convert import ConvertOpset
+from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
 from normconv.onnx.rules import batchnorm, fold_rules, fuse_rules
@@ -217,11 +218,26 @@ def _guard_output(src: Source, out: Path) -> Path:
 
 
 def run(spec: str, command: str, output: str | None, target: str = "ort", opset: int | None = None,
-        input_shape: list[str] | None = None, atol: float | None = None, rtol: float | None = None) -> Report:
-    """``normconv fold|export IN.onnx -o OUT.onnx`` (and ``inspect IN.onnx`` with output None)."""
+        input_shape: list[str] | None = None, atol: float | None = None, rtol: float | None = None,
+        dtype: str | None = None, keep_fp32: str = "auto") -> Report:
+    """``normconv fold|export IN.onnx -o OUT.onnx`` (and ``inspect IN.onnx`` with output None); ``dtype``
+    "float16": the output in half precision (passes/half.py), validated against the float32 input."""
+    if dtype not in (None, "float32", "float16"):
+        raise NormconvError(f"--dtype {dtype} with an .onnx input: normconv writes float16 (or float32) ONNX files")
+    if keep_fp32 not in HALF_KEEP:
+        raise NormconvError(f"unknown --keep-fp32 {keep_fp32!r}; choose auto, none or all")
     src = load(spec)
     out = _guard_output(src, Path(output)) if output is not None else None
     model, report, converted = plan(src, command, target, opset)
+    if dtype == "float16":
+        half = HalfPrecision(keep_fp32)
+        model = half(model).model
+        report.extra.update({"dtype": "float16", "keep_fp32": keep_fp32, "float32_nodes": half.kept})
+        report.notes.append(f"float16: {len(half.kept)} node(s) kept in float32 (--keep-fp32 {keep_fp32}); fused "
+                            f"norms compute their statistics in float32; inputs and outputs keep their types")
+        atol = 1e-2 if atol is None else atol
+        rtol = 1e-2 if rtol is None else rtol
+        report.after = op_counts(model)
     if command == "inspect":
         report.sites = [s.__class__(s.pass_name, s.target, s.applied, ("would be " if s.applied else "") + s.reason,
                                     s.code) for s in report.sites]
