@@ -184,3 +184,23 @@ def test_silero_stft_magnitude_is_not_a_norm(cli, tmp_path, real_files):
     r = _json(out)
     assert [s["code"] for s in r["sites"]] == ["elementwise-magnitude"] * 2 and not r["extra"]["fused"]
     assert r["extra"]["validated_sizes"][0] != r["extra"]["validated_sizes"][1]
+
+
+def test_external_data_in_external_data_out(tmp_path):
+    """A file whose weights live in an external .data file (as every file past protobuf's 2 GB does): OUT keeps the
+    layout (its own sidecar), IN's sidecar is never written, and an -o whose sidecar would be IN's is refused."""
+    from normconv.errors import NormconvError
+    from normconv.onnx import onnx_in
+
+    (tmp_path / "in").mkdir()
+    src = tmp_path / "in" / "m.onnx"
+    onnx.save_model(G.conv_bn(), str(src), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    data = (tmp_path / "in" / "m.onnx.data").read_bytes()
+    r = onnx_in.run(str(src), "fold", str(tmp_path / "out.onnx"))
+    assert r.passed and r.extra["external_data"] == "out.onnx.data" and (tmp_path / "out.onnx.data").is_file()
+    assert (tmp_path / "in" / "m.onnx.data").read_bytes() == data
+    assert "BatchNormalization" not in _ops(tmp_path / "out.onnx")
+    onnx.save_model(G.conv_bn(), str(tmp_path / "in" / "o2.onnx"), save_as_external_data=True,
+                    location="x.onnx.data", size_threshold=0)
+    with pytest.raises(NormconvError, match="external data"):  # x.onnx's sidecar would be x.onnx.data: IN's
+        onnx_in.run(str(tmp_path / "in" / "o2.onnx"), "fold", str(tmp_path / "in" / "x.onnx"))
