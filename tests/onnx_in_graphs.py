@@ -177,6 +177,19 @@ def layernorm_in_if(opset=17, d=16):
                  [h.make_tensor_value_info("out", T.FLOAT, ["batch", "seq", d])], [], opset)
 
 
+def layernorm_in_function(opset=17, d=16):
+    """A LayerNorm inside a model-local ONNX function (its constants as Constant nodes: functions hold no
+    initializers), called once."""
+    inner = layernorm_torch(opset, d, affine=False)
+    consts = [h.make_node("Constant", [], [i.name], value=i) for i in inner.graph.initializer]
+    fn = h.make_function("local", "MyLN", ["x"], ["y"], consts + list(inner.graph.node), [h.make_opsetid("", opset)])
+    g = h.make_graph([h.make_node("MyLN", ["x"], ["y"], domain="local")], "g",
+                     [h.make_tensor_value_info("x", T.FLOAT, ["batch", "seq", d])],
+                     [h.make_tensor_value_info("y", T.FLOAT, ["batch", "seq", d])])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", opset), h.make_opsetid("local", 1)], functions=[fn],
+                        producer_name="hand-built")
+
+
 def save(proto: onnx.ModelProto, path) -> str:
     onnx.save(proto, str(path))
     return str(path)

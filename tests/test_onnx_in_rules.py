@@ -144,6 +144,15 @@ def test_layernorm_inside_an_if_branch(tmp_path):
     assert ops["LayerNormalization"] == 1 and not ops["ReduceMean"]
 
 
+def test_layernorm_inside_an_onnx_function(tmp_path):
+    """The function body takes its one call's types, so the rule reads ranks and sizes there too."""
+    report, _ = _run(tmp_path, G.layernorm_in_function(17))
+    fn = onnx.load(str(tmp_path / "out.onnx")).functions[0]
+    ops = collections.Counter(n.op_type for n in fn.node)
+    assert ops["LayerNormalization"] == 1 and not ops["ReduceMean"] and not ops["Sqrt"]
+    assert _codes(report) == {"fused-layernorm": 1}
+
+
 def test_layernorm_read_inside_is_refused_with_a_code(tmp_path):
     """The variance is also a model output: fusing would drop it, so the site stays, listed with its code."""
     proto = G.layernorm_torch(17)

@@ -26,6 +26,7 @@ import onnx_ir as ir
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.onnx import parity
 from normconv.onnx.passes.convert import ConvertOpset
+from normconv.onnx.passes.function_types import TypeFunctionBodies
 from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
@@ -89,14 +90,23 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
         with _quiet():
             inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=True)
         if inferred is not None:
-            return ir.serde.deserialize_model(inferred)
+            return _typed_functions(ir.serde.deserialize_model(inferred))
     except Exception:  # noqa: BLE001 - an op it does not know: onnx's inference below
         pass
     try:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:  # noqa: BLE001 - past 2 GB or an op onnx does not know: rules see the declared shapes
         pass
-    return ir.serde.deserialize_model(proto)
+    return _typed_functions(ir.serde.deserialize_model(proto))
+
+
+def _typed_functions(model: ir.Model) -> ir.Model:
+    import onnxscript.optimizer
+
+    for fn in model.functions.values():  # Constant nodes' values, for per-node inference and the rules
+        onnxscript.optimizer.basic_constant_propagation(fn)
+    TypeFunctionBodies()(model)
+    return model
 
 
 def _quiet():

@@ -114,7 +114,7 @@ class LayerNormFusion(NormRule):
         W = LayerNormWhy
         self._anchor = context.root
         if x.dtype not in FLOATS:
-            return self.refuse(context, W.NOT_FLOAT, f"input is {x.dtype}, not a float type", x)
+            return self.refuse(context, W.NOT_FLOAT, f"input is {x.dtype or 'of an unknown type'}, not a float type", x)
         m = mean_of(mean)
         if (one is not None and scalar(one) != 1.0) or m is None:
             return MatchResult().fail("not (x − E[·]) / sqrt(·)")  # not LayerNorm-shaped at all: no site

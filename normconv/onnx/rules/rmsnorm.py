@@ -47,7 +47,7 @@ class RmsNormFusion(NormRule):
         W = RmsNormWhy
         self._anchor = context.root
         if x.dtype not in FLOATS:
-            return self.refuse(context, W.NOT_FLOAT, f"input is {x.dtype}, not a float type", x)
+            return self.refuse(context, W.NOT_FLOAT, f"input is {x.dtype or 'of an unknown type'}, not a float type", x)
         m = mean_of(ms)
         if (one is not None and scalar(one) != 1.0) or m is None or square_of(m.source) is None:
             return MatchResult().fail("not x / sqrt(E[·²] + ε)")  # not RMS-shaped at all: no site
