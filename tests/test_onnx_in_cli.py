@@ -204,3 +204,17 @@ def test_external_data_in_external_data_out(tmp_path):
                     location="x.onnx.data", size_threshold=0)
     with pytest.raises(NormconvError, match="external data"):  # x.onnx's sidecar would be x.onnx.data: IN's
         onnx_in.run(str(tmp_path / "in" / "o2.onnx"), "fold", str(tmp_path / "in" / "x.onnx"))
+
+
+def test_silero_spox_file_unnamed_dims_that_must_agree(cli, tmp_path, real_files):
+    """spox's silero_vad.onnx declares every dynamic dimension unnamed (0): the input's batch (axis 0) and the
+    state's (axis 1) must agree, and the model takes 512 samples a chunk. Both batch dimensions run at 1 and 2
+    together; the sample dimension at the one size it accepts, said in a note."""
+    src = _real(real_files, "silero_vad.onnx")
+    code, out, err = cli("export", src, "-o", tmp_path / "o.onnx", "--json", "--target", "onnx")
+    assert code == 0, err
+    r = _json(out)
+    sizes = r["extra"]["validated_sizes"]
+    assert [s["('input', 0)"] for s in sizes] == [1, 2] and [s["('state', 1)"] for s in sizes] == [1, 2]
+    assert [s["code"] for s in r["sites"]] == ["elementwise-magnitude"] * 2
+    assert any("one size only" in n for n in r["notes"])

@@ -177,6 +177,21 @@ def plan_sizes(path: str, specs: list[Spec]) -> Plan:
         if _runs(sess, specs, trial):
             base = trial
             break
+    if base is None and len(keys) <= 6:
+        # unnamed dimensions that must agree across inputs (a batch at axis 1 of a state): try each set of them
+        # at the batch size, the rest at each candidate, until the file runs
+        import itertools
+
+        tries = 0
+        for a, _ in PAIRS:
+            for batch in itertools.product((True, False), repeat=len(keys)):
+                tries += 1
+                trial = {k: BATCH_SIZES[0] if b else a for k, b in zip(keys, batch)}
+                if tries <= 256 and _runs(sess, specs, trial):
+                    first, base = {k for k, b in zip(keys, batch) if b}, trial
+                    break
+            if base is not None:
+                break
     if base is None:
         raise NormconvError(f"{path} runs at none of the sizes tried for its dynamic dimensions "
                             f"({', '.join(map(str, keys))})", hint="give each input's shape with -i NAME:D0,D1,...")
@@ -184,9 +199,11 @@ def plan_sizes(path: str, specs: list[Spec]) -> Plan:
     second = {k: (BATCH_SIZES[1] if k in first else pair[base[k]]) for k in keys}
     if not _runs(sess, specs, second):
         second = dict(base)
-        for k in keys:
-            trial = dict(second, **{k: BATCH_SIZES[1] if k in first else pair[base[k]]})
-            if _runs(sess, specs, trial):
+        # the batch dimensions together (inputs must agree on them), then each other dimension alone
+        for group in [[k for k in keys if k in first]] + [[k] for k in keys if k not in first]:
+            trial = dict(second)
+            trial.update({k: BATCH_SIZES[1] if k in first else pair[base[k]] for k in group})
+            if group and _runs(sess, specs, trial):
                 second = trial
         fixed = [str(k) for k in keys if second[k] == base[k]]
         if fixed:
