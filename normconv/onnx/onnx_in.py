@@ -173,8 +173,10 @@ def plan(src: Source, command: str, target: str = "ort", opset: int | None = Non
     if want > src.opset:
         model = to_ir(ir.serde.serialize_model(ConvertOpset(want)(model).model))
         converted = src.opset
-        report.notes.append(f"converted from opset {src.opset} to {want} (onnx.version_converter) for "
-                            f"LayerNormalization; the converted file is validated against the input before fusing")
+        report.notes.append(
+            f"{'export would convert' if command == 'inspect' else 'converted'} the file from opset {src.opset} to "
+            f"{want} (onnx.version_converter) for LayerNormalization; the converted file is validated against the "
+            f"input before fusing")
     model, log, lowered = _rewrite(model, jobs, target)
     for kind, site in log.sites():
         report.sites.append(site)
