@@ -49,6 +49,9 @@ RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relat
 
 def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[list[str]], trust_pickle: bool,
                     dtype: Optional[str], trust_remote_code: bool = False) -> Loaded:
+    if model.lower().endswith(".onnx"):  # inspect, fold and export dispatch ONNX files before they get here
+        raise NormconvError(f"{model} is an ONNX file: normconv inspect, fold and export read ONNX files; this "
+                            f"command rewrites PyTorch models (give it the model the file was exported from)")
     loaded = load(model, weights=weights, input_shapes=input_shape, trust_pickle=trust_pickle, dtype=dtype,
                   trust_remote_code=trust_remote_code)
     loaded.disposable = True  # loaded here from a file, seen by no one else: rewrites need not copy what they change

@@ -22,7 +22,9 @@ def register(app: typer.Typer) -> None:
         target: Annotated[str, typer.Option(help="ort (default): onnxruntime's fused ops (SimplifiedLayerNormalization "
                                                  "for RMSNorm, the fastest measured there); onnx: standard ops only "
                                                  "(RMSNormalization at opset 23, a portable function op below)")] = DEFAULT_TARGET,
-        opset: Annotated[int, typer.Option(help="ONNX opset, 17 to 23")] = DEFAULT_OPSET,
+        opset: Annotated[Optional[int], typer.Option(
+            help=f"ONNX opset, 17 to 23 (default {DEFAULT_OPSET}; an .onnx input keeps its own, raised to 17 "
+                 f"where a LayerNormalization needs it)")] = None,
         dynamic: Annotated[bool, typer.Option("--dynamic", help="dynamic batch and sequence axes where the "
                                                                 "model allows them")] = False,
         no_fold: Annotated[bool, typer.Option("--no-fold", help="do not fold BatchNorm before export")] = False,
@@ -58,8 +60,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export to ONNX with every norm as one fused op; validate in onnxruntime (exit 1, no file, if it fails)."""
         from normconv.commands.export import export as run
+        from normconv.onnx import onnx_in
         from normconv.onnx.export import check_args
         from normconv.onnx.validate import parse_providers
+
+        if onnx_in.is_onnx(model):  # an ONNX file: fold + fuse, validated against the file given
+            emit(onnx_in.run(model, "export", output, target, opset, input_shape=input_shape, atol=atol, rtol=rtol,
+                             dtype=dtype, keep_fp32=keep_fp32), as_json)
+            return
+        opset = DEFAULT_OPSET if opset is None else opset
 
         providers = parse_providers(validate)
         dim_names = {}

@@ -38,7 +38,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
         from normconv.commands.fold import fold as run
+        from normconv.onnx import onnx_in
 
+        if onnx_in.is_onnx(model):  # an ONNX file in, an ONNX file out, validated in onnxruntime
+            emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol), as_json)
+            return
         if stream:
             from normconv.stream import fold as streaming
 

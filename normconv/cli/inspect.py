@@ -36,6 +36,11 @@ def register(app: typer.Typer) -> None:
         from normconv.commands.inspect import inspect as run
         from normconv.graph.headroom import HALF_DTYPES
         from normconv.io.inputs import load_calibration
+        from normconv.onnx import onnx_in
+
+        if onnx_in.is_onnx(model):  # an ONNX file: what fold and export would do at each site
+            emit(onnx_in.run(model, "inspect", None, input_shape=input_shape), as_json)
+            return
 
         if capture not in CAPTURES:
             raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")

@@ -11,7 +11,9 @@
 
 Flow (normconv.commands.export runs the first step through the engine, as every command does; this module the rest):
 canonicalize + fold (exact, verified against torch) -> torch.onnx.export (dynamo) with normconv's
-translations (onnx.ops) -> lower placeholders for the target -> skip fusion (onnx_fuse, --target ort)
+translations (onnx.ops) -> the ONNX half an .onnx file goes through too (passes/: repair the down-conversion, the
+LayerNorm / RMSNorm rules for norms written inline, lower placeholders for the target) -> skip fusion
+(rules/skipnorm, --target ort)
 -> write into a temp folder -> onnx.checker where the ops allow -> onnxruntime validation (onnx_validate)
 -> rename into place. Any failure leaves no file under the requested name.
 """
@@ -274,8 +276,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
     in both cases nothing is left under ``out``.
 
-    ``fuse_inline``: RMSNorms and LayerNorms written inside bigger modules are matched in the ONNX graph
-    (fuse_inline.py).
+    ``fuse_inline``: RMSNorms and LayerNorms written inside bigger modules are matched in the ONNX graph by the
+    same rules an ONNX file goes through (rules/layernorm.py, rules/rmsnorm.py).
 
     ``skip_fusion`` (with target "ort") fuses residual add + norm into com.microsoft Skip*LayerNormalization.
     It is off by default because onnxruntime 1.31's CPU kernels for those ops measured 4.5-8x (LayerNorm) and
@@ -283,9 +285,11 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     """
     import onnx_ir as ir
 
-    from normconv.onnx.fuse import fuse_skip_norms
-    from normconv.onnx.fuse_inline import fuse_inline_layernorm, fuse_inline_rms
-    from normconv.onnx.ops import lower_norm_ops, repair_downconverted
+    from normconv.onnx.passes.lower import LowerNorms
+    from normconv.onnx.passes.repair import RepairDownconverted
+    from normconv.onnx.passes.rewrite import RulesPass
+    from normconv.onnx.rules import inline_rules, skipnorm
+    from normconv.onnx.rules.base import SiteLog
     from normconv.onnx.validate import validate as ort_validate
 
     extra = report.extra
@@ -295,15 +299,19 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
 
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported)
     onnx_model = program.model
-    repair_downconverted(onnx_model)
-    # norms written inside bigger modules (not replaced in torch) are matched in the ONNX graph instead
-    # LayerNorms first: (x - mean) / sqrt(mean((x - mean)^2) + eps) also reads as an RMSNorm of x - mean
-    extra["inline_fused"] = fuse_inline_layernorm(onnx_model) + fuse_inline_rms(onnx_model) if fuse_inline else 0
-    extra["lowered"] = lower_norm_ops(onnx_model, target, opset)
-    if target == "ort" and skip_fusion:
-        for name, fused, reason in fuse_skip_norms(onnx_model):
-            report.sites.append(Site(NAME + ":skip-fusion", name, fused, reason,
-                                     ExportWhy.SKIP_FUSED if fused else ExportWhy.ADD_UNFUSED))
+    # the ONNX half, one pass set with ONNX files in: repair the down-conversion, match the norms written inside
+    # bigger modules (not replaced in torch) in the ONNX graph, lower normconv's placeholders for the target
+    log, lower = SiteLog(), LowerNorms(target)
+    inline = [RulesPass(inline_rules(log), log, "inline")] if fuse_inline else []
+    ir.passes.PassManager([RepairDownconverted(), *inline, lower])(onnx_model)
+    extra["inline_fused"] = sum(1 for _, s in log.sites() if s.applied)
+    extra["lowered"] = lower.made
+    if target == "ort" and skip_fusion:  # residual add -> norm  =>  one Skip*LayerNormalization (rules/skipnorm)
+        skip_log, exposed = SiteLog(), []
+        ir.passes.PassManager([RulesPass(skipnorm.rules(skip_log, exposed, NAME + ":skip-fusion"), skip_log,
+                                         "skip-fusion")])(onnx_model)
+        skipnorm.expose_sums(onnx_model, exposed)
+        report.sites.extend(site for _, site in skip_log.sites())
     elif target == "ort" and any(s.code == ExportWhy.ADD_UNFUSED for s in report.sites):
         report.notes.append("residual add + norm left unfused: onnxruntime CPU Skip*LayerNormalization measured "
                             "slower than Add + norm (--device cuda, where it is faster, or --skip-fusion fuses them); onnxruntime's "
@@ -422,9 +430,9 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     except NormconvError as exc:
         report.notes.append(f"plain torch.onnx.export failed, no baseline: {exc}")
         return
-    from normconv.onnx.ops import repair_downconverted
+    from normconv.onnx.passes.repair import RepairDownconverted
 
-    repair_downconverted(plain.model)  # the same down-conversion fix, or plain opset-17 exports do not load
+    RepairDownconverted()(plain.model)  # the same down-conversion fix, or plain opset-17 exports do not load
     report.before = op_counts(plain.model)
     report.extra["baseline_fused_norm_ops"] = fused_norms(plain.model)
     path = tmpdir / "baseline.onnx"

@@ -8,7 +8,7 @@ each as one node instead:
      (built from a hand-written ``onnx.defs.OpSchema``; the recorder needs one):
        rms_norm(x, shape, w, eps)          -> normconv.RMSNorm(x, w; axes=[-k..-1], epsilon)
        group_norm(x, G, w, b, eps)         -> normconv.GroupNorm(x, w, b; num_groups=G, epsilon)
-  2. lower (``lower_norm_ops``) on the exported onnx_ir model:
+  2. lower (``passes/lower.py``, with the rules of ``rules/lower.py``) on the exported onnx_ir model:
        RMSNorm, target ort                 -> SimplifiedLayerNormalization (default domain, ORT kernel)
        RMSNorm, target onnx, opset >= 23   -> RMSNormalization
        RMSNorm, target onnx, opset < 23    -> stays normconv.RMSNorm, its FunctionProto attached (inlined by ORT)
@@ -131,62 +131,6 @@ def missing_translations() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# lowering placeholders to the target's ops
-
-
-def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
-    a = node.attributes.get(name)
-    return a.value if a is not None else default
-
-
-def _replace(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
-    ir.convenience.replace_nodes_and_values(graph, old, [old], [new], old.outputs[:1], new.outputs[:1])
-
-
-def lower_norm_ops(model: ir.Model, target: str, opset: int) -> dict[str, int]:
-    """Turn normconv placeholders into the target's ops in place; returns counts of what each became."""
-    made: dict[str, int] = {}
-    kept: set[str] = set()
-    for node in list(model.graph):
-        if node.domain != DOMAIN:
-            continue
-        eps = float(_attr(node, "epsilon", 1e-5))
-        new = None
-        if node.op_type == "RMSNorm":
-            axis = int(_attr(node, "axes")[0])
-            attrs = {"axis": axis, "epsilon": eps, "stash_type": 1}
-            if target == "ort":
-                # rms_norm, --target ort  =>  SimplifiedLayerNormalization (onnxruntime kernel, any opset)
-                new = ir.Node("", "SimplifiedLayerNormalization", node.inputs[:2],
-                              ir.convenience.convert_attributes(attrs), num_outputs=1)
-            elif opset >= 23:
-                # rms_norm, opset >= 23  =>  RMSNormalization
-                new = ir.Node("", "RMSNormalization", node.inputs[:2], ir.convenience.convert_attributes(attrs),
-                              num_outputs=1)
-        elif node.op_type == "GroupNorm" and opset >= 21:
-            # group_norm, opset >= 21  =>  GroupNormalization (per-channel affine)
-            attrs = {"num_groups": int(_attr(node, "num_groups")), "epsilon": eps, "stash_type": 1}
-            new = ir.Node("", "GroupNormalization", node.inputs[:3], ir.convenience.convert_attributes(attrs),
-                          num_outputs=1)
-        if new is None:
-            # no standard op at this opset  =>  keep normconv.<op>, attach its function body
-            kept.add(node.op_type)
-            made[f"{DOMAIN}.{node.op_type}"] = made.get(f"{DOMAIN}.{node.op_type}", 0) + 1
-            continue
-        made[new.op_type] = made.get(new.op_type, 0) + 1
-        _replace(model.graph, node, new)
-    default_opset = model.opset_imports.get("", opset)
-    for op_type in sorted(kept):
-        fn = ir.serde.deserialize_function(function_proto(op_type, default_opset))
-        model.functions[fn.identifier()] = fn
-    if kept:
-        model.opset_imports[DOMAIN] = 1
-    else:
-        model.opset_imports.pop(DOMAIN, None)
-    return made
-
-
-# ---------------------------------------------------------------------------------------------------------
 # function bodies
 
 
@@ -262,57 +206,3 @@ def _group_norm_function(opset: int) -> onnx.FunctionProto:
     return helper.make_function(DOMAIN, "GroupNorm", ["X", "scale", "bias"], ["Y"], nodes,
                                 [helper.make_opsetid("", opset)], attributes=["num_groups", "epsilon"],
                                 doc_string="GroupNorm with per-channel scale and bias (GroupNormalization-21 semantics)")
-
-
-# reductions that took ``axes`` as an input (and gained ``noop_with_empty_axes``) at opset 18
-_REDUCE_18 = ("ReduceMax", "ReduceMin", "ReduceMean", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
-              "ReduceLogSumExp", "ReduceSumSquare")
-
-
-def repair_downconverted(model: ir.Model) -> list[str]:
-    """Fix what torch's down-conversion to opset 17 leaves behind.
-
-    Split-13 takes the sizes as an input; with a static axis length they are known:
-      Split(x; num_outputs=n)  =>  Split(x, [ceil(L/n)] * (n-1) + [rest])
-    Reduce*-13 (but ReduceSum) take ``axes`` as an attribute and have no ``noop_with_empty_axes`` (T5's fp16
-    ``isinf(x).any()`` came down as ReduceMax with it):
-      ReduceX(x, [axes]; noop_with_empty_axes=0)  =>  ReduceX(x; axes=axes)      (no axes: every axis, as before)
-    """
-    fixed = []
-    if model.opset_imports.get("", 18) >= 18:
-        return fixed
-    for node in list(model.graph):
-        if node.op_type in _REDUCE_18 and node.domain in ("", "ai.onnx") and (
-                "noop_with_empty_axes" in node.attributes or len(node.inputs) > 1):
-            noop = int(node.attributes["noop_with_empty_axes"].value) if "noop_with_empty_axes" in node.attributes else 0
-            axes = node.inputs[1] if len(node.inputs) > 1 else None
-            if axes is not None and axes.const_value is None:
-                continue  # dynamic axes have no opset-13 form; the checker reports it
-            if noop and axes is None:
-                continue  # an identity by definition; left for the checker
-            node.attributes.pop("noop_with_empty_axes", None)
-            if axes is not None:
-                node.attributes["axes"] = ir.AttrInt64s("axes", [int(a) for a in axes.const_value.numpy().ravel()])
-                node.resize_inputs(1)
-            fixed.append(node.name)
-            continue
-        if node.op_type != "Split" or node.domain not in ("", "ai.onnx") or "num_outputs" not in node.attributes:
-            continue
-        n = int(node.attributes["num_outputs"].value)
-        axis = int(node.attributes["axis"].value) if "axis" in node.attributes else 0
-        shape = node.inputs[0].shape
-        length = shape[axis] if shape is not None else None
-        if not isinstance(length, int):
-            continue  # left as is; the checker reports it
-        chunk = -(-length // n)
-        sizes = [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
-        if len(sizes) != n:
-            continue
-        const = ir.Value(name=f"{node.name or 'split'}_sizes", const_value=ir.tensor(np.array(sizes, dtype=np.int64)))
-        const.shape, const.type = ir.Shape([n]), ir.TensorType(ir.DataType.INT64)
-        model.graph.register_initializer(const)
-        node.attributes.pop("num_outputs")
-        node.resize_inputs(2)
-        node.replace_input_with(1, const)
-        fixed.append(node.name)
-    return fixed

@@ -1,0 +1,312 @@
+"""ONNX in, ONNX out: fold and fuse the norms of a model users only have as an .onnx file, validated against it.
+
+  load IN (external data kept apart) -> shapes inferred -> [opset converted if a fused op needs it; the converted
+  model validated against IN] -> fold (rules/batchnorm) -> fuse (rules/layernorm, rmsnorm, groupnorm) -> lower
+  the placeholders for the target (passes/lower) -> norm-like code listed -> write into a temp folder next to OUT
+  -> onnx.checker (full_check, --target onnx) -> onnxruntime: OUT against IN at two sizes of every dynamic
+  dimension, optimizations disabled and default (parity.py) -> rename into place.
+
+Promises: IN (and its external data) is never written; nothing is written unless validated; every site is listed
+with what was done there or why not; the input's names, dynamic dimensions, metadata, producer and external data
+layout are kept. ``inspect`` runs the same plan without writing.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from normconv.errors import Code, NormconvError, VerificationError
+from normconv.onnx import parity
+from normconv.onnx.passes.convert import ConvertOpset
+from normconv.onnx.passes.function_types import TypeFunctionBodies
+from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
+from normconv.onnx.passes.lower import LowerNorms
+from normconv.onnx.passes.rewrite import RulesPass
+from normconv.onnx.rules import batchnorm, fold_rules, fuse_rules
+from normconv.onnx.rules.base import SiteLog
+from normconv.onnx.rules.layernorm import OPSET as LN_OPSET, LayerNormWhy
+from normconv.onnx.rules.nearmiss import list_near_misses
+from normconv.report import Report
+
+EXTERNAL_DATA_BYTES = 2 * 1024 ** 3
+TARGETS = ("onnx", "ort")
+JOBS = {"fold": ("fold",), "export": ("fold", "fuse"), "inspect": ("fold", "fuse")}
+
+
+def is_onnx(spec: str) -> bool:
+    return str(spec).lower().endswith(".onnx")
+
+
+@dataclass
+class Source:
+    path: Path
+    proto: onnx.ModelProto
+    external: list[str] = field(default_factory=list)  # external data files IN reads (relative to its folder)
+
+    @property
+    def opset(self) -> int:
+        return next((o.version for o in self.proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def load(spec: str) -> Source:
+    """Read an .onnx file (and its external data) or say in one line why not."""
+    path = Path(spec)
+    if not path.is_file():
+        raise NormconvError(f"{spec}: no such file")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf's message is the reason
+        raise NormconvError(f"{spec} is not an ONNX file normconv can read ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else 'unparsable protobuf'})") from None
+    if not proto.graph.node and not proto.graph.output:
+        raise NormconvError(f"{spec} is not an ONNX model (no graph)")
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    external = sorted({next(e.value for e in t.external_data if e.key == "location")
+                       for t in _get_all_tensors(proto) if uses_external_data(t)})
+    if external:
+        try:
+            onnx.external_data_helper.load_external_data_for_model(proto, str(path.parent))
+        except Exception as exc:  # noqa: BLE001
+            raise NormconvError(f"{spec}: its external data cannot be read ({exc})") from None
+    return Source(path, proto, external)
+
+
+def to_ir(proto: onnx.ModelProto) -> ir.Model:
+    """The model in onnx-ir with inferred shapes (a rule reads ranks and static sizes): onnxruntime's symbolic
+    shape inference (it follows Shape -> Concat -> Reshape chains that onnx's own inference loses, as in
+    paddle2onnx files), else onnx's."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        with _quiet():
+            inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=True)
+        if inferred is not None:
+            return _typed_functions(ir.serde.deserialize_model(inferred))
+    except Exception:  # noqa: BLE001 - an op it does not know: onnx's inference below
+        pass
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # noqa: BLE001 - past 2 GB or an op onnx does not know: rules see the declared shapes
+        pass
+    return _typed_functions(ir.serde.deserialize_model(proto))
+
+
+def _typed_functions(model: ir.Model) -> ir.Model:
+    import onnxscript.optimizer
+
+    for fn in model.functions.values():  # Constant nodes' values, for per-node inference and the rules
+        onnxscript.optimizer.basic_constant_propagation(fn)
+    TypeFunctionBodies()(model)
+    return model
+
+
+def _quiet():
+    from normconv.quiet import quiet
+
+    return quiet(("onnxruntime",), stdout=True, stderr=True)
+
+
+def _as_written(proto: onnx.ModelProto, src: Source) -> onnx.ModelProto:
+    """The rewritten model with the input's interface: inferred value_info dropped, the graph inputs' and outputs'
+    types (names, dynamic dimensions) as the input declared them."""
+    del proto.graph.value_info[:]
+    declared = {v.name: v for v in list(src.proto.graph.input) + list(src.proto.graph.output)}
+    for v in list(proto.graph.input) + list(proto.graph.output):
+        if v.name in declared:
+            v.type.CopyFrom(declared[v.name].type)
+    proto.producer_name, proto.producer_version = src.proto.producer_name, src.proto.producer_version
+    return proto
+
+
+def op_counts(model: ir.Model) -> dict[str, int]:
+    c = collections.Counter((f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type)
+                            for n in batchnorm.all_nodes(model))
+    return dict(c.most_common())
+
+
+def _rewrite(model: ir.Model, jobs: tuple[str, ...], target: str) -> tuple[ir.Model, SiteLog, dict]:
+    """Run the job's passes on ``model`` in place; returns the model, the site log and what was lowered."""
+    log = SiteLog()
+    steps = []
+    if "fold" in jobs:
+        steps.append(RulesPass(fold_rules(log), log, "fold"))
+    lower = LowerNorms(target)
+    if "fuse" in jobs:
+        steps += [RulesPass(fuse_rules(log), log, "fuse"), lower]
+    ir.passes.PassManager(steps)(model)
+    batchnorm.standalone(model, log)
+    if "fuse" in jobs:
+        list_near_misses(list(batchnorm.all_nodes(model)), log)
+    return model, log, lower.made
+
+
+def _needs_opset(src: Source, jobs: tuple[str, ...], target: str) -> int:
+    """The opset the fused ops need: 17 where a LayerNorm was refused only for the file's opset."""
+    if "fuse" not in jobs or src.opset >= LN_OPSET:
+        return src.opset
+    _, log, _ = _rewrite(to_ir(src.proto), ("fuse",), target)
+    refused = [s for rows in log.rows.values() for _, s in rows if s.code == LayerNormWhy.OPSET_BELOW]
+    return LN_OPSET if refused else src.opset
+
+
+def plan(src: Source, command: str, target: str = "ort", opset: int | None = None) -> tuple[ir.Model, Report, int]:
+    """The rewritten model (in memory), its report without validation, and the opset it converted from (or 0)."""
+    if target not in TARGETS:
+        raise NormconvError(f"unknown --target {target!r}; choose onnx or ort")
+    jobs = JOBS[command]
+    want = max(opset or 0, _needs_opset(src, jobs, target))
+    if opset is not None and opset < src.opset:
+        raise NormconvError(f"--opset {opset} is below the file's opset {src.opset}: normconv converts up, not down")
+    model = to_ir(src.proto)
+    report = Report(command, str(src.path))
+    report.before = op_counts(model)
+    converted = 0
+    if want > src.opset:
+        model = to_ir(ir.serde.serialize_model(ConvertOpset(want)(model).model))
+        converted = src.opset
+        report.notes.append(
+            f"{'export would convert' if command == 'inspect' else 'converted'} the file from opset {src.opset} to "
+            f"{want} (onnx.version_converter) for LayerNormalization; the converted file is validated against the "
+            f"input before fusing")
+    model, log, lowered = _rewrite(model, jobs, target)
+    for kind, site in log.sites():
+        report.sites.append(site)
+    report.after = op_counts(model)
+    applied = collections.Counter(k for k, s in log.sites() if s.applied)
+    report.extra.update({"target": target, "opset_in": src.opset, "opset": model.opset_imports.get("", src.opset),
+                         "converted_from": converted or None, "folded_batchnorm": applied.get("batchnorm", 0),
+                         "fused": {k: v for k, v in applied.items() if k != "batchnorm"}, "lowered": lowered,
+                         "norm_like": sum(1 for k, _ in log.sites() if k == "norm-like"),
+                         "kinds": dict(collections.Counter(k for k, _ in log.sites()))})
+    return model, report, converted
+
+
+def _save(proto: onnx.ModelProto, path: Path, external: bool) -> None:
+    if external:
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(proto, str(path))
+
+
+def _check(path: Path, target: str, src: Source) -> tuple[bool, str]:
+    """onnx.checker (full_check) on OUT with --target onnx: (no new failure, what it said); a failure the input file
+    has too is not OUT's."""
+    if target != "onnx":
+        return True, "skipped: --target ort writes onnxruntime's ops (SimplifiedLayerNormalization, which the " \
+                     "checker rejects)"
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:  # noqa: BLE001
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        try:
+            onnx.checker.check_model(str(src.path), full_check=True)
+        except Exception:  # noqa: BLE001
+            return True, f"skipped: the input file itself fails onnx.checker ({why})"
+        return False, f"failed: {why}"
+    return True, "passed (full_check)"
+
+
+def _guard_output(src: Source, out: Path) -> Path:
+    from normconv.io.write import check_writable
+
+    if out.suffix.lower() != ".onnx":
+        raise NormconvError(f"output {out} must end with .onnx")
+    target = out.resolve()
+    if target == src.path.resolve():
+        raise NormconvError(f"refusing to overwrite the input {out}: choose another -o")
+    reads = {(src.path.parent / e).resolve() for e in src.external}
+    if target in reads or (target.parent / (out.name + ".data")).resolve() in reads:
+        raise NormconvError(f"refusing to write {out}: it or its external data would overwrite the input's "
+                            f"external data; choose another -o")
+    return check_writable(out)
+
+
+def run(spec: str, command: str, output: str | None, target: str = "ort", opset: int | None = None,
+        input_shape: list[str] | None = None, atol: float | None = None, rtol: float | None = None,
+        dtype: str | None = None, keep_fp32: str = "auto") -> Report:
+    """``normconv fold|export IN.onnx -o OUT.onnx`` (and ``inspect IN.onnx`` with output None); ``dtype``
+    "float16": the output in half precision (passes/half.py), validated against the float32 input."""
+    if dtype not in (None, "float32", "float16"):
+        raise NormconvError(f"--dtype {dtype} with an .onnx input: normconv writes float16 (or float32) ONNX files")
+    if keep_fp32 not in HALF_KEEP:
+        raise NormconvError(f"unknown --keep-fp32 {keep_fp32!r}; choose auto, none or all")
+    src = load(spec)
+    out = _guard_output(src, Path(output)) if output is not None else None
+    model, report, converted = plan(src, command, target, opset)
+    if dtype == "float16":
+        half = HalfPrecision(keep_fp32)
+        model = half(model).model
+        report.extra.update({"dtype": "float16", "keep_fp32": keep_fp32, "float32_nodes": half.kept})
+        report.notes.append(f"float16: {len(half.kept)} node(s) kept in float32 (--keep-fp32 {keep_fp32}); fused "
+                            f"norms compute their statistics in float32; inputs and outputs keep their types")
+        atol = 1e-2 if atol is None else atol
+        rtol = 1e-2 if rtol is None else rtol
+        report.after = op_counts(model)
+    if command == "inspect":
+        report.sites = [s.__class__(s.pass_name, s.target, s.applied, ("would be " if s.applied else "") + s.reason,
+                                    s.code) for s in report.sites]
+        return report
+    from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
+
+    where = out if out is not None else src.path
+    remove_stale_temps(where)
+    tmpdir = None
+    try:
+        tmpdir = Path(tempfile.mkdtemp(prefix=temp_name(where), suffix=TEMP_SUFFIX, dir=str(where.parent)))
+        specs = parity.specs(str(src.path), to_ir(src.proto), input_shape)
+        sizes = parity.plan_sizes(str(src.path), specs)
+        report.notes.extend(sizes.notes)
+        report.extra["validated_sizes"] = [{str(k): v for k, v in s.items()} for s in sizes.sizes]
+        if converted:
+            conv = tmpdir / "converted.onnx"
+            _save(ir.serde.serialize_model(ConvertOpset(report.extra["opset"])(to_ir(src.proto)).model), conv,
+                  bool(src.external))
+            checks = parity.compare_files(str(src.path), str(conv), sizes, atol, rtol, levels=("disabled",))
+            if not all(v.passed for v in checks):
+                report.validation.extend(checks)
+                raise VerificationError(f"{command}: the file converted to opset {report.extra['opset']} differs "
+                                        f"from the input; nothing written", report)
+            report.notes.append(f"opset conversion validated: max abs error "
+                                f"{max(v.max_abs_error for v in checks):.3g}")
+        proto = _as_written(ir.serde.serialize_model(model), src)
+        # the input's layout kept: external data in, external data out; past protobuf's 2 GB, external data too
+        external = bool(src.external) or sum(len(t.raw_data) for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES
+        tmp = tmpdir / (out.name if out is not None else "out.onnx")
+        _save(proto, tmp, external)
+        report.extra["external_data"] = (tmp.name + ".data") if external else None
+        ok, report.extra["checker"] = _check(tmp, target, src)
+        if not ok:
+            raise VerificationError(f"{command}: onnx.checker rejects the output ({report.extra['checker']}); "
+                                    f"nothing written", report)
+        report.validation.extend(parity.compare_files(str(src.path), str(tmp), sizes, atol, rtol))
+        if not report.passed:
+            bad = next(v for v in report.validation if not v.passed)
+            raise VerificationError(f"{command}: {bad.label} differs from the input beyond tolerance (max abs error "
+                                    f"{bad.max_abs_error:.3g}, atol {bad.atol:g}, rtol {bad.rtol:g}); nothing "
+                                    f"written", report)
+        if out is not None:
+            for f in (tmp, tmpdir / (tmp.name + ".data")):
+                if f.exists():
+                    os.replace(f, out.parent / f.name)
+            report.output = str(out)
+    except (VerificationError, NormconvError):
+        raise
+    except OSError as exc:
+        raise write_error(where, exc) from None
+    except Exception as exc:  # noqa: BLE001 - onnxruntime refusing a file is the input's situation, in one line
+        raise NormconvError(f"{command} of {spec} failed in onnxruntime: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:240] if str(exc) else ''}", Code.NOT_VERIFIED) from None
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return report

@@ -1,0 +1,239 @@
+"""An ONNX file against the file it came from, in onnxruntime, on fresh random inputs at two sizes.
+
+Inputs are read off the file: every dynamic dimension (named — Paddle's ``p2o.DynamicDimension.N`` included —,
+``-1``, ``0`` or unnamed) gets two sizes the original accepts: axis 0 runs at 1 and 2, other dimensions at the
+first candidate pair the original runs with (64/96, 32/64, 48/96, …); a dimension the original accepts at one size
+only is kept there (said in a note). Integer inputs draw from what the model does with them: the constants an
+Equal compares them with (a sample rate), else [0, n) for the indices of a Gather over n rows, else [0, 2);
+``-i NAME:D0,D1,..[:DTYPE]`` fixes an input's shape and dtype.
+
+Each size runs IN with graph optimizations disabled (the reference) and OUT twice: disabled (what normconv wrote is
+what runs) and at onnxruntime's default level; per output, max abs / rel error (``verify.compare``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from normconv.errors import NormconvError
+from normconv.report import Validation
+
+BATCH_SIZES = (1, 2)
+PAIRS = ((64, 96), (32, 64), (48, 96), (16, 32), (512, 1024), (576, 1088), (128, 192), (8, 16), (4, 8), (1, 2))
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+       "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+       "tensor(bool)": np.bool_, "tensor(int16)": np.int16, "tensor(uint16)": np.uint16}
+
+
+@dataclass
+class Spec:
+    name: str
+    dims: list  # int (static) or a key naming the dynamic dimension
+    dtype: Any
+    values: tuple | None = None  # integer values the model compares it with
+    high: int = 2  # integer inputs draw from [0, high)
+
+
+@dataclass
+class Plan:
+    specs: list[Spec]
+    sizes: list[dict[Any, int]]  # one {dim key: size} per size validated
+    notes: list[str] = field(default_factory=list)
+
+
+def session(path_or_bytes, level: str):
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)  # a size the model refuses while sizes are tried is not an error to print
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if level == "disabled"
+                                     else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(path_or_bytes, opts, providers=["CPUExecutionProvider"])
+
+
+def _int_hints(model) -> dict[str, tuple[tuple | None, int]]:
+    """Per integer graph input: (the constants an Equal compares it with, the row count of a Gather it indexes)."""
+    from normconv.onnx.rules.base import const
+
+    out: dict[str, tuple[tuple | None, int]] = {}
+    for v in model.graph.inputs:
+        if v.dtype is None or v.dtype.is_floating_point():
+            continue
+        values, high, todo, seen = [], 0, [v], set()
+        while todo:
+            cur = todo.pop()
+            for use in cur.uses():
+                node = use.node
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
+                if node.op_type == "Equal":
+                    other = node.inputs[1 - use.idx] if len(node.inputs) == 2 else None
+                    c = const(other)
+                    if c is not None and c.size == 1:
+                        values.append(int(c.reshape(-1)[0]))
+                elif node.op_type == "Gather" and use.idx == 1:
+                    data = node.inputs[0]
+                    axis = int(node.attributes["axis"].value) if "axis" in node.attributes else 0
+                    if data.shape is not None and isinstance(data.shape[axis], int):
+                        high = max(high, data.shape[axis])
+                elif node.op_type in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Flatten"):
+                    todo.extend(node.outputs)
+        out[v.name] = (tuple(dict.fromkeys(values)) or None, high or 2)
+    return out
+
+
+def specs(path: str, model, overrides: list[str] | None) -> list[Spec]:
+    """The inputs of the file at ``path`` (``model``: its onnx_ir form, for integer hints)."""
+    sess = session(path, "disabled")
+    hints = _int_hints(model)
+    given = _parse(overrides or [], [i.name for i in sess.get_inputs()])
+    out = []
+    for i in sess.get_inputs():
+        if i.type not in _NP:
+            raise NormconvError(f"input {i.name!r} is {i.type}: normconv makes float, integer and bool inputs only")
+        dims = []
+        for axis, d in enumerate(i.shape):
+            dims.append(d if isinstance(d, int) and d > 0 else (d if isinstance(d, str) and d else (i.name, axis)))
+        dtype = _NP[i.type]
+        if i.name in given:
+            dims, dtype = given[i.name]
+        values, high = hints.get(i.name, (None, 2))
+        out.append(Spec(i.name, dims, dtype, values, high))
+    return out
+
+
+def _parse(items: list[str], names: list[str]) -> dict[str, tuple[list[int], Any]]:
+    out = {}
+    for item in items:
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in names:
+            raise NormconvError(f"bad --input-shape {item!r}: expected NAME:D0,D1,...[:DTYPE] with NAME one of "
+                                f"{', '.join(names)}")
+        try:
+            dims = [int(d) for d in parts[1].split(",")] if parts[1].strip() else []
+        except ValueError:
+            raise NormconvError(f"bad --input-shape {item!r}: dimensions must be integers") from None
+        if any(d <= 0 for d in dims):
+            raise NormconvError(f"bad --input-shape {item!r}: dimensions must be positive")
+        dtype = np.float32
+        if len(parts) == 3:
+            key = f"tensor({ {'float32': 'float', 'float64': 'double'}.get(parts[2], parts[2]) })"
+            if key not in _NP:
+                raise NormconvError(f"bad --input-shape {item!r}: unknown dtype {parts[2]!r}")
+            dtype = _NP[key]
+        out[parts[0]] = (dims, dtype)
+    return out
+
+
+def feeds(specs: list[Spec], sizes: dict, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s in specs:
+        shape = [d if isinstance(d, int) else sizes[d] for d in s.dims]
+        if np.issubdtype(s.dtype, np.floating):
+            out[s.name] = rng.standard_normal(shape).astype(s.dtype)
+        elif s.dtype == np.bool_:
+            out[s.name] = np.ones(shape, dtype=np.bool_)  # a mask or a branch condition: on
+        elif s.values:
+            out[s.name] = np.full(shape, s.values[0], dtype=s.dtype)
+        else:
+            out[s.name] = rng.integers(0, s.high, shape).astype(s.dtype)
+    return out
+
+
+def _runs(sess, specs, sizes) -> bool:
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4
+    try:
+        sess.run(None, feeds(specs, sizes, 0), quiet)
+        return True
+    except Exception:  # noqa: BLE001 - the model refuses this size: try another
+        return False
+
+
+def plan_sizes(path: str, specs: list[Spec]) -> Plan:
+    """Two sizes per dynamic dimension that the file at ``path`` runs with (module docstring)."""
+    sess = session(path, "disabled")
+    keys = list(dict.fromkeys(d for s in specs for d in s.dims if not isinstance(d, int)))
+    first = {k for s in specs for i, k in enumerate(s.dims) if i == 0 and not isinstance(k, int)}
+    plan = Plan(specs, [])
+    if not keys:
+        if not _runs(sess, specs, {}):
+            raise NormconvError(f"{path} does not run in onnxruntime on random inputs of its declared shapes")
+        plan.sizes = [{}]
+        plan.notes.append("every input dimension is static: validated at the one size the file declares")
+        return plan
+    base = None
+    for a, _ in PAIRS:
+        trial = {k: (BATCH_SIZES[0] if k in first else a) for k in keys}
+        if _runs(sess, specs, trial):
+            base = trial
+            break
+    if base is None and len(keys) <= 6:
+        # unnamed dimensions that must agree across inputs (a batch at axis 1 of a state): try each set of them
+        # at the batch size, the rest at each candidate, until the file runs
+        import itertools
+
+        tries = 0
+        for a, _ in PAIRS:
+            for batch in itertools.product((True, False), repeat=len(keys)):
+                tries += 1
+                trial = {k: BATCH_SIZES[0] if b else a for k, b in zip(keys, batch)}
+                if tries <= 256 and _runs(sess, specs, trial):
+                    first, base = {k for k, b in zip(keys, batch) if b}, trial
+                    break
+            if base is not None:
+                break
+    if base is None:
+        raise NormconvError(f"{path} runs at none of the sizes tried for its dynamic dimensions "
+                            f"({', '.join(map(str, keys))})", hint="give each input's shape with -i NAME:D0,D1,...")
+    pair = {a: b for a, b in PAIRS}
+    second = {k: (BATCH_SIZES[1] if k in first else pair[base[k]]) for k in keys}
+    if not _runs(sess, specs, second):
+        second = dict(base)
+        # the batch dimensions together (inputs must agree on them), then each other dimension alone
+        for group in [[k for k in keys if k in first]] + [[k] for k in keys if k not in first]:
+            trial = dict(second)
+            trial.update({k: BATCH_SIZES[1] if k in first else pair[base[k]] for k in group})
+            if group and _runs(sess, specs, trial):
+                second = trial
+        fixed = [str(k) for k in keys if second[k] == base[k]]
+        if fixed:
+            plan.notes.append(f"dimension(s) {', '.join(fixed)} ran at one size only ({', '.join(str(base[k]) for k in keys if str(k) in fixed)}): "
+                              f"validated there")
+    plan.sizes = [base, second] if second != base else [base]
+    return plan
+
+
+def compare_files(path_in: str, path_out: str, plan: Plan, atol: float | None, rtol: float | None,
+                  levels=("disabled", "default")) -> list[Validation]:
+    """OUT against IN at each planned size; IN runs unoptimized (the reference)."""
+    import torch
+
+    from normconv.verify import compare
+
+    ref_sess = session(path_in, "disabled")
+    names = [o.name for o in ref_sess.get_outputs()]
+    outs = {level: session(path_out, level) for level in levels}
+    found = []
+    for n, sizes in enumerate(plan.sizes):
+        feed = feeds(plan.specs, sizes, seed=1 + n)
+        ref = dict(zip(names, ref_sess.run(None, feed)))
+        shown = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
+        for level, sess in outs.items():
+            got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+            missing = [k for k in names if k not in got]
+            if missing:
+                raise NormconvError(f"the output lost model outputs {missing}")
+            a = {k: torch.from_numpy(np.asarray(ref[k])) for k in names}
+            b = {k: torch.from_numpy(np.asarray(got[k])) for k in names}
+            found.append(compare(a, b, atol, rtol, label=f"onnxruntime cpu, optimizations {level}, inputs {shown}"))
+    return found

@@ -1,0 +1,20 @@
+"""What torch's down-conversion to opset 17 leaves behind, repaired by the rules of ``rules/repair.py`` (Split-13's
+sizes as an input, Reduce*-13's axes as an attribute without noop_with_empty_axes), as an onnx-ir pass."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from normconv.onnx.rules import repair
+
+
+class RepairDownconverted(ir.passes.InPlacePass):
+    """After the call, ``fixed`` names the nodes repaired."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.fixed: list[str] = []
+        if model.opset_imports.get("", 18) >= 18:
+            return ir.passes.PassResult(model, False)
+        pattern.RewriteRuleSet(repair.rules(self.fixed)).apply_to_model(model)
+        return ir.passes.PassResult(model, bool(self.fixed))

@@ -1,0 +1,206 @@
+"""BatchNormalization folded into the op next to it, in float64 (eval-mode BN is an affine map per channel).
+
+  s = γ / sqrt(σ² + ε),  t = β − μ·s                    BN(z) = s·z + t   (per channel, axis 1)
+  after  Conv:          W' = W·s (output channels, axis 0),              b' = b·s + t
+  after  ConvTranspose: W (Cin, Cout/g, k…): W'[g, ·, o] = W[g, ·, o]·s[g·Cout/g + o],  b' = b·s + t
+  after  Gemm:          B' = B·s along N (axis 0 if transB), C' = β_gemm·C·s + t, β_gemm = 1
+  after  MatMul (+ c):  W' = W·s[None, :], c' = c·s + t           (only a rank-2 output: BN's axis 1 is then N)
+  after  Conv + c:      a bias added after the conv (paddle2onnx: Add of a [1, C, 1, 1] constant) folds the same way
+  before Conv:          W'[o, j] = W[o, j]·s[c],  b'[o] = b[o] + Σ_{j,k} W[o, j, k]·t[c]   (c = g(o)·Cin/g + j)
+                        exact only when the conv pads nothing: padding pads BN's output with 0, not with t
+
+Guards (as the torch fold's): the BN in inference mode with constant statistics; the conv's output read by the BN
+alone (and the BN's by the conv alone, before it); weights and bias initializers read by nothing else. A BN with no
+foldable neighbour stays one BatchNormalization, listed with why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter._basics import MatchResult
+
+from normconv.onnx.rules.base import NormRule, SiteLog, attr, const, name_of, per_feature, rank
+from normconv.report import Site, Why
+
+
+class FoldWhy(Why):
+    FOLDED = "folded"
+    FOLDED_INTO_NEXT = "folded-into-next"
+    TRAINING_MODE = "training-mode"
+    STATS_NOT_CONSTANT = "stats-not-constant"
+    WEIGHT_NOT_CONSTANT = "weight-not-constant"
+    SHARED_OUTPUT = "shared-output"
+    SHARED_WEIGHT = "shared-weight"
+    AXIS_NOT_FEATURES = "axis-not-features"
+    PADDED_CONV = "padded-conv"
+    BAD_GROUPS = "bad-groups"
+    STANDALONE = "no-foldable-neighbour"
+
+
+def _affine(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
+    """(s, t) of an inference BN in float64, else None."""
+    g, b, mu, var = (const(v) for v in bn.inputs[1:5])
+    if any(p is None for p in (g, b, mu, var)):
+        return None
+    s = g.astype(np.float64) / np.sqrt(var.astype(np.float64) + float(attr(bn, "epsilon", 1e-5)))
+    return s, b.astype(np.float64) - mu.astype(np.float64) * s
+
+
+def _own(v: ir.Value | None, node: ir.Node) -> bool:
+    """``v`` is a constant (an initializer or a Constant node's output) only ``node`` reads."""
+    return v is not None and v.const_value is not None and not v.is_graph_input() and \
+        all(u.node is node for u in v.uses())
+
+
+def _init(op, array: np.ndarray, like: ir.Value, name: str):
+    return op.initializer(ir.tensor(np.ascontiguousarray(array.astype(like.dtype.numpy())), name=name), name=name)
+
+
+class FoldForward(NormRule):
+    """z = P(x, W, b);  BN(z)  =>  P(x, W', b')   for P in Conv, ConvTranspose, Gemm, MatMul (+ Add)."""
+
+    kind = "batchnorm"
+    pass_name = "fold"
+
+    def pattern(self, op, x, w, gamma, beta, mu, var, c):
+        p = self.options["producer"]
+        if p.endswith("Add"):  # BN(x @ W + c), BN(conv(x, W) + c): a bias added after the op (paddle2onnx)
+            inner = op.Add(getattr(op, p[:-3])(x, w, _allow_other_inputs=p != "MatMulAdd", _outputs=["mm"]), c,
+                           _outputs=["z"])
+        else:
+            inner = getattr(op, p)(x, w, _allow_other_inputs=True, _outputs=["z"])
+        return op.BatchNormalization(inner, gamma, beta, mu, var, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, w, z, y, mm=None, **_) -> MatchResult:
+        W = FoldWhy
+        bn, prod = y.producer(), z.producer()
+        self._bn = bn
+        p = self.options["producer"]
+        if attr(bn, "training_mode", 0):
+            return self.refuse(context, W.TRAINING_MODE, "BatchNormalization in training mode", bn)
+        st = _affine(bn)
+        if st is None:
+            return self.refuse(context, W.STATS_NOT_CONSTANT, "its statistics are not constants", bn)
+        if len(z.uses()) != 1 or z.is_graph_output() or (mm is not None and (len(mm.uses()) != 1 or
+                                                                             mm.is_graph_output())):
+            return self.refuse(context, W.SHARED_OUTPUT, f"the {p} output is read by more than the BN", z)
+        inner = mm.producer() if mm is not None else prod
+        own = inner.inputs[2] if len(inner.inputs) > 2 and inner.op_type != "MatMul" else None
+        added = (prod.inputs[1] if prod.inputs[0] is mm else prod.inputs[0]) if mm is not None else None
+        if not _own(w, inner) or any(v is not None and not _own(v, n) for v, n in ((own, inner), (added, prod))):
+            return self.refuse(context, W.SHARED_WEIGHT if w.const_value is not None else W.WEIGHT_NOT_CONSTANT,
+                               f"the {p} weight or bias is not a constant it alone reads", w)
+        weight = w.const_value.numpy().astype(np.float64)
+        s, t = st
+        b = own.const_value.numpy().astype(np.float64) if own is not None else np.zeros(len(s))
+        if added is not None:  # the bias added after the op: one value per output channel (axis 1)
+            per = per_feature(added.const_value.numpy(), z.shape, (1,)) if z.shape is not None else None
+            if per is None or per.size != len(s):
+                return self.refuse(context, W.AXIS_NOT_FEATURES, "the added bias is not one value per channel", added)
+            b = b + per
+        if p in ("MatMul", "MatMulAdd") and (rank(z) != 2 or weight.ndim != 2):
+            return self.refuse(context, W.AXIS_NOT_FEATURES, f"the MatMul output is rank {rank(z)}: BN's channel "
+                                                             f"axis 1 is not its feature axis", z)
+        if p.startswith("ConvTranspose") and weight.shape[0] % int(attr(inner, "group", 1)):
+            return self.refuse(context, W.BAD_GROUPS, "in_channels not divisible by group", w)
+        if p == "Gemm":
+            b = b * float(attr(inner, "beta", 1.0))
+            if own is not None and b.size not in (1, len(s)):
+                return self.refuse(context, W.AXIS_NOT_FEATURES, "the Gemm bias is not per output feature", own)
+        self._new = (inner, weight, np.broadcast_to(b.reshape(-1), s.shape) * s + t, s)
+        return MatchResult()
+
+    def rewrite(self, op, x, w, z, **_):
+        inner, weight, b, s = self._new
+        p = self.options["producer"].removesuffix("Add") if self.options["producer"] != "MatMulAdd" else "MatMulAdd"
+        self.done(self._bn, FoldWhy.FOLDED, f"folded into {inner.op_type} {name_of(inner)} (float64)")
+        if p == "Conv":
+            weight = weight * s.reshape((-1,) + (1,) * (weight.ndim - 1))
+        elif p == "ConvTranspose":
+            g = int(attr(inner, "group", 1))
+            shape = weight.shape
+            weight = (weight.reshape(g, shape[0] // g, shape[1], *shape[2:])
+                      * s.reshape((g, 1, shape[1]) + (1,) * (len(shape) - 2))).reshape(shape)
+        elif p == "Gemm":
+            weight = weight * (s[:, None] if attr(inner, "transB", 0) else s[None, :])
+        else:
+            weight = weight * s[None, :]
+        wname, bname = f"{w.name}_bnfold", f"{w.name}_bnfold_bias"
+        new_w, new_b = _init(op, weight, w, wname), _init(op, b, w, bname)
+        attrs = {k: a.value for k, a in inner.attributes.items() if k != "beta"}
+        if p in ("MatMul", "MatMulAdd"):
+            return op.Add(op.MatMul(x, new_w), new_b)
+        return op.op(p, x, new_w, new_b, **attrs)
+
+
+class FoldBackward(NormRule):
+    """y = BN(x);  Conv(y, W, b)  =>  Conv(x, W', b')   when the conv pads nothing."""
+
+    kind = "batchnorm"
+    pass_name = "fold"
+
+    def pattern(self, op, x, gamma, beta, mu, var, w):
+        y = op.BatchNormalization(x, gamma, beta, mu, var, _allow_other_attributes=True, _outputs=["y"])
+        return op.Conv(y, w, _allow_other_inputs=True, _outputs=["z"])
+
+    def check(self, context, x, y, w, z, **_) -> MatchResult:
+        W = FoldWhy
+        bn, conv = y.producer(), z.producer()
+        self._bn = bn
+        if attr(bn, "training_mode", 0) or _affine(bn) is None:
+            return MatchResult().fail("not an inference BN with constant statistics")
+        if len(y.uses()) != 1 or y.is_graph_output():
+            return self.refuse(context, W.SHARED_OUTPUT, "the BN output is read by more than the conv", y, at=bn)
+        bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+        if not _own(w, conv) or (bias is not None and not _own(bias, conv)):
+            return self.refuse(context, W.SHARED_WEIGHT, "the conv weight or bias is not a constant initializer it "
+                                                         "alone reads", w, at=bn)
+        pads = attr(conv, "pads", []) or []
+        auto = attr(conv, "auto_pad", "NOTSET")
+        auto = auto.decode() if isinstance(auto, bytes) else auto
+        if any(int(p) for p in pads) or auto not in ("NOTSET", "VALID"):
+            return self.refuse(context, W.PADDED_CONV, "the conv after it pads its input: padding pads the BN "
+                                                       "output with 0, not with its shift (not exact)", at=bn)
+        self._conv = conv
+        return MatchResult()
+
+    def rewrite(self, op, x, w, **_):
+        conv, bn = self._conv, self._bn
+        s, t = _affine(bn)
+        weight = w.const_value.numpy().astype(np.float64)
+        g = int(attr(conv, "group", 1))
+        cout, cin_g = weight.shape[:2]
+        # channel of input j in the group of output o
+        chan = (np.arange(cout)[:, None] // (cout // g)) * cin_g + np.arange(cin_g)[None, :]
+        extra = (1,) * (weight.ndim - 2)
+        bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+        b = bias.const_value.numpy().astype(np.float64) if bias is not None else np.zeros(cout)
+        b = b + (weight * t[chan].reshape(chan.shape + extra)).reshape(cout, -1).sum(axis=1)
+        weight = weight * s[chan].reshape(chan.shape + extra)
+        self.done(bn, FoldWhy.FOLDED_INTO_NEXT, f"folded into the next Conv {name_of(conv)} (no padding; float64)")
+        attrs = {k: a.value for k, a in conv.attributes.items()}
+        return op.Conv(x, _init(op, weight, w, f"{w.name}_bnfold"), _init(op, b, w, f"{w.name}_bnfold_bias"), **attrs)
+
+
+def rules(log: SiteLog) -> list:
+    return [FoldForward.rule(f"fold-after-{p}", log, producer=p)
+            for p in ("ConvAdd", "ConvTransposeAdd", "Conv", "ConvTranspose", "Gemm", "MatMulAdd", "MatMul")] + [FoldBackward.rule("fold-before-conv", log)]
+
+
+def standalone(model: ir.Model, log: SiteLog) -> None:
+    """Every BatchNormalization left that no rule looked at: kept as one op, listed with why."""
+    for node in all_nodes(model):
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and name_of(node) not in log.rows:
+            prod = node.inputs[0].producer() if node.inputs[0] is not None else None
+            log.add("batchnorm", Site("fold", name_of(node), False,
+                                      f"kept as one BatchNormalization: its input comes from "
+                                      f"{prod.op_type if prod else 'a graph input'}, and no Conv without padding "
+                                      f"reads it alone", FoldWhy.STANDALONE))
+
+
+def all_nodes(model: ir.Model):
+    """Every node of the model: main graph, subgraphs, functions."""
+    yield from ir.traversal.RecursiveGraphIterator(model.graph)
+    for f in model.functions.values():
+        yield from ir.traversal.RecursiveGraphIterator(f)

