@@ -37,7 +37,8 @@ from normconv.passes import fold_weight_standardization as fold_ws
 from normconv.nn.modules import Float32Norm
 from normconv.passes.base import replace_module
 from normconv.report import OutputError, PassResult, Report, Site, Validation
-from normconv.verify import Inputs, argmax_agreement, compare, default_tolerance, other_shape, output_leaves, run
+from normconv.verify import (Inputs, argmax_agreement, compare, default_tolerance, other_shape, output_leaves, run,
+                             untraced, with_selections)
 
 PassFn = Callable[[nn.Module, Captured], PassResult]
 
@@ -198,15 +199,16 @@ def rewrite(loaded: Loaded, passes: Sequence[PassFn], *, command: str, exact: bo
         check_output_path(loaded, output, in_place)  # fail before the work, not after
     # everything the original has to say is taken before the passes (a disposable model is then written in place)
     reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
+    reference = with_selections(loaded.model, inputs, reference)  # traced where it selects (labels, indices)
     alt = other_shape(loaded.model, inputs)
     before = model_stats(loaded.model, inputs if bench else None)
     notes: list[str] = []
     model, sites = apply_passes(loaded.model, inputs, passes, method, eval_mode, writable=loaded.disposable,
                                 reference=reference, notes=notes)
-    rewritten = run(model, inputs)
+    rewritten = run(model, inputs, replay=reference)  # with the original's discrete selections, where traced
     validations = [compare(reference, rewritten, atol, rtol)] + _second_shape(alt, model, atol, rtol)
     if outputs_seen is not None:
-        outputs_seen.update(reference=reference, rewritten=rewritten)
+        outputs_seen.update(reference=untraced(reference), rewritten=untraced(rewritten))
     report = Report(command=command, model=loaded.spec, sites=sites, validation=validations, before=before,
                     after=model_stats(model, inputs if bench else None), notes=notes)
     failed = next((v for v in validations if not v.passed), None)
@@ -227,7 +229,8 @@ def _second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: fl
     alt_inputs, reference = alt
     label = f"torch, second shape ({alt_inputs.describe()})"
     try:
-        candidate = run(clone_sharing_tensors(rewritten), alt_inputs)  # the result keeps no state of this shape
+        # the result keeps no state of this shape; the original's selections replayed where traced
+        candidate = run(clone_sharing_tensors(rewritten), alt_inputs, replay=reference)
     except Exception as exc:
         return [Validation(float("inf"), float("inf"), atol or 0.0, rtol or 0.0, False, 0.0,
                            (OutputError("output", float("inf"), float("inf"), 0.0, False),),
@@ -620,7 +623,8 @@ def export(loaded: Loaded, output: str, target: str = "ort", opset: int | None =
     report.extra["passes"] = [p.name for p in passes]
     report.sites.extend(pass_sites)
     if passes:
-        check = compare(reference32 if half is not None else reference, run(prepared, src_inputs),
+        selected = with_selections(source, src_inputs, reference32 if half is not None else reference)
+        check = compare(selected, run(prepared, src_inputs, replay=selected),
                         None if half is not None else atol, None if half is not None else rtol,
                         label="torch, after " + " + ".join(_looked(passes, pass_sites)) +
                               (" (float32)" if half is not None else ""))
@@ -762,8 +766,8 @@ def _not_verified(command: str, failed: Validation, report: Report,
     """The error of a failed check: by how much it failed, or that it compared nothing."""
     if not failed.outputs:
         return VerificationError(f"{command}: {failed.label}; nothing written", report)
-    return VerificationError(f"{command}: {differs} ({failed.label}: max abs error {failed.max_abs_error:.3g}, "
-                             f"atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
+    return VerificationError(f"{command}: {differs} ({failed.label}: {failed.worst}; {failed.criterion}); "
+                             f"nothing written", report)
 
 
 def _with_attention_mask(model: nn.Module, inputs: Inputs, report: Report) -> Inputs:

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = {"cli": 4, "api": 3, "flow": 3, "stream": 2.9, "passes": 2, "onnx": 2, "graph": 1,
           # the core, itself ordered: io loads and saves (checks with verify), verify reports (and runs its checks
           # on clones), all raise errors
-          "io": 0.3, "outputs": 0.25, "verify": 0.2, "clone": 0.15, "report": 0.1, "nn": 0.1, "errors": 0, "quiet": 0, "models": 0}
+          "io": 0.3, "outputs": 0.25, "verify": 0.2, "selections": 0.18, "clone": 0.15, "report": 0.1, "nn": 0.1, "errors": 0, "quiet": 0, "models": 0}
 
 
 def _unit(module: str) -> str:
