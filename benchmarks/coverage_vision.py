@@ -148,7 +148,7 @@ def build(spec: str, size: int | None = None):
         kw = {"weights": None}
         if k in ("detection", "segmentation"):
             kw["weights_backbone"] = None
-        if k == "detection":
+        if k == "detection" and not name.startswith("ssd"):  # SSD resizes to its own fixed size
             kw.update(min_size=size or 320, max_size=size or 320)
         if name == "inception_v3":
             kw["aux_logits"], kw["init_weights"] = False, False
