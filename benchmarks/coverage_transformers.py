@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "benchmarks" / "results" / "coverage.jsonl"
 OUT_MD = ROOT / "COVERAGE.md"
+VISION_MARK = "<!-- vision sweep: benchmarks/coverage_vision.py writes from here on -->"
 COMMANDS = ("inspect", "fold", "swap", "canonicalize", "deepnorm", "export")
 EXPORT_OPSETS = (17, 20, 23)  # export is ok only if ok at each: normconv's lowest and highest opsets, and the default
 
@@ -994,7 +995,10 @@ def write_md(recs: dict[str, dict], total_types: int) -> None:
         cells = " | ".join(_cell(c, r) for c in COMMANDS)
         cls = r.get("cls", "") + (" (depth-only shrink)" if r.get("config") == "depth-only shrink" else "")
         lines.append(f"| {r['type']} | {cls} | {sites} | {cells} | {r.get('seconds', '')} |")
-    OUT_MD.write_text("\n".join(lines) + "\n")
+    # the vision sweep's section (benchmarks/coverage_vision.py) is that sweep's to write: kept as it is
+    old = OUT_MD.read_text() if OUT_MD.exists() else ""
+    kept = old[old.index(VISION_MARK):] if VISION_MARK in old else ""
+    OUT_MD.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
 
 
 def _stale(rec: dict) -> bool:

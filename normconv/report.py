@@ -66,18 +66,29 @@ class PassResult:
 
 @dataclass(frozen=True)
 class OutputError:
-    """Error of one model output (a leaf of the output pytree)."""
+    """Error of one model output (a leaf of the output pytree). ``scale`` is the output's largest finite |value| in
+    the reference, ``scale_error`` = max abs error / scale, ``rms_error`` = |a - b| / |b| (2-norms); ``tolerance``
+    is the bound ``scale_error`` was held to (NaN: judged element-wise by atol / rtol); ``note`` says how the output
+    was judged when not plainly (after a discrete selection, with the original's selections replayed)."""
 
     name: str
     max_abs_error: float
     max_rel_error: float
     cosine: float
     passed: bool
+    scale: float = math.nan
+    scale_error: float = math.nan
+    rms_error: float = math.nan
+    tolerance: float = math.nan
+    note: str = ""
 
 
 @dataclass(frozen=True)
 class Validation:
-    """Original vs rewritten outputs on the same inputs; ``passed`` is allclose(atol, rtol) on every output."""
+    """Original vs rewritten outputs on the same inputs. ``rule`` says how ``passed`` was decided: "scale" (the
+    default for float32 / float64 outputs: each output's max abs error within ``scale_tolerance`` x its scale,
+    ``normconv.verify``'s docstring derives the bound) or "elementwise" (allclose(atol, rtol) on every element: given
+    tolerances, half-precision outputs). ``max_scale_error`` is the worst output's error relative to its scale."""
 
     max_abs_error: float
     max_rel_error: float
@@ -88,6 +99,23 @@ class Validation:
     outputs: tuple[OutputError, ...] = ()
     label: str = "torch"
     drift: bool = False  # measures an intended change (approximate swap): no pass / fail
+    rule: str = "elementwise"
+    scale_tolerance: float = math.nan
+    max_scale_error: float = math.nan
+
+    @property
+    def criterion(self) -> str:
+        """The bound the check held the outputs to, for people."""
+        if self.rule == "scale":
+            return f"error within {self.scale_tolerance:.2g} of each output's scale (float32 rounding)"
+        return f"atol {self.atol:g}, rtol {self.rtol:g}"
+
+    @property
+    def worst(self) -> str:
+        """The largest error, for people: absolute, and relative to the output's scale where measured."""
+        text = f"max abs error {self.max_abs_error:.3g}"
+        return text + (f", {self.max_scale_error:.3g} of the output's scale" if math.isfinite(self.max_scale_error)
+                       else "")
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -206,13 +234,20 @@ def render_headroom(room: Mapping[str, Any]):
 
 
 def render_validation(v: Validation):
+    def result(o: OutputError) -> str:
+        verdict = "drift" if v.drift else "pass" if o.passed else "FAIL"
+        return f"{verdict} ({o.note})" if o.note else verdict
+
+    rows = [[o.name, o.max_abs_error, o.scale, o.scale_error, o.rms_error, o.max_rel_error, o.cosine, result(o)]
+            for o in v.outputs]
     if v.drift:
-        rows = [[o.name, o.max_abs_error, o.max_rel_error, o.cosine, "drift"] for o in v.outputs]
         title = f"{v.label}: max abs {v.max_abs_error:.3g}, cosine {v.cosine:.6f} (approximate: expected drift)"
+    elif v.rule == "scale":
+        title = f"validation ({v.label}): {v.criterion} -> {'PASSED' if v.passed else 'FAILED'}"
     else:
-        rows = [[o.name, o.max_abs_error, o.max_rel_error, o.cosine, "pass" if o.passed else "FAIL"] for o in v.outputs]
         title = f"validation ({v.label}): atol={v.atol:g} rtol={v.rtol:g} -> {'PASSED' if v.passed else 'FAILED'}"
-    return table(title, ["output", "max abs err", "max rel err", "cosine", "result"], rows)
+    return table(title, ["output", "max abs err", "scale (max |ref|)", "err / scale", "rms err / rms",
+                         "max rel err", "cosine", "result"], rows)
 
 
 def render_before_after(before: Mapping[str, Any], after: Mapping[str, Any]):

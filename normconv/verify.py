@@ -3,15 +3,58 @@
 Per output leaf ``a`` (rewritten) against ``b`` (reference), computed in float64:
   max_abs_error = max |a - b|
   max_rel_error = max |a - b| / max(|b|, atol)   (relative where the reference is above the noise floor)
-  passed        = all |a - b| <= atol + rtol * |b|   (torch.allclose semantics), shapes and dtypes equal
-  cosine        = <a, b> / (|a| |b|) over the flattened output
+  scale         = max |b| over the leaf's finite values (the largest finite |value| of the whole output when the
+                  leaf is all zeros)
+  scale_error   = max_abs_error / scale;  rms_error = |a - b| / |b|;  cosine = <a, b> / (|a| |b|)
+
+The verdict of an exact rewrite, by default (no atol / rtol given), for float32 and float64 outputs:
+  passed = scale_error <= SCALE_ULPS x u(dtype), NaN and infinities in the same places, shapes and dtypes equal
+with u the unit roundoff (2^-24 for float32, 2^-53 for float64) and SCALE_ULPS = 2^10, i.e. 6.1e-5 of the output's
+scale in float32 (1.1e-13 in float64). Why this bound:
+
+- An exact rewrite computes the same real function with other roundings: a BatchNorm folded into the conv
+  (``(W s) x`` instead of ``s (W x)``), a mean subtracted from the weights instead of the activations, a rotation
+  and its inverse multiplied into neighbouring weights. Each float32 evaluation errs from the real value, and the
+  two differ by at most the sum of both errors (a factor 2).
+- A reduction of n terms rounds to within ~sqrt(n) u of the scale of its terms (the probabilistic bound of Higham
+  and Mary 2019; the worst case n u is not met by real data). n <= 2^12 covers a 3x3 conv over 512 channels (4608)
+  and a 4096-wide Linear: a factor 2^6.
+- Layers in sequence add their rounding errors, each carried to the output about in proportion to the output's
+  scale (a normalized layer keeps relative errors; an unnormalized one scales errors and values alike: MobileOne's
+  outputs of 4e14 carry errors of 11 u of them). Independent errors of L <= 64 such layers add to sqrt(L) <= 2^3.
+- 2 x 2^6 x 2^3 = 2^10 units of roundoff. Measured (benchmarks/coverage_vision.py, errors in u = 2^-24 of each
+  output's scale): 2 to 25 u over 15 timm / torchvision models: RepVGG-A0 8, MobileOne-S0 6, Inception-v3 10 (55
+  with torchvision's own initialization, outputs of 4e8), ResNet-18 12, ViT-tiny's swap 11, Faster R-CNN 25; the
+  element-wise check (1e-4) refused the first three, whose outputs reach 7e3 to 4e14. The bound is 40x above the
+  largest. A real error is larger: a fold wrong by 1e-3 of the output's scale is 16x over the bound
+  (tests/test_proof_scale.py plants one), and a tiny output (scale 1e-6) is held to 6e-11, where atol 1e-4
+  passed anything.
+
+The scale is the output's, not each element's: an element near zero of an output with large elements carries the
+rounding of the large terms that summed to it, which no element-wise rtol allows for (what refused RepVGG).
+The price: an error confined to elements far below the output's largest (one channel of a feature map whose
+other channels are 1e4 larger) is judged against the largest; give --atol / --rtol for the element-wise check.
+
+Given tolerances (``atol`` or ``rtol`` not None: ``--atol`` / ``--rtol``, or a caller's own) are honoured as given:
+every element within atol + rtol |b| (torch.allclose). Half-precision outputs (float16, bfloat16) keep their
+element-wise defaults (DEFAULT_TOLERANCE): their rounding x 2^10 would pass a real error (0.5 in float16), and
+the commands judge a half model against its float32 computation with budgets of their own. Integer and bool
+outputs must be equal.
+
+Discrete selections (NMS, top-k, a threshold, argmax; ``normconv.selections``): a rewrite's rounding may flip
+them, and the outputs after them then differ by whole elements. A reference taken with ``run(..., trace=True)``
+(``with_selections`` does it where the output holds an integer or bool tensor) records each selection; the
+rewritten model run with ``run(..., replay=reference)`` takes the original's selections, so its outputs are
+compared element by element with the same picks; the selections' own inputs are compared too, and the report names
+the selections that flipped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -20,6 +63,7 @@ from torch.utils._pytree import tree_flatten_with_path, keystr
 
 from normconv.clone import clone_sharing_tensors
 from normconv.report import OutputError, Validation
+from normconv.selections import Recorder, Trace, selects
 
 # documented defaults: exact passes are float reassociation only, so fp32 stays within these
 DEFAULT_TOLERANCE = {
@@ -28,6 +72,8 @@ DEFAULT_TOLERANCE = {
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (5e-2, 5e-2),
 }
+SCALE_ULPS = 2.0 ** 10  # units of roundoff an exact rewrite may differ by, relative to each output's scale (above)
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
 
 
 @dataclass
@@ -94,16 +140,43 @@ def forward_guard(model: nn.Module):
                     b.set_(saved) if b.shape != saved.shape else b.copy_(saved)
 
 
-def run(model: nn.Module, inputs: Inputs) -> Any:
+@dataclass
+class Traced:
+    """A forward's output with the discrete selections it made (``run(..., trace=True)``)."""
+
+    output: Any
+    trace: Trace
+
+
+def untraced(out: Any) -> Any:
+    """The output itself, whether or not it was traced."""
+    return out.output if isinstance(out, Traced) else out
+
+
+def run(model: nn.Module, inputs: Inputs, *, trace: bool = False, replay: Any = None) -> Any:
     """One guarded forward (``forward_guard``) on a copy of the inputs: a model that mutates its inputs or its
     buffers stays comparable and unchanged. A model whose output holds no tensor (it writes into buffers) is
     judged by what it wrote: the changed buffers, by name. Random ops draw the same numbers in every such forward
-    (``same_draws``)."""
-    with forward_guard(model) as guard, same_draws(model):
+    (``same_draws``).
+
+    ``trace``: return a ``Traced`` (the output and the forward's discrete selections). ``replay``: a ``Traced``
+    reference (anything else is ignored): this forward takes its selections (``normconv.selections``) and returns a
+    ``Traced`` saying which of its own would have differed."""
+    recorder = Recorder(replay.trace) if isinstance(replay, Traced) else Recorder() if trace else None
+    with forward_guard(model) as guard, same_draws(model), (recorder or contextlib.nullcontext()):
         out = model(*copy.deepcopy(inputs.args), **copy.deepcopy(inputs.kwargs))
     if not output_leaves(out) and guard.mutated:
-        return {f"buffer {k}": v for k, v in sorted(guard.mutated.items())}
-    return out
+        out = {f"buffer {k}": v for k, v in sorted(guard.mutated.items())}
+    return Traced(out, recorder.trace) if recorder is not None else out
+
+
+def with_selections(model: nn.Module, inputs: Inputs, output: Any) -> Any:
+    """``output`` (the model's on ``inputs``), traced by one more forward where it holds an integer or bool tensor
+    (the mark of a discrete selection: labels, indices, a mask), so that a rewrite is judged with its selections
+    replayed; otherwise ``output`` itself."""
+    if isinstance(output, Traced) or not selects(output_leaves(output)):
+        return output
+    return run(model, inputs, trace=True)
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:
@@ -136,7 +209,8 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     activations) length - 1, and for images ((B, C, H, W) floats) H and W 32 smaller (32 larger below 96: a
     multiple of every usual stride), then batch + 1. Each candidate is tried on ``model``; the first it accepts
     with an output that can fail a comparison (not every output 0: one sample through a final ReLU can be) is
-    returned with that output, None when it takes no other shape (fixed sizes). ``model`` itself never runs: each
+    returned with that output (``with_selections``: traced where it holds an integer or bool tensor), None when it
+    takes no other shape (fixed sizes). ``model`` itself never runs: each
     candidate runs on a copy sharing its tensors."""
     tensors = [x for x in list(inputs.args) + list(inputs.kwargs.values()) if isinstance(x, torch.Tensor)]
     if not tensors or any(t.dim() == 0 for t in tensors):
@@ -180,7 +254,7 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
         except Exception:
             continue
         if output_leaves(out) and not all_zero(output_leaves(out)):
-            return alt, out
+            return alt, with_selections(clone_sharing_tensors(model), alt, out)
     return None
 
 
@@ -191,7 +265,9 @@ def all_zero(leaves: list[tuple[str, torch.Tensor]]) -> bool:
 
 
 def output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
-    """Flatten any output (tensor, tuple, dict, Hugging Face ModelOutput) to named tensor leaves."""
+    """Flatten any output (tensor, tuple, dict, Hugging Face ModelOutput, a ``Traced`` one) to named tensor
+    leaves."""
+    out = untraced(out)
     if hasattr(out, "to_tuple") and hasattr(out, "keys"):  # transformers ModelOutput
         out = {k: out[k] for k in out.keys()}
     leaves, _ = tree_flatten_with_path(out)
@@ -216,9 +292,19 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
 
 
+def scale_tolerance(dtype: torch.dtype) -> float | None:
+    """The default bound on an output's error relative to its scale (module docstring), None where the dtype is
+    judged element-wise (half precision)."""
+    u = UNIT_ROUNDOFF.get(dtype)
+    return None if u is None else SCALE_ULPS * u
+
+
 def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: float | None = None,
             label: str = "torch") -> Validation:
-    """Compare two model outputs leaf by leaf; tolerances default from the reference's dtype."""
+    """Compare two model outputs leaf by leaf (module docstring): relative to each output's scale unless
+    ``atol`` / ``rtol`` are given (then element-wise; a missing one defaults from the reference's dtype). A
+    ``Traced`` reference with a candidate that replayed it (``run(..., replay=reference)``) is judged with the
+    original's selections, and the selections' inputs are compared too."""
     ref, cand = output_leaves(reference), output_leaves(candidate)
     if not ref:  # a check that compared nothing is not a pass
         return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
@@ -233,10 +319,15 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
                           rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
                           label=f"{label}: nothing compared (every output is 0 on the example inputs, as with a "
                                 f"zero-initialized head: no rewrite could fail this check)")
+    by_scale = atol is None and rtol is None
     d_atol, d_rtol = default_tolerance(floats[0] if floats else torch.float32)
     atol = d_atol if atol is None else atol
     rtol = d_rtol if rtol is None else rtol
-    errs = [_leaf_error(name, r, c, atol, rtol) for (name, r), (_, c) in zip(ref, cand)]
+    whole = max((_scale(t) for _, t in ref if t.is_floating_point()), default=0.0)
+    errs = [_leaf_error(name, r, c, atol, rtol, by_scale, whole) for (name, r), (_, c) in zip(ref, cand)]
+    if isinstance(reference, Traced) and isinstance(candidate, Traced):
+        errs, label = _with_selections(errs, reference.trace, candidate.trace, atol, rtol, by_scale, label)
+    ruled = [e for e in errs if math.isfinite(e.tolerance)]
     return Validation(
         max_abs_error=max((e.max_abs_error for e in errs), default=0.0),
         max_rel_error=max((e.max_rel_error for e in errs), default=0.0),
@@ -246,29 +337,89 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
         cosine=min((e.cosine for e in errs), default=1.0),
         outputs=tuple(errs),
         label=label,
+        rule="scale" if ruled else "elementwise",
+        scale_tolerance=max((e.tolerance for e in ruled), default=float("nan")),
+        max_scale_error=max((e.scale_error for e in errs if not math.isnan(e.scale_error)), default=float("nan")),
     )
 
 
-def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> OutputError:
+def _scale(t: torch.Tensor) -> float:
+    """The largest finite |value| of a floating tensor (0 when it has none)."""
+    a = t.detach().abs()
+    a = a[torch.isfinite(a)]
+    return float(a.max()) if a.numel() else 0.0
+
+
+def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float, by_scale: bool = False,
+                whole: float = 0.0) -> OutputError:
+    """One leaf's errors and verdict: relative to its scale where ``by_scale`` and its dtype has a bound
+    (``scale_tolerance``), else element-wise; ``whole``: the scale of an all-zero leaf (the output's largest)."""
     if ref.shape != cand.shape:
-        return OutputError(name, float("inf"), float("inf"), 0.0, False)
+        return OutputError(name, float("inf"), float("inf"), 0.0, False, note=f"shape {tuple(cand.shape)}, "
+                                                                                f"expected {tuple(ref.shape)}")
     r = ref.detach().to("cpu", torch.float64)
     c = cand.detach().to("cpu", torch.float64)
     if r.numel() == 0:
-        return OutputError(name, 0.0, 0.0, 1.0, True)
-    diff = (r - c).abs()
-    nan_mismatch = bool((r.isnan() != c.isnan()).any())
-    diff = torch.where(r.isnan() & c.isnan(), torch.zeros_like(diff), diff)
+        return OutputError(name, 0.0, 0.0, 1.0, ref.dtype == cand.dtype, scale=0.0, scale_error=0.0, rms_error=0.0)
+    same = (r == c) | (r.isnan() & c.isnan())  # equal infinities and NaN in both places differ by nothing
+    diff = torch.where(same, torch.zeros_like(r), (r - c).abs())
+    mismatch = bool((~torch.isfinite(diff)).any())  # a NaN or an infinity on one side only
     max_abs = float(diff.max())
     max_rel = float((diff / r.abs().clamp_min(atol if atol > 0 else 1e-30)).max())
-    passed = (not nan_mismatch) and bool((diff <= atol + rtol * r.abs()).all()) and ref.dtype == cand.dtype
-    denom = float(r.norm() * c.norm())
-    cosine = float((r.flatten() @ c.flatten()) / denom) if denom > 0 else float(torch.equal(r, c))
-    return OutputError(name, max_abs, max_rel, cosine, passed)
+    finite_r, finite_c = torch.where(torch.isfinite(r), r, 0.0), torch.where(torch.isfinite(c), c, 0.0)
+    denom = float(finite_r.norm() * finite_c.norm())
+    cosine = float((finite_r.flatten() @ finite_c.flatten()) / denom) if denom > 0 else float(torch.equal(r, c))
+    rms = float(torch.where(torch.isfinite(diff), diff, 0.0).norm() / finite_r.norm()) if finite_r.norm() > 0 \
+        else (0.0 if max_abs == 0 else float("inf"))
+    scale = _scale(ref) if ref.is_floating_point() else float("nan")
+    scale = whole if scale == 0.0 and ref.is_floating_point() else scale
+    scale_error = (max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))) \
+        if ref.is_floating_point() else float("nan")
+    bound = scale_tolerance(ref.dtype) if by_scale and ref.is_floating_point() else None
+    if not ref.is_floating_point() and not ref.is_complex():
+        passed = bool(torch.equal(ref, cand))  # labels, indices, masks: equal or not
+    elif bound is not None:
+        passed = not mismatch and scale_error <= bound
+    else:
+        passed = not mismatch and bool((diff <= atol + rtol * r.abs()).all())
+    passed = passed and ref.dtype == cand.dtype
+    return OutputError(name, max_abs, max_rel, cosine, passed, scale=scale, scale_error=scale_error, rms_error=rms,
+                       tolerance=float("nan") if bound is None else bound)
+
+
+def _with_selections(errs: list[OutputError], ref: Trace, cand: Trace, atol: float, rtol: float, by_scale: bool,
+                     label: str) -> tuple[list[OutputError], str]:
+    """The outputs of a forward that replayed the original's selections, plus one entry for the selections' own
+    floating inputs (each within the same rule as an output): a flip is within rounding only if its inputs are.
+    The label names the selections that flipped and where a replay stopped matching the original's ops."""
+    said = []
+    if cand.flipped:
+        said.append(f"{len(cand.flipped)} of {len(cand.picks)} discrete selections differed "
+                    f"({', '.join(cand.describe(k) for k in cand.flipped[:3])}{', ...' if len(cand.flipped) > 3 else ''})"
+                    f": compared with the original's selections replayed")
+    if cand.lost is not None:
+        said.append(f"the rewritten forward's ops stopped matching the original's at {cand.describe(cand.lost)}: "
+                    f"nothing after it was replayed")
+    inputs = []
+    for k, (a, b) in enumerate(zip(ref.picks, cand.picks)):
+        if cand.lost is not None and k >= cand.lost or a.inputs is None or b.inputs is None:
+            break
+        whole = max((_scale(t) for t in a.inputs), default=0.0)
+        inputs += [_leaf_error(f"{cand.describe(k)} input {i}", x, y, atol, rtol, by_scale, whole)
+                   for i, (x, y) in enumerate(zip(a.inputs, b.inputs))]
+    if inputs:
+        worst = max(inputs, key=lambda e: (not e.passed, e.scale_error if not math.isnan(e.scale_error) else 0.0))
+        name = f"inputs of {min(len(ref.picks), len(cand.picks))} discrete selections"
+        errs = errs + [replace(worst, name=name, passed=all(e.passed for e in inputs),
+                               note=f"worst: {worst.name}" + ("" if not ref.truncated else
+                                                               "; past the memory budget inputs were not kept"))]
+    if cand.flipped:
+        errs = [replace(e, note=e.note or "with the original's selections") for e in errs]
+    return errs, label + (f" ({'; '.join(said)})" if said else "")
 
 
 def verify(original: nn.Module, rewritten: nn.Module, inputs: Inputs, atol: float | None = None,
            rtol: float | None = None, reference_output: Any = None) -> Validation:
     """Run both models on ``inputs`` and compare; pass ``reference_output`` to reuse a computed one."""
-    ref = run(original, inputs) if reference_output is None else reference_output
-    return compare(ref, run(rewritten, inputs), atol, rtol)
+    ref = with_selections(original, inputs, run(original, inputs) if reference_output is None else reference_output)
+    return compare(ref, run(rewritten, inputs, replay=ref), atol, rtol)

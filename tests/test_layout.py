@@ -40,6 +40,7 @@ LAYERS = {
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
     "normconv.graph.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds that read calls)
     "normconv.verify": 0.2,  # guarded forwards, comparisons
+    "normconv.selections": 0.18,  # discrete selections recorded and replayed
     "normconv.clone": 0.15,  # tensor-sharing copies
     "normconv.report": 0.1,  # the report, sites, decision codes
     "normconv.nn": 0.1,  # modules normconv inserts

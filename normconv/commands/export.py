@@ -34,7 +34,7 @@ from normconv.passes import fold_batchnorm
 from normconv.passes import fold_weight_standardization as fold_ws
 from normconv.passes.base import replace_module
 from normconv.report import Report
-from normconv.verify import Inputs, compare, default_tolerance, run
+from normconv.verify import Inputs, compare, default_tolerance, run, with_selections
 
 from .fold import lifted
 
@@ -108,7 +108,8 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     report.extra["passes"] = [p.name for p in passes]
     report.sites.extend(pass_sites)
     if passes:
-        check = compare(reference32 if half is not None else reference, run(prepared, src_inputs),
+        selected = with_selections(source, src_inputs, reference32 if half is not None else reference)
+        check = compare(selected, run(prepared, src_inputs, replay=selected),
                         None if half is not None else opts.atol, None if half is not None else opts.rtol,
                         label="torch, after " + " + ".join(looked(passes, pass_sites)) +
                               (" (float32)" if half is not None else ""))

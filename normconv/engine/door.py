@@ -32,7 +32,7 @@ from normconv.kinds import KINDS
 from normconv.options import Options
 from normconv.passes.base import Check, Pass
 from normconv.report import OutputError, Report, Validation
-from normconv.verify import Inputs, compare, other_shape, run
+from normconv.verify import Inputs, compare, other_shape, run, untraced, with_selections
 
 from .run import Run, apply_passes
 
@@ -76,23 +76,24 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
         check_output_path(loaded, opts.output, opts.in_place)  # fail before the work, not after
     # everything the original has to say is taken before the passes (a disposable model is then written in place)
     reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
+    reference = with_selections(loaded.model, inputs, reference)  # traced where it selects (labels, indices)
     alt = other_shape(loaded.model, inputs)
     before = model_stats(loaded.model, inputs if opts.bench else None)
     done = apply_passes(loaded.model, inputs, passes, opts.method, opts.eval_mode, writable=loaded.disposable,
                         reference=reference, by_parts=by_parts)
-    rewritten = run(done.model, inputs)
+    rewritten = run(done.model, inputs, replay=reference)  # with the original's discrete selections, where traced
     referee = next((p for p in passes if p.check is Check.REFERENCE), None)
     if referee is not None:  # the rewrite changed the model on purpose: it must equal its literal reference
         literal = referee.reference(done.model)
         label = f"reference {referee.reference_label}"
-        expected = run(literal, inputs)
+        expected, rewritten = run(literal, inputs), untraced(rewritten)
         alt = None if alt is None else (alt[0], run(literal, alt[0]))
     else:
         label, expected = "torch", reference
     validations = [compare(expected, rewritten, opts.atol, opts.rtol, label=label)] + \
         second_shape(alt, done.model, opts.atol, opts.rtol, label)
     if outputs_seen is not None:
-        outputs_seen.update(reference=reference, rewritten=rewritten)
+        outputs_seen.update(reference=untraced(reference), rewritten=untraced(rewritten))
     report = Report(command=command, model=loaded.spec, sites=done.sites, validation=validations, before=before,
                     after=model_stats(done.model, inputs if opts.bench else None), notes=done.all_notes)
     drift = referee is None and (not done.exact or any(p.check is Check.DRIFT for p in passes))
@@ -119,7 +120,8 @@ def second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: flo
     alt_inputs, expected = alt
     label = f"{label}, second shape ({alt_inputs.describe()})"
     try:
-        candidate = run(clone_sharing_tensors(rewritten), alt_inputs)  # the result keeps no state of this shape
+        # the result keeps no state of this shape; the original's selections replayed where traced
+        candidate = run(clone_sharing_tensors(rewritten), alt_inputs, replay=expected)
     except Exception as exc:
         return [Validation(float("inf"), float("inf"), atol or 0.0, rtol or 0.0, False, 0.0,
                            (OutputError("output", float("inf"), float("inf"), 0.0, False),),
@@ -161,8 +163,8 @@ def not_verified(command: str, failed: Validation, report: Report,
     """The error of a failed check: by how much it failed, or that it compared nothing."""
     if not failed.outputs:
         return VerificationError(f"{command}: {failed.label}; nothing written", report)
-    return VerificationError(f"{command}: {differs} ({failed.label}: max abs error {failed.max_abs_error:.3g}, "
-                             f"atol {failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
+    return VerificationError(f"{command}: {differs} ({failed.label}: {failed.worst}; {failed.criterion}); "
+                             f"nothing written", report)
 
 
 def looked(passes: Sequence[Pass], sites: Sequence[Any]) -> list[str]:

@@ -370,9 +370,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if not result.passed:
             bad = next(r for r in result.runs if not r.validation.passed)
             raise VerificationError(
-                f"export: {bad.validation.label} differs from torch beyond tolerance (max abs error "
-                f"{bad.validation.max_abs_error:.3g}, atol {bad.validation.atol:g}, rtol {bad.validation.rtol:g}; "
-                f"smallest passing atol {bad.min_atol:.3g}){_traced_differs(exported, inputs, reference)}; "
+                f"export: {bad.validation.label} differs from torch beyond tolerance ({bad.validation.worst}; "
+                f"{bad.validation.criterion}; smallest passing atol {bad.min_atol:.3g}){_traced_differs(exported, inputs, reference)}; "
                 f"nothing written", report)
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
