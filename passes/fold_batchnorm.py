@@ -27,7 +27,7 @@ from torch.nn.utils import parametrize
 
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
-from normconv.graph.match import PERMUTE, VIEW, arg, batch_norm_args, call_name
+from normconv.match import PERMUTE, VIEW, arg, batch_norm_args, call_name
 from normconv.report import PassResult, Site, Why
 from normconv.nn.modules import ChannelShift
 
@@ -322,7 +322,7 @@ def _backward_layer(ctx: _Context, site: NormSite, channels: int) -> str:
     return path
 
 
-# layout ops (graph.match): PERMUTE (the axis moves with the permutation) and VIEW (row-major reshapes, judged on
+# layout ops (normconv.match): PERMUTE (the axis moves with the permutation) and VIEW (row-major reshapes, judged on
 # shapes; copies keep the shape and the axis)
 
 

@@ -38,7 +38,7 @@ LAYERS = {
     "normconv.io.pickles": 0.31,  # reading files without running their code
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
-    "normconv.graph.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds that read calls)
+    "normconv.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds, which read calls with it)
     "normconv.verify": 0.2,  # guarded forwards, comparisons
     "normconv.selections": 0.18,  # discrete selections recorded and replayed
     "normconv.clone": 0.15,  # tensor-sharing copies
@@ -193,7 +193,7 @@ def test_package_imports_without_cycles():
     import subprocess
     import sys
 
-    for module in ("normconv.kinds", "normconv.graph.match", "normconv.io.pickles", "normconv.io.inputs",
+    for module in ("normconv.kinds", "normconv.match", "normconv.io.pickles", "normconv.io.inputs",
                    "normconv.io.hf_inputs", "normconv.io.outputs", "normconv.io.write", "normconv.io.load",
                    "normconv.graph.detect", "normconv.onnx.export", "normconv.passes.swap_norm",
                    "normconv.stream.checkpoint", "normconv.stream.blocks", "normconv.stream.swap",

@@ -25,7 +25,7 @@ from normconv.errors import Code, NormconvError
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv import kinds
-from normconv.graph.match import TRANSPARENT, op_of
+from normconv.match import TRANSPARENT, op_of
 from normconv.verify import Inputs, compare, forward_guard, output_leaves, run
 
 

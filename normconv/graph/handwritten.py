@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
-from normconv.graph.match import PARAM_VIEW, arg, dims_of, scalar
+from normconv.match import PARAM_VIEW, arg, dims_of, scalar
 from normconv.graph.site import NormSite
 
 
