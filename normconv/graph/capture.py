@@ -427,7 +427,13 @@ def _draft_guards(ep: Any) -> tuple[Guard, ...]:
     """The data-dependent decisions draft_export specialized (its report's failures), each with the module whose
     forward made it (the module stack of the graph's nodes from that line; the model's own when none)."""
     report = getattr(ep, "_report", None)
-    names = getattr(report, "str_to_filename", None) or {}
+    names = dict(getattr(report, "str_to_filename", None) or {})
+    try:  # the report maps only the file names first interned during this export; torch's table has them all
+        from torch._logging.structured import INTERN_TABLE
+
+        names.update({v: k for k, v in INTERN_TABLE.items()})
+    except ImportError:
+        pass
     owners: dict[tuple[str, int], str] = {}
     for n in ep.graph_module.graph.nodes:
         last = _last_frame(n.meta.get("stack_trace") or "")

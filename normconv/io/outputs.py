@@ -183,7 +183,7 @@ class LatchedFile(io.RawIOBase):
     """A file written through Python whose first OSError is kept, not thrown into the serializer: torch's C++ zip
     writer turns a failed write into ``unexpected pos 2048 vs 1942`` (and a .pt2 writer can abort the process from
     its destructor), so the writer is let finish into the void and ``latched`` raises the OSError itself, errno
-    and all (ENOSPC: no space left on the device)."""
+    and all (ENOSPC: no space left on device)."""
 
     def __init__(self, path: str):
         super().__init__()

@@ -2,7 +2,7 @@
 anything the run read, as the run's ledger says: ``loaded.ledger.check_write(path, in_place)``; only ever over a
 regular file; a folder that exists and is writable), the format its suffix asks for, a temp file beside it renamed
 into place only when the whole write succeeded, the temp files of a killed run removed, and a failed write said in
-one line (a full disk as "no space left on the device"). SIGINT / SIGTERM wait while a temp file is created or
+one line (a full disk as "no space left on device"). SIGINT / SIGTERM wait while a temp file is created or
 removed (``signals_held``), so an interrupt never leaves one behind.
 
 One of the io room's lowest modules (onnx.export uses ``check_writable`` and the temp names): it imports
@@ -174,7 +174,7 @@ def write_error(out: Any, exc: BaseException) -> NormconvError:
     """An OSError while writing is the user's situation (full disk, permissions), said in one line."""
     import errno
 
-    why = {errno.ENOSPC: "no space left on the device", errno.EACCES: "permission denied",
+    why = {errno.ENOSPC: "no space left on device", errno.EACCES: "permission denied",
            errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded"}.get(
         getattr(exc, "errno", None), describe(exc))
     return NormconvError(f"cannot write {out}: {why}; nothing was written")
