@@ -41,6 +41,8 @@ CASES = [
     ("zero-size tensors", {"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "b": T}, bytes(8), None),
     ("bf16 and bool", {"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]},
                        "b": {"dtype": "BOOL", "shape": [4], "data_offsets": [4, 8]}}, bytes(8), None),
+    ("unsigned and e8m0", {"a": {"dtype": "U16", "shape": [2], "data_offsets": [0, 4]},
+                           "b": {"dtype": "F8_E8M0", "shape": [4], "data_offsets": [4, 8]}}, bytes(8), None),
     ("header length 2^60", {"a": T}, bytes(8), 2 ** 60),
     ("header length past the file (abuse attempt 1)", {"a": T}, bytes(8), 1000),
     ("header length 0", {"a": T}, bytes(8), 0),
@@ -75,22 +77,32 @@ def _library_accepts(path: Path) -> bool:
 
 @pytest.mark.parametrize("name,header,data,n", CASES, ids=[c[0] for c in CASES])
 def test_headers_are_accepted_exactly_when_the_library_accepts_them(tmp_path, name, header, data, n):
-    path = tmp_path / "x.safetensors"
+    """normconv's own reader (the --stream checkpoint: headers, then positioned reads of every tensor) accepts a
+    file exactly when the library does, and refuses the others with a one-line NormconvError (never MemoryError,
+    KeyError, or a silent read)."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    path = folder / "model.safetensors"
     if name.startswith("file shorter"):
         path.write_bytes(b"\x10\x00")
     else:
         _file(path, header, data, n)
     ours = True
     try:
-        safetensors_header(path)
+        ckpt = Checkpoint(folder)
+        for k in ckpt.weight_map:
+            ckpt.get(k)
     except NormconvError as exc:
         ours = False
         assert str(path) in str(exc) and "\n" not in str(exc)
     assert ours == _library_accepts(path), name
+    if ours:  # the header normconv parsed is the one the library read
+        assert set(safetensors_header(path)) - {"__start__", "__metadata__"} == set(ckpt.weight_map)
 
 
 READABLE = [c for c in CASES if c[0] in ("valid", "valid I32 from the library's test", "metadata and padding",
-                                         "zero-size tensors", "bf16 and bool")]
+                                         "zero-size tensors", "bf16 and bool", "unsigned and e8m0")]
 
 
 @pytest.mark.parametrize("name,header,data,n", READABLE, ids=[c[0] for c in READABLE])

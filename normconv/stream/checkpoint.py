@@ -36,6 +36,10 @@ _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".safetenso
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+# the library's other dtypes that torch holds (F4 / F6 pack several values per byte: refused in one line)
+_DTYPES.update({code: getattr(torch, name) for code, name in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                                                              ("F8_E8M0", "float8_e8m0fnu"), ("C64", "complex64"))
+                if hasattr(torch, name)})
 _CODES = {v: k for k, v in _DTYPES.items()}
 _entries = tensor_names  # a header's tensor names (io.hf_folder: headers validated by the safetensors library)
 
