@@ -28,6 +28,9 @@ def user_project(tmp_path, monkeypatch):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
     torch.save(net.state_dict(), tmp_path / "trained.pt")
+    from safetensors.torch import save_file
+
+    save_file({"scale": torch.ones(4)}, tmp_path / "extra.safetensors")
     (tmp_path / "userhelpers.py").write_text("import torch.nn as nn\n\n"
                                             "def body():\n    return nn.Sequential(nn.Conv2d(3, 4, 3), "
                                             "nn.BatchNorm2d(4))\n")
@@ -38,6 +41,8 @@ def user_project(tmp_path, monkeypatch):
         def make():
             net = body()
             net.load_state_dict(torch.load({str(tmp_path / 'trained.pt')!r}))  # read by the factory itself
+            from safetensors.torch import load_file
+            load_file({str(tmp_path / 'extra.safetensors')!r})  # read in Rust: no audit event
             return net.eval(), (torch.randn(2, 3, 8, 8),)
     """))
     monkeypatch.chdir(tmp_path)
@@ -46,7 +51,7 @@ def user_project(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
-@pytest.mark.parametrize("target", ["userfactory.py", "userhelpers.py", "trained.pt"])
+@pytest.mark.parametrize("target", ["userfactory.py", "userhelpers.py", "trained.pt", "extra.safetensors"])
 def test_the_factory_s_code_and_what_it_read_are_never_written(cli, user_project, target):
     path = user_project / target
     before = fingerprint(path)

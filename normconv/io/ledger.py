@@ -3,7 +3,7 @@
     ledger = Ledger()
     with ledger.watching():          # every file opened for reading inside is recorded (Python's "open" audit event)
         model = import_and_build()
-    ledger.record(path)              # files read where no audit event fires (safetensors, torch's C++ readers)
+    ledger.record(path)              # files read where no audit event fires (torch's C++ readers)
     ledger.record_folder(folder)     # a folder: nothing may be written inside it, and every file in it is recorded
     ledger.check_write(out)          # NormconvError unless ``out`` may be written: see ``check_write``
 
@@ -23,7 +23,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from normconv.errors import NormconvError
 
@@ -138,7 +138,37 @@ def _install_hook() -> None:
     with _LOCK:
         if not _HOOKED:
             sys.addaudithook(_audit)  # process-wide and permanent: it does nothing unless a ledger is watching
+            _watch_safetensors()
             _HOOKED = True
+
+
+def _watch_safetensors() -> None:
+    """safetensors opens files in Rust (no audit event): its ``safe_open`` (which ``load_file`` calls) reports the
+    path it opens to the watching ledgers. Modules that imported it before keep the library's own (a Hugging Face
+    folder is recorded whole anyway)."""
+    try:
+        import safetensors
+        import safetensors.torch as st_torch
+    except ImportError:
+        return
+    real = safetensors.safe_open
+
+    def safe_open(filename, *args, **kwargs):
+        _record_read(filename)
+        return real(filename, *args, **kwargs)
+
+    safe_open.__doc__ = real.__doc__
+    for module in (safetensors, st_torch):
+        if getattr(module, "safe_open", None) is real:
+            module.safe_open = safe_open
+
+
+def _record_read(path: Any) -> None:
+    for ledger in list(_WATCHING):
+        try:
+            ledger.record(os.fsdecode(path))
+        except (OSError, ValueError, TypeError):
+            pass
 
 
 def _audit(event: str, args: tuple) -> None:
@@ -148,13 +178,8 @@ def _audit(event: str, args: tuple) -> None:
     if isinstance(path, int) or path is None:
         return  # an already open descriptor
     reads = ("r" in mode or "+" in mode) if isinstance(mode, str) else (flags & os.O_ACCMODE) != os.O_WRONLY
-    if not reads:
-        return
-    for ledger in list(_WATCHING):
-        try:
-            ledger.record(os.fsdecode(path))
-        except (OSError, ValueError, TypeError):
-            pass
+    if reads:
+        _record_read(path)
 
 
 __all__ = ["Ledger", "Entry"]
