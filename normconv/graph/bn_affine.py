@@ -190,7 +190,7 @@ def _affine(cap: Captured, site: NormSite, mod: nn.Module | None, channels: int,
             if ten is None:
                 raise Refusal(BNWhy.STATS_NOT_TENSOR, f"running statistic {name} is not a tensor of the model")
     # native / functional BN reads (C,) vectors on dim 1; a hand-written one broadcasts its own shapes
-    rank = rank if site.source == "handwritten" else 2
+    rank = rank if site.source == "handwritten" and not site.channel_vectors else 2
     vecs = [channel_vector(v, channels, rank, name) for v, name in zip(tensors, ("mean", "var", "weight", "bias"))]
     mean, var, gamma, beta = vecs
     gamma = (torch.ones(channels, dtype=torch.float64) if gamma is None else gamma) + site.weight_offset
