@@ -28,7 +28,7 @@ from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, batchnorm_site
                                       fold_forward, is_pass_through)
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
-from normconv.graph.match import PERMUTE, VIEW, call_name
+from normconv.graph.match import PERMUTE, VIEW, call_name, permutation
 from normconv.report import PassResult, Site, Why
 from normconv.nn.modules import ChannelShift
 
@@ -206,28 +206,6 @@ def _shape_only_use(cap: Captured, user: fx.Node, n: fx.Node) -> bool:
     return call_name(user) in ("reshape_as", "view_as", "expand_as") and user.args[0] is not n
 
 
-def _perm(cap: Captured, node: fx.Node, rank: int) -> list[int] | None:
-    """out[i] = in[perm[i]] for a permutation op, or None when its dims are not constants."""
-    name, args = call_name(node), list(node.args[1:])
-    if name == "t":
-        return [1, 0] if rank == 2 else list(range(rank))
-    if name in ("transpose", "swapaxes", "swapdims"):
-        d = [node.kwargs.get(k, a) for k, a in zip(("dim0", "dim1"), args)] if len(args) >= 2 else \
-            [node.kwargs.get("dim0"), node.kwargs.get("dim1")]
-        if not all(isinstance(x, int) for x in d):
-            return None
-        perm = list(range(rank))
-        a, b = d[0] % rank, d[1] % rank
-        perm[a], perm[b] = perm[b], perm[a]
-        return perm
-    if name == "permute":
-        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args or node.kwargs.get("dims")
-        if not dims or not all(isinstance(x, int) for x in dims):
-            return None
-        return [x % rank for x in dims]
-    return None  # movedim: not needed so far
-
-
 def _channel_axis_kept(cap: Captured, layer: fx.Node, mod: nn.Module, layouts, path: str) -> None:
     """Follow the layer's channel axis through ``layouts`` (graph order); it must end on dim 1."""
     shape = cap.shape(layer)
@@ -242,7 +220,7 @@ def _channel_axis_kept(cap: Captured, layer: fx.Node, mod: nn.Module, layouts, p
         if src is None or out is None:
             raise _Skip(FoldWhy.NO_SHAPE, f"no recorded shape at {cap.describe(n)}")
         if _layout(cap, n) == "permute":
-            perm = _perm(cap, n, len(src))
+            perm = permutation(n, len(src))
             if perm is None:
                 raise _Skip(FoldWhy.LAYOUT, f"{call_name(n)} at {n.name} has non-constant dims")
             # out[i] = in[perm[i]]  =>  the channel axis moves to perm.index(axis)

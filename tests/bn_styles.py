@@ -78,6 +78,7 @@ class BatchNormAct2d(nn.BatchNorm2d):
         self.act = act_layer() if apply_act else nn.Identity()
 
     def forward(self, x):
+        torch._assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
         if self.momentum is None:
             exponential_average_factor = 0.0
         else:

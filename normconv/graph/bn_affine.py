@@ -143,16 +143,18 @@ def as_module(site: NormSite) -> bool:
     return site.source == "module" or (site.source == "handwritten" and site.target == site.owner)
 
 
-def channel_affine(cap: Captured, site: NormSite, removable: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_affine(cap: Captured, site: NormSite, removable: bool = True,
+                   training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Guards on the BN itself; returns its per-channel (s, t) in float64. ``removable``: also require that the BN
-    can leave the model (a module, or a self-contained site of a traced graph that can be handed back)."""
+    can leave the model (a module, or a self-contained site of a traced graph that can be handed back).
+    ``training``: a module in training mode is taken too (its eval-mode self is what is rewritten)."""
     mod = cap.modules.get(site.target) if site.source == "module" else None
     # no running statistics  =>  BN normalizes with batch statistics, nothing to fold
     if site.running_mean is None or site.running_var is None:
         raise Refusal(BNWhy.NO_STATS, "no running statistics (track_running_stats=False): it normalizes with batch "
                                       "statistics")
     # training mode  =>  BN uses batch statistics, folding would change the model
-    if mod is not None and mod.training:
+    if mod is not None and mod.training and not training:
         raise Refusal(BNWhy.TRAINING, "module is in training mode: call .eval() first (or pass --eval)")
     if site.source == "functional" and batch_norm_args(cap.nodes[site.node])["training"] is not False:
         raise Refusal(BNWhy.BATCH_STATS, "F.batch_norm with training=True normalizes with batch statistics")
