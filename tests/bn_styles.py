@@ -14,6 +14,9 @@ torchvision, detectron2, mmcv are not installed: their wheels need their own tor
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -217,3 +220,71 @@ class Net(nn.Module):
 def net(norm, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return randomize(Net(norm), seed).eval()
+
+
+class Crepe(nn.Module):
+    """torchcrepe's layout, small: each block is zero pad -> conv -> relu -> BatchNorm -> max pool (the BN after the
+    activation, so ``fold`` alone folds nothing), then permute + reshape -> linear -> sigmoid. ``pad_mode`` reflect:
+    the shift of each BN passes into the next conv too."""
+
+    def __init__(self, channels=(1, 8, 16, 16), length: int = 64, bins: int = 12, pad_mode: str = "constant"):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(channels[i], channels[i + 1], (8, 1), stride=(2 if i == 0 else 1, 1))
+                                   for i in range(len(channels) - 1))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(c, eps=1e-3) for c in channels[1:])
+        self.pad_mode = pad_mode
+        size = length // 2
+        for _ in channels[1:]:
+            size //= 2
+        self.classifier = nn.Linear(channels[-1] * size, bins)
+
+    def forward(self, x):
+        x = x[:, None, :, None]
+        for i, (conv, bn) in enumerate(zip(self.convs, self.bns)):
+            x = F.pad(x, (0, 0, 3, 4), mode=self.pad_mode)
+            x = F.max_pool2d(bn(F.relu(conv(x))), (2, 1), (2, 1))
+        x = x.permute(0, 2, 1, 3).reshape(-1, self.classifier.in_features)
+        return torch.sigmoid(self.classifier(x))
+
+
+def toy_pitch(n: int, length: int = 64, bins: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noisy sinusoids whose frequency is one of ``bins`` classes: (signals (n, length), labels (n,))."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, bins, (n,), generator=g)
+    freq = 1.0 + labels.float() * 0.6 + torch.rand(n, generator=g) * 0.3
+    phase = torch.rand(n, 1, generator=g) * 6.283
+    t = torch.arange(length).float() / length * 6.283
+    x = torch.sin(freq[:, None] * t + phase) * (0.5 + torch.rand(n, 1, generator=g)) + \
+        0.1 * torch.randn(n, length, generator=g)
+    return x, labels
+
+
+@functools.lru_cache(maxsize=4)
+def _trained(pad_mode: str, steps: int, seed: int) -> nn.Module:
+    return _train(pad_mode, steps, seed)
+
+
+def trained_crepe(pad_mode: str = "constant", steps: int = 60, seed: int = 0) -> nn.Module:
+    """A Crepe trained for a few seconds on ``toy_pitch`` (real running statistics, learned gammas), in eval mode; one
+    training per arguments and test session, a copy for each caller."""
+    return copy.deepcopy(_trained(pad_mode, steps, seed))
+
+
+def _train(pad_mode: str, steps: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = Crepe(pad_mode=pad_mode)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    x, y = toy_pitch(2048, seed=seed)
+    model.train()
+    for step in range(steps):
+        i = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step))
+        loss = F.binary_cross_entropy(model(x[i]), F.one_hot(y[i], 12).float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(-1) == y).float().mean())
