@@ -46,6 +46,11 @@ def recalibrate(loaded: Loaded, opts: Options, batches: Sequence[Inputs]) -> tup
     """New running statistics from ``batches`` (each one forward's inputs), checked, then written."""
     if not batches:
         raise NormconvError("recalibrate needs at least one calibration batch")
+    try:  # the user's data, checked on the first batch before any work
+        run(loaded.model, batches[0])
+    except Exception as exc:
+        raise NormconvError(f"calibration batch 0 ({batches[0].describe()}) does not run through the model: "
+                            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from None
     if loaded.inputs is None:  # the first batch is an example of what the model takes
         loaded = dataclasses.replace(loaded, inputs=batches[0])
     inputs = loaded.require_inputs()
