@@ -94,9 +94,11 @@ class _No(Exception):
 
 
 def default_groups(channels: int, per_channel: int) -> int:
-    """The largest divisor of ``channels`` up to MAX_GROUPS whose groups hold FEW_VALUES values per sample (each
-    channel brings ``per_channel``), else the largest whose groups hold two; 0 when even one group holds one."""
-    divisors = [g for g in range(min(channels, MAX_GROUPS), 0, -1) if channels % g == 0]
+    """The largest divisor of ``channels`` up to MAX_GROUPS that leaves two channels or more in a group (G = C would be
+    InstanceNorm: ask for it by name) whose groups hold FEW_VALUES values per sample (each channel brings
+    ``per_channel``), else the largest whose groups hold two; 0 when even one group holds one."""
+    divisors = [g for g in range(min(channels, MAX_GROUPS), 0, -1)
+                if channels % g == 0 and (channels // g >= 2 or channels == 1)]
     for least in (FEW_VALUES, 2):
         for g in divisors:
             if channels // g * per_channel >= least:
