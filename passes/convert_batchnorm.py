@@ -107,8 +107,21 @@ def default_groups(channels: int, per_channel: int) -> int:
 
 
 def analyze(cap: Captured, norms: Sequence[NormSite], to: str, groups: int | None = None,
-            as_conv: bool = False) -> list[Decision]:
-    return [_decide(cap, s, to, groups, as_conv) for s in batchnorm_sites(norms)]
+            as_conv: bool = False, forms: dict[str, ModuleForm | NotAModule] | None = None) -> list[Decision]:
+    """Each BatchNorm site's decision; ``forms``: the sites' module forms by node, when already found."""
+    forms = forms if forms is not None else _forms(cap, norms)
+    return [_decide(cap, s, to, groups, as_conv, forms[s.node]) for s in batchnorm_sites(norms)]
+
+
+def _forms(cap: Captured, norms: Sequence[NormSite]) -> dict[str, ModuleForm | NotAModule]:
+    """Where each BatchNorm site's replacement would go (graph.norm_module), or why it has no module."""
+    out: dict[str, ModuleForm | NotAModule] = {}
+    for s in batchnorm_sites(norms):
+        try:
+            out[s.node] = module_form(cap, s)
+        except NotAModule as why:
+            out[s.node] = why
+    return out
 
 
 def plan(cap: Captured, norms: Sequence[NormSite], to: str = "frozen-batchnorm", groups: int | None = None,
@@ -118,18 +131,17 @@ def plan(cap: Captured, norms: Sequence[NormSite], to: str = "frozen-batchnorm",
 
 def plan_every_target(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     """What each target would do at each BatchNorm site (inspect): one Site per target, its reason led by it."""
-    out = []
+    out, forms = [], _forms(cap, norms)
     for to in TARGETS:
-        for d in analyze(cap, norms, to):
+        for d in analyze(cap, norms, to, forms=forms):
             out.append(Site(NAME, d.site.target, d.applied, f"--to {to}: {d.reason}", d.code))
     return out
 
 
-def _decide(cap: Captured, site: NormSite, to: str, groups: int | None, as_conv: bool) -> Decision:
-    try:
-        form = module_form(cap, site)
-    except NotAModule as why:
-        return Decision(site, False, str(why), ConvertWhy(why.code.value))
+def _decide(cap: Captured, site: NormSite, to: str, groups: int | None, as_conv: bool,
+            form: ModuleForm | NotAModule) -> Decision:
+    if isinstance(form, NotAModule):
+        return Decision(site, False, str(form), ConvertWhy(form.code.value))
     module = cap.model if form.path == "" else cap.modules[form.path]
     shape = cap.shape(cap.nodes[site.input])
     try:

@@ -20,6 +20,7 @@ from normconv.passes.fold_batchnorm import FoldWhy
 from normconv.passes.fold_scales import FoldScalesWhy
 from normconv.passes.fold_through import ThroughWhy
 from normconv.passes.convert_batchnorm import ConvertWhy
+from normconv.passes.recalibrate import RecalibrateWhy
 from normconv.passes.fold_weight_standardization import FoldWSWhy
 from normconv.passes.lift_layers import LiftWhy
 from normconv.passes.rotate import RotateWhy
@@ -28,7 +29,7 @@ from normconv.passes.swap_norm import SwapWhy
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WHY = {"fold": FoldWhy, "swap": SwapWhy, "deepnorm": DeepNormWhy, "fold-scales": FoldScalesWhy, "rotate": RotateWhy,
        "fold-weight-standardization": FoldWSWhy, "lift": LiftWhy, "fold-through": ThroughWhy,
-       "convert-batchnorm": ConvertWhy}
+       "convert-batchnorm": ConvertWhy, "recalibrate": RecalibrateWhy}
 
 
 def _codes_of_their_pass(sites) -> list:

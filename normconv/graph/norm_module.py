@@ -54,7 +54,10 @@ def module_form(cap: Captured, site: NormSite) -> ModuleForm:
     whole = site.source == "module" or (site.source == "handwritten" and site.target == site.owner)
     path = site.target if whole else site.owner
     module = cap.model if path == "" else cap.modules.get(path)
-    calls = {cap.call_of(n, path) for n in cap.gm.graph.nodes if path and cap.call_of(n, path) is not None}
+    # a whole norm module called twice is two sites of one target (detect counts them); a module around a
+    # functional norm is counted by its calls in the graph
+    calls = set() if whole or not path else \
+        {c for n in cap.gm.graph.nodes if (c := cap.call_of(n, path)) is not None}
     if site.calls > 1 or len(calls) > 1 or cap.module_calls.get(path, 1) > 1:
         raise NotAModule(FormWhy.CALLED_TWICE, f"{path} is called at {max(site.calls, len(calls), 2)} places: a "
                                                f"replacement would replace every call")
