@@ -3,6 +3,8 @@
     import normconv
     folded, report = normconv.fold(model, x)                 # x: one tensor, a tuple of args, or Inputs
     swapped, report = normconv.swap(model, x, to="rmsnorm")
+    frozen, report = normconv.swap(model, x, to="frozen-batchnorm")   # or batchnorm, affine, groupnorm[:G], ...
+    recalibrated, report = normconv.recalibrate(model, calibration_tensor)
     rotated, report = normconv.rotate(model, x)              # scales folded, residual stream rotated
     report = normconv.export(model, x, "model.onnx")
     report = normconv.inspect(model, x)
@@ -21,6 +23,7 @@ import torch.nn as nn
 
 from normconv.commands import canonicalize as canonicalize_cmd, deepnorm as deepnorm_cmd, export as export_cmd
 from normconv.commands import fold as fold_cmd, inspect as inspect_cmd, swap as swap_cmd
+from normconv.commands import recalibrate as recalibrate_cmd, swap_batchnorm as swap_batchnorm_cmd
 from normconv.errors import NormconvError
 from normconv.io.inputs import without_kv_cache
 from normconv.io.load import Loaded
@@ -69,14 +72,41 @@ def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = 
 def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate: bool = False, *,
          atol: float | None = None, rtol: float | None = None, method: str = "auto",
          canonicalize: bool = True, fold_scales: bool = False, partial: bool = False,
-         accept_specialized: bool = False) -> tuple[nn.Module, Report]:
+         as_conv: bool = False, accept_specialized: bool = False) -> tuple[nn.Module, Report]:
     """LayerNorm -> RMSNorm (exact on pre-LN models) or back; ``approximate`` swaps the rest and reports the drift;
     ``partial`` swaps only the sites that are exact and keeps the others (the result stays exact);
     ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers).
+    BatchNorm: ``to`` = "frozen-batchnorm", "batchnorm" (from SyncBatchNorm / frozen), "affine" (``as_conv``: a
+    depthwise 1x1 conv), "groupnorm" / "groupnorm:G" or "instancenorm" (approximate: drift reported).
     Returns (new model, report)."""
-    report, new = swap_cmd.swap(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, method=method,
-                                accept_specialized=accept_specialized), to, approximate,
+    opts = Options(atol=atol, rtol=rtol, method=method, accept_specialized=accept_specialized)
+    if swap_batchnorm_cmd.parse_target(to) is not None:
+        if approximate or partial or fold_scales:
+            raise NormconvError(f"approximate, partial and fold_scales do not go with to={to!r}")
+        report, new = swap_batchnorm_cmd.swap_batchnorm(_loaded(model, example_inputs), opts, to, as_conv=as_conv)
+        return new, report
+    if as_conv:
+        raise NormconvError("as_conv goes with to='affine'")
+    report, new = swap_cmd.swap(_loaded(model, example_inputs), opts, to, approximate,
                       canonicalize=canonicalize, fold_scales_=fold_scales, partial=partial)
+    return new, report
+
+
+def recalibrate(model: nn.Module, calibration: Any, *, batch_size: int = 32, example_inputs: Any = None,
+                atol: float | None = None, rtol: float | None = None,
+                method: str = "auto") -> tuple[nn.Module, Report]:
+    """Every BatchNorm's running statistics re-estimated from ``calibration`` (a tensor, tuple or dict of tensors whose
+    first dim is the samples, cut into batches of ``batch_size``; or a list of ready batches, each a tensor, tuple,
+    dict or Inputs), as a cumulative average; nothing else changes (checked). ``example_inputs``: what the checks
+    run on (default: the first batch). Returns (new model, report)."""
+    if isinstance(calibration, list):
+        batches = [as_inputs(b) for b in calibration]
+    else:
+        batches = recalibrate_cmd.split_batches(as_inputs(calibration), batch_size)
+    if not batches:
+        raise NormconvError("recalibrate needs at least one calibration batch")
+    loaded = _loaded(model, example_inputs if example_inputs is not None else batches[0] if batches else None)
+    report, new = recalibrate_cmd.recalibrate(loaded, Options(atol=atol, rtol=rtol, method=method), batches)
     return new, report
 
 
@@ -151,4 +181,4 @@ def load(spec: str, **kwargs: Any) -> tuple[nn.Module, Inputs | None]:
     return loaded.model, loaded.inputs
 
 
-__all__ = ["fold", "canonicalize", "swap", "rotate", "deepnorm", "export", "inspect", "load", "as_inputs", "Inputs"]
+__all__ = ["fold", "canonicalize", "swap", "recalibrate", "rotate", "deepnorm", "export", "inspect", "load", "as_inputs", "Inputs"]

@@ -9,6 +9,8 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
   normconv.nn.modules.Float32Norm       ->  GraphModule: norm(x.to(compute)).to(out)      (same keys: norm.*)
   normconv.nn.modules.ChannelShift      ->  GraphModule: (x.transpose(1, -1) + bias).transpose(1, -1)   (key: bias)
   normconv.nn.modules.MovedDimNorm      ->  GraphModule: norm(x.movedim(dims, -1)).movedim(-1, dims)  (keys: norm.*)
+  normconv.nn.modules.FrozenBatchNorm   ->  GraphModule: F.batch_norm(x, its four buffers, training=False)  (same keys)
+  normconv.nn.modules.ChannelAffine     ->  GraphModule: x * weight + bias per channel            (same keys)
   DeepNorm BranchScale / InputScale     ->  GraphModule hooks computing the same product
 
 ``keep_normconv=True`` (``--normconv-modules``) keeps normconv's faster eager modules; loading then needs normconv.
@@ -24,9 +26,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from normconv.clone import clone_sharing_tensors, release
-from normconv.nn.modules import BranchScale, ChannelShift, Float32Norm, InputScale, MovedDimNorm
+from normconv.nn.modules import (BranchScale, ChannelAffine, ChannelShift, Float32Norm, FrozenBatchNorm, InputScale,
+                                 MovedDimNorm)
 from normconv.kinds import KINDS
 from normconv.verify import Inputs, run
 
@@ -86,6 +90,17 @@ class _InputHook(nn.Module):
         return (args[0] * self.factor,) + args[1:]
 
 
+class _Frozen(nn.Module):
+    def __init__(self, m: FrozenBatchNorm):
+        super().__init__()
+        self.eps = m.eps
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            self.register_buffer(name, getattr(m, name))
+
+    def forward(self, x):  # batch statistics never (training=False), the buffers passed as they are (kept on reload)
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
 def _graph_module(root: nn.Module, name: str) -> fx.GraphModule:
     gm = fx.symbolic_trace(root)
     gm.__class__.__name__ = name  # the repr a user sees; pickling stores the code, not this class
@@ -105,6 +120,10 @@ def _torch_form(m: nn.Module) -> nn.Module | None:
         return _graph_module(_Shift(m.bias), "ChannelShift")
     if isinstance(m, MovedDimNorm):
         return _graph_module(_Moved(m.norm, m.dims), "MovedDimNorm")
+    if isinstance(m, FrozenBatchNorm):
+        return _graph_module(_Frozen(m), "FrozenBatchNorm")
+    if isinstance(m, ChannelAffine):  # its forward is static in the rank: traced as it is
+        return _graph_module(m, "ChannelAffine")
     return None
 
 
