@@ -36,17 +36,9 @@ from normconv.errors import NormconvError, VerificationError
 from normconv.quiet import quiet
 from normconv.io.write import check_writable
 from normconv.report import Report, Site, Why
+from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET, OPSETS, TARGETS
 
 NAME = "export"
-OPSETS = range(17, 24)
-# torch.onnx.export's own default; at 18 tanh-GELU decomposes into 8 ops onnxruntime CPU does not fuse back
-# (zoo:gpt measured 6% slower than at 20, where it is one Gelu)
-DEFAULT_OPSET = 20
-TARGETS = ("onnx", "ort")
-# onnxruntime is the runtime users deploy to unless they say otherwise; measured (BENCHMARKS.md, export defaults):
-# at opset 20 an RMSNorm stack runs 2.1x slower as the portable function-bodied normconv.RMSNorm (--target onnx)
-# than as SimplifiedLayerNormalization (--target ort), which matches plain torch.onnx.export at its best opset (23)
-DEFAULT_TARGET = "ort"
 # the provider deployed to picks the Skip*LayerNormalization fusion: measured on an H100 (fp16, (8, 2048, 4096)) the
 # fused op runs 1.64x faster than Add + norm, and the 16-layer Llama 4% faster; on onnxruntime CPU it is slower
 DEVICES = ("cpu", "cuda")
