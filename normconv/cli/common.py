@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Callable, Optional
 import typer
 
 from normconv.errors import EXIT_BAD_INPUT, NormconvError, VerificationError
+from normconv.quiet import end_progress, phase, progress_display
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +71,7 @@ def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[li
                     dtype: Optional[str], trust_remote_code: bool = False) -> Loaded:
     from normconv.io.load import load
 
+    phase("load", detail=model)
     if is_onnx(model):  # inspect, fold and export dispatch ONNX files before they get here
         raise NormconvError(f"{model} is an ONNX file: normconv inspect, fold and export read ONNX files; this "
                             f"command rewrites PyTorch models (give it the model the file was exported from)")
@@ -165,9 +167,25 @@ def report_stdout():
         sys.stdout = sys.stderr
 
 
+_SHOW_PROGRESS = [True]  # the global --quiet turns it off (normconv.cli's callback)
+
+
+def show_progress(on: bool) -> None:
+    _SHOW_PROGRESS[0] = on
+
+
+def progress_wanted() -> bool:
+    """A progress display on stderr while a command runs: unless --quiet, and only where stderr is a terminal."""
+    try:
+        return _SHOW_PROGRESS[0] and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
+
+
 def emit(report: Report, as_json: bool, printer: Callable[[Report], None] | None = None) -> None:
     from normconv.report import print_json, print_report
 
+    end_progress()  # the display is gone before the report prints
     printer = printer or print_report
     with report_stdout():
         if as_json:
@@ -177,6 +195,7 @@ def emit(report: Report, as_json: bool, printer: Callable[[Report], None] | None
 
 
 def fail(message: str, code: int) -> None:
+    end_progress()
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
     raise typer.Exit(code)
@@ -189,7 +208,8 @@ def user_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
         try:
-            with model_output_to_stderr():  # what the model prints never lands in the report (--json stays JSON)
+            # what the model prints never lands in the report (--json stays JSON); progress shows on stderr
+            with model_output_to_stderr(), progress_display(progress_wanted()):
                 return fn(*args, **kwargs)
         except VerificationError as exc:
             if exc.report is not None:
@@ -211,4 +231,5 @@ def user_errors(fn: Callable) -> Callable:
 
 
 __all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags",
-           "load_half_target", "fail", "options_from_flags", "is_onnx"]
+           "load_half_target", "fail", "options_from_flags", "is_onnx",
+           "show_progress", "progress_wanted"]
