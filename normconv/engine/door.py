@@ -81,6 +81,7 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     # everything the original has to say is taken before the passes (a disposable model is then written in place)
     reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
     reference = with_selections(loaded.model, inputs, reference)  # traced where it selects (labels, indices)
+    phase("verify", detail="the original at a second shape")
     alt = other_shape(loaded.model, inputs)
     before = model_stats(loaded.model, inputs if opts.bench else None)
     done = apply_passes(loaded.model, inputs, passes, opts.method, opts.eval_mode, writable=loaded.disposable,
