@@ -1,13 +1,26 @@
 """normconv's output is normconv's: libraries' logging, warnings and prints are silenced around the calls that make
-them (torch.export failures dump graphs, torch.onnx prints progress, torch's loaders log tracebacks)."""
+them (torch.export failures dump graphs, torch.onnx prints progress, torch's loaders log tracebacks); and
+normconv's own progress of long work, by phase (load, capture, rewrite, verify shape 1/2, write; streaming: block
+i/N; export: capture, export, validate).
+
+Every module calls ``phase(...)`` at its phase boundaries; it does nothing unless a display is on. The command
+line turns one on (``progress_display``) only where a person watches: stderr a terminal and no ``--quiet``. The
+display is rich's progress bar on stderr, never stdout (``--json`` stays one JSON object), imported only then.
+
+    with progress_display(enabled=sys.stderr.isatty()):
+        phase("verify", 1, 2, detail="shape")   # "verify: shape 1/2" with a bar
+        phase("capture")                         # a phase of unknown length
+        end_progress()                           # the display ends before a report is printed
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import sys
 import warnings
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 
 @contextlib.contextmanager
@@ -32,4 +45,76 @@ def quiet(loggers: Iterable[str] = ("torch",), stdout: bool = False, stderr: boo
             lg.setLevel(level)
 
 
-__all__ = ["quiet"]
+# ---------------------------------------------------------------------------------------------------------
+# progress
+
+_SHOWN: list[Any] = []  # the live display, while one is on (one at a time)
+
+
+def phase(name: str, step: int | None = None, total: int | None = None, detail: str = "") -> None:
+    """Tell the display (if one is on) that ``name`` has begun; ``step`` of ``total`` where the work counts
+    (a block of N, a shape of 2). ``detail``: a few words more (which pass, which shard)."""
+    if _SHOWN:
+        _SHOWN[-1].show(name, step, total, detail)
+
+
+def end_progress() -> None:
+    """End the live display now (before a report or an error is printed)."""
+    if _SHOWN:
+        _SHOWN.pop().close()
+
+
+def progress_active() -> bool:
+    return bool(_SHOWN)
+
+
+class _Bar:
+    """rich's Progress on stderr with one task whose description is the phase; transient (gone when it ends)."""
+
+    def __init__(self, console: Any = None) -> None:
+        # the stream stderr is now: a library silenced later (its stderr swapped for a buffer) leaves the bar shown
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
+            TimeElapsedColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=console or Console(file=sys.stderr), transient=True,
+                                 redirect_stdout=False, redirect_stderr=False)
+        self.task = self.progress.add_task("start", total=None)
+        self.last: tuple[str, str] = ("", "")
+        self.progress.start()
+
+    def show(self, name: str, step: int | None, total: int | None, detail: str) -> None:
+        text = name if not detail else f"{name}: {detail}"
+        if step is not None and total:
+            text = f"{text} {step}/{total}"
+        # a counted phase fills its bar (step - 1 of total done as step begins); an uncounted one pulses
+        self.progress.update(self.task, description=text, total=total or None,
+                             completed=(step - 1) if step is not None and total else 0)
+        if (name, detail) != self.last:  # a new phase is drawn at once (its steps at rich's own pace)
+            self.last = (name, detail)
+            self.progress.refresh()
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+@contextlib.contextmanager
+def progress_display(enabled: bool, console: Any = None) -> Iterator[None]:
+    """Within the block, ``phase`` calls show on a live progress bar (``enabled``: the caller decided a person is
+    watching); the display ends with the block, whatever ends it."""
+    if not enabled:
+        yield
+        return
+    bar = _Bar(console)
+    _SHOWN.append(bar)
+    try:
+        yield
+    finally:
+        if bar in _SHOWN:
+            _SHOWN.remove(bar)
+            bar.close()
+
+
+__all__ = ["quiet", "phase", "end_progress", "progress_active", "progress_display"]

@@ -348,8 +348,10 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
     d_atol, d_rtol = default_tolerance(floats[0] if floats else torch.float32)
     atol = d_atol if atol is None else atol
     rtol = d_rtol if rtol is None else rtol
-    whole = max((_scale(t) for _, t in ref if t.is_floating_point()), default=0.0)
-    errs = [_leaf_error(name, r, c, atol, rtol, by_scale, whole) for (name, r), (_, c) in zip(ref, cand)]
+    scales = [_scale(t) if t.is_floating_point() else float("nan") for _, t in ref]  # one pass over each leaf
+    whole = max((s for s in scales if not math.isnan(s)), default=0.0)
+    errs = [_leaf_error(name, r, c, atol, rtol, by_scale, whole, scale)
+            for (name, r), (_, c), scale in zip(ref, cand, scales)]
     if by_scale and squashed:
         errs = [_through(e, squashed[e.name], r.dtype == c.dtype) if e.name in squashed and
                 math.isfinite(e.tolerance) else e for e, (_, r), (_, c) in zip(errs, ref, cand)]
@@ -380,9 +382,10 @@ def _scale(t: torch.Tensor) -> float:
 
 
 def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float, by_scale: bool = False,
-                whole: float = 0.0) -> OutputError:
+                whole: float = 0.0, scale: float | None = None) -> OutputError:
     """One leaf's errors and verdict: relative to its scale where ``by_scale`` and its dtype has a bound
-    (``scale_tolerance``), else element-wise; ``whole``: the scale of an all-zero leaf (the output's largest)."""
+    (``scale_tolerance``), else element-wise; ``whole``: the scale of an all-zero leaf (the output's largest);
+    ``scale``: ``_scale(ref)`` when the caller has it."""
     if ref.shape != cand.shape:
         return OutputError(name, float("inf"), float("inf"), 0.0, False, note=f"shape {tuple(cand.shape)}, "
                                                                                 f"expected {tuple(ref.shape)}")
@@ -400,7 +403,7 @@ def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, r
     cosine = float((finite_r.flatten() @ finite_c.flatten()) / denom) if denom > 0 else float(torch.equal(r, c))
     rms = float(torch.where(torch.isfinite(diff), diff, 0.0).norm() / finite_r.norm()) if finite_r.norm() > 0 \
         else (0.0 if max_abs == 0 else float("inf"))
-    scale = _scale(ref) if ref.is_floating_point() else float("nan")
+    scale = (_scale(ref) if scale is None else scale) if ref.is_floating_point() else float("nan")
     scale = whole if scale == 0.0 and ref.is_floating_point() else scale
     scale_error = (max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))) \
         if ref.is_floating_point() else float("nan")

@@ -9,6 +9,7 @@ import typer
 
 from normconv import __version__
 from normconv.cli import canonicalize, deepnorm, export, fold, inspect, recalibrate, rotate, swap, zoo
+from normconv.cli.common import show_progress
 
 app = typer.Typer(
     name="normconv",
@@ -30,8 +31,11 @@ def _version(value: bool) -> None:
 def main_options(
     version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
                                                     help="print the version and exit")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="no progress display on stderr (it shows only when "
+                                                            "stderr is a terminal)")] = False,
 ) -> None:
     """Rewrite the normalization layers of PyTorch models and ship them to deployment."""
+    show_progress(not quiet)
 
 
 # the commands, in the order `normconv --help` lists them (an explicit tuple, no import-time registry)

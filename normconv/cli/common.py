@@ -2,6 +2,9 @@
 
 Exit codes: 0 ok, 1 verification failed (nothing written), 2 bad input, 3 internal error (a normconv bug).
 
+Importing the command line imports neither torch nor the report's renderers: each command imports what it runs
+when it runs (``normconv --version`` and ``--help`` stay light; tests/test_cli_imports.py holds it).
+
 stdout is normconv's: while a command runs, whatever the model prints (its forward, its factory, a library it
 calls, Python or C) goes to stderr (``model_output_to_stderr``); only the report (``emit``) reaches stdout, so
 ``--json`` is one JSON object whatever the model does.
@@ -14,14 +17,18 @@ import functools
 import os
 import sys
 import traceback
-from typing import Annotated, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
-import torch
 import typer
 
 from normconv.errors import EXIT_BAD_INPUT, NormconvError, VerificationError
-from normconv.io.load import Loaded, load
-from normconv.report import Report, print_json, print_report
+from normconv.quiet import end_progress, phase, progress_display
+
+if TYPE_CHECKING:
+    import torch
+
+    from normconv.io.load import Loaded
+    from normconv.report import Report
 
 EXIT_INTERNAL = 3
 
@@ -55,9 +62,17 @@ AcceptSpecializedOpt = Annotated[bool, typer.Option(
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relative tolerance (default by dtype: fp32 1e-4)")]
 
 
+def is_onnx(spec: str) -> bool:
+    """An ONNX file (inspect, fold and export take those down their own path), by name: nothing is imported."""
+    return str(spec).lower().endswith(".onnx")
+
+
 def load_from_flags(model: str, weights: Optional[str], input_shape: Optional[list[str]], trust_pickle: bool,
                     dtype: Optional[str], trust_remote_code: bool = False) -> Loaded:
-    if model.lower().endswith(".onnx"):  # inspect, fold and export dispatch ONNX files before they get here
+    from normconv.io.load import load
+
+    phase("load", detail=model)
+    if is_onnx(model):  # inspect, fold and export dispatch ONNX files before they get here
         raise NormconvError(f"{model} is an ONNX file: normconv inspect, fold and export read ONNX files; this "
                             f"command rewrites PyTorch models (give it the model the file was exported from)")
     loaded = load(model, weights=weights, input_shapes=input_shape, trust_pickle=trust_pickle, dtype=dtype,
@@ -152,7 +167,26 @@ def report_stdout():
         sys.stdout = sys.stderr
 
 
-def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = print_report) -> None:
+_SHOW_PROGRESS = [True]  # the global --quiet turns it off (normconv.cli's callback)
+
+
+def show_progress(on: bool) -> None:
+    _SHOW_PROGRESS[0] = on
+
+
+def progress_wanted() -> bool:
+    """A progress display on stderr while a command runs: unless --quiet, and only where stderr is a terminal."""
+    try:
+        return _SHOW_PROGRESS[0] and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
+
+
+def emit(report: Report, as_json: bool, printer: Callable[[Report], None] | None = None) -> None:
+    from normconv.report import print_json, print_report
+
+    end_progress()  # the display is gone before the report prints
+    printer = printer or print_report
     with report_stdout():
         if as_json:
             print_json(report)
@@ -161,6 +195,7 @@ def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = prin
 
 
 def fail(message: str, code: int) -> None:
+    end_progress()
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
     raise typer.Exit(code)
@@ -173,7 +208,8 @@ def user_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
         try:
-            with model_output_to_stderr():  # what the model prints never lands in the report (--json stays JSON)
+            # what the model prints never lands in the report (--json stays JSON); progress shows on stderr
+            with model_output_to_stderr(), progress_display(progress_wanted()):
                 return fn(*args, **kwargs)
         except VerificationError as exc:
             if exc.report is not None:
@@ -195,4 +231,5 @@ def user_errors(fn: Callable) -> Callable:
 
 
 __all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags",
-           "load_half_target", "fail", "options_from_flags"]
+           "load_half_target", "fail", "options_from_flags", "is_onnx",
+           "show_progress", "progress_wanted"]

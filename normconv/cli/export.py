@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
-                                 emit, load_half_target, options_from_flags, user_errors)
+                                 emit, is_onnx, load_half_target, options_from_flags, user_errors)
 from normconv.errors import NormconvError
-from normconv.onnx.export import DEFAULT_OPSET, DEFAULT_TARGET
-from normconv.report import Report, console, render_headroom, render_sites, render_validation, table
+from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    from normconv.report import Report
 
 
 def register(app: typer.Typer) -> None:
@@ -61,11 +63,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export to ONNX with every norm as one fused op; validate in onnxruntime (exit 1, no file, if it fails)."""
         from normconv.commands.export import export as run
-        from normconv.onnx import onnx_in
         from normconv.onnx.export import check_args
         from normconv.onnx.validate import parse_providers
 
-        if onnx_in.is_onnx(model):  # an ONNX file: fold + fuse, validated against the file given
+        if is_onnx(model):  # an ONNX file: fold + fuse, validated against the file given
+            from normconv.onnx import onnx_in
+
             emit(onnx_in.run(model, "export", output, target, opset, input_shape=input_shape, atol=atol, rtol=rtol,
                              dtype=dtype, keep_fp32=keep_fp32), as_json)
             return
@@ -89,6 +92,8 @@ def register(app: typer.Typer) -> None:
 
 def print_export(report: Report) -> None:
     """Op counts side by side, the per-site plan, validations, latency."""
+    from normconv.report import console, render_sites, render_validation, render_headroom, table
+
     c = console()
     ex = report.extra
     keys = list(dict.fromkeys([*report.after, *report.before]))

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_half_target, options_from_flags, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, is_onnx, load_half_target, options_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
     "--eval", help="rewrite a model saved in training mode as its eval-mode self (BN then uses its running statistics)")]
@@ -39,9 +39,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
         from normconv.commands.fold import fold as run
-        from normconv.onnx import onnx_in
 
-        if onnx_in.is_onnx(model):  # an ONNX file in, an ONNX file out, validated in onnxruntime
+        if is_onnx(model):  # an ONNX file in, an ONNX file out, validated in onnxruntime
+            from normconv.onnx import onnx_in
+
             emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol), as_json)
             return
         if stream:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import collections
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
-                                 load_half_target, user_errors)
+                                 is_onnx, load_half_target, user_errors)
 from normconv.errors import NormconvError
-from normconv.report import Report, console, render_headroom, table
+
+if TYPE_CHECKING:
+    from normconv.report import Report
 
 CAPTURES = ("auto", "symbolic_trace", "torch.export")
 
@@ -36,9 +38,10 @@ def register(app: typer.Typer) -> None:
         from normconv.commands.inspect import inspect as run
         from normconv.graph.headroom import HALF_DTYPES
         from normconv.io.inputs import load_calibration
-        from normconv.onnx import onnx_in
 
-        if onnx_in.is_onnx(model):  # an ONNX file: what fold and export would do at each site
+        if is_onnx(model):  # an ONNX file: what fold and export would do at each site
+            from normconv.onnx import onnx_in
+
             emit(onnx_in.run(model, "inspect", None, input_shape=input_shape), as_json)
             return
 
@@ -55,6 +58,8 @@ def register(app: typer.Typer) -> None:
 
 
 def print_inspect(report: Report) -> None:
+    from normconv.report import console, render_headroom, table
+
     c = console()
     ex = report.extra
     c.print(f"{report.model}: {len(report.sites)} norm sites "

@@ -7,7 +7,6 @@ import json
 import typer
 
 from normconv.cli.common import JsonOpt, report_stdout, user_errors
-from normconv.report import console, table
 
 
 def register(app: typer.Typer) -> None:
@@ -16,6 +15,7 @@ def register(app: typer.Typer) -> None:
     def zoo(as_json: JsonOpt = False) -> None:
         """List the built-in reference models (use them as zoo:NAME)."""
         from normconv.models import ZOO
+        from normconv.report import console, table
 
         with report_stdout():
             if as_json:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from normconv.quiet import phase
 from normconv.clone import clone_sharing_tensors, release
 from normconv.engine.door import looked, not_verified
 from normconv.engine.plans import float32_sites, plan_of
@@ -110,6 +111,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     report.extra["passes"] = [p.name for p in passes]
     report.sites.extend(pass_sites)
     if passes:
+        phase("verify", detail="torch, after the passes")
         selected = with_selections(source, src_inputs, reference32 if half is not None else reference)
         check = compare(selected, run(prepared, src_inputs, replay=selected),
                         None if half is not None else opts.atol, None if half is not None else opts.rtol,

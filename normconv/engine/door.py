@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch.nn as nn
 
+from normconv.quiet import phase
 from normconv.io import outputs
 from normconv.clone import clone_sharing_tensors
 from normconv.errors import Code, NormconvError, VerificationError
@@ -80,10 +81,12 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     # everything the original has to say is taken before the passes (a disposable model is then written in place)
     reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
     reference = with_selections(loaded.model, inputs, reference)  # traced where it selects (labels, indices)
+    phase("verify", detail="the original at a second shape")
     alt = other_shape(loaded.model, inputs)
     before = model_stats(loaded.model, inputs if opts.bench else None)
     done = apply_passes(loaded.model, inputs, passes, opts.method, opts.eval_mode, writable=loaded.disposable,
                         reference=reference, by_parts=by_parts)
+    phase("verify", 1, 1 if alt is None else 2, detail="shape")
     rewritten = run(done.model, inputs, replay=reference)  # with the original's discrete selections, where traced
     referee = next((p for p in passes if p.check is Check.REFERENCE), None)
     if referee is not None:  # the rewrite changed the model on purpose: it must equal its literal reference
@@ -124,6 +127,7 @@ def second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: flo
         return []
     alt_inputs, expected = alt
     label = f"{label}, second shape ({alt_inputs.describe()})"
+    phase("verify", 2, 2, detail="shape")
     try:
         # the result keeps no state of this shape; the original's selections replayed where traced
         candidate = run(clone_sharing_tensors(rewritten), alt_inputs, replay=expected)
@@ -141,6 +145,7 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
     if output is None:
         report.notes.append("nothing was written (no -o given)")
         return
+    phase("write", detail=output)
     parts = outputs.normconv_parts(model)
     if opts.keep_normconv and parts:
         to_write = model

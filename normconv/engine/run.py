@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
+from normconv.quiet import phase
 from normconv.clone import clone_sharing_tensors, copy_on_write, owning_as, release
 from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured, Guard, capture
@@ -90,11 +91,13 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
     cap: Captured | None = None
     parts_allowed = by_parts and all(p.by_parts for p in passes)  # not rotation, DeepNorm, export
     if on_first_capture is not None:
+        phase("capture")
         cap = out.saw(capture(work, inputs, method, reference))
         on_first_capture(cap)
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
         if cap is None or cap.model is not work:
+            phase("capture", detail=f"for {p.name}")
             try:
                 cap = out.saw(capture(work, inputs, method, reference))
             except NormconvError as whole:
@@ -105,6 +108,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
                 continue
         if out.guards:
             copy_on_write(work, model)
+        phase("rewrite", detail=p.name)
         try:
             result = p(work, cap)
         except NormconvError:

@@ -33,20 +33,12 @@ import torch.nn as nn
 from normconv import kinds
 from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
-from normconv.quiet import quiet
+from normconv.quiet import phase, quiet
 from normconv.io.write import check_writable
 from normconv.report import Report, Site, Why
+from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET, OPSETS, TARGETS
 
 NAME = "export"
-OPSETS = range(17, 24)
-# torch.onnx.export's own default; at 18 tanh-GELU decomposes into 8 ops onnxruntime CPU does not fuse back
-# (zoo:gpt measured 6% slower than at 20, where it is one Gelu)
-DEFAULT_OPSET = 20
-TARGETS = ("onnx", "ort")
-# onnxruntime is the runtime users deploy to unless they say otherwise; measured (BENCHMARKS.md, export defaults):
-# at opset 20 an RMSNorm stack runs 2.1x slower as the portable function-bodied normconv.RMSNorm (--target onnx)
-# than as SimplifiedLayerNormalization (--target ort), which matches plain torch.onnx.export at its best opset (23)
-DEFAULT_TARGET = "ort"
 # the provider deployed to picks the Skip*LayerNormalization fusion: measured on an H100 (fp16, (8, 2048, 4096)) the
 # fused op runs 1.64x faster than Add + norm, and the 16-layer Llama 4% faster; on onnxruntime CPU it is slower
 DEVICES = ("cpu", "cuda")
@@ -297,6 +289,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     sites_by_kind = dict(collections.Counter(s.kind for s in norms))
     extra["norm_sites"] = sites_by_kind
 
+    phase("export", detail=f"ONNX opset {opset}")
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported)
     onnx_model = program.model
     # the ONNX half, one pass set with ONNX files in: repair the down-conversion, match the norms written inside
@@ -346,6 +339,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         tmpdir = Path(tempfile.mkdtemp(prefix=temp_name(out), suffix=TEMP_SUFFIX, dir=str(out.parent)))
         tmp = tmpdir / out.name
         external = _nbytes(onnx_model) > EXTERNAL_DATA_BYTES
+        phase("write", detail=out.name)
         with _quiet():
             ir.save(onnx_model, str(tmp), external_data=(out.name + ".data") if external else None)
         extra["external_data"] = (out.name + ".data") if external else None
@@ -357,6 +351,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
 
         if baseline:
             _baseline(original, inputs, opset, dynamic, tmpdir, validate, repeats, report)
+        phase("validate", detail="onnxruntime " + ", ".join(validate))
         result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
         for provider, why in result.unavailable.items():
             report.notes.append(f"{provider}: not validated: {why}")

@@ -41,10 +41,6 @@ TARGETS = ("onnx", "ort")
 JOBS = {"fold": ("fold",), "export": ("fold", "fuse"), "inspect": ("fold", "fuse")}
 
 
-def is_onnx(spec: str) -> bool:
-    return str(spec).lower().endswith(".onnx")
-
-
 @dataclass
 class Source:
     path: Path

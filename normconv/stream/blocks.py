@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from normconv.quiet import phase
 from normconv.errors import NormconvError, VerificationError
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.io.inputs import HF_SEQ_LEN
@@ -131,8 +132,9 @@ class OnDemand:
     """Parameters (and stored buffers) of a meta-parameter model loaded from a checkpoint when needed: each block
     just before it runs (dropped after it), everything else for the whole forward. Records each block's output."""
 
-    def __init__(self, model: nn.Module, ckpt: Checkpoint, folder: Path, compute: torch.dtype | None = None):
-        self.model, self.ckpt, self.folder, self.compute = model, ckpt, folder, compute
+    def __init__(self, model: nn.Module, ckpt: Checkpoint, folder: Path, compute: torch.dtype | None = None,
+                 label: str = "blocks"):
+        self.model, self.ckpt, self.folder, self.compute, self.label = model, ckpt, folder, compute, label
         self.aliases = tied_names(model)
         prefix, blocks = _blocks(model)
         self._saved: list = []
@@ -168,8 +170,9 @@ class OnDemand:
                 raise threading.BrokenBarrierError
             return barrier.wait()
 
-        def before(slots):
+        def before(i, slots):
             if meet() == 0:  # one thread loads the block for all
+                phase("verify", i + 1, self.blocks, detail=f"read + run {self.label}, block")
                 self._saved = self._fill(slots)
             meet()
 
@@ -197,8 +200,8 @@ class OnDemand:
                     barrier.abort()
 
         hooks = []
-        for block, slots in self.block_slots:  # hooks for these forwards only (a model runs at several shapes)
-            hooks.append(block.register_forward_pre_hook(lambda m, a, slots=slots: before(slots)))
+        for i, (block, slots) in enumerate(self.block_slots):  # hooks for these forwards only (several shapes)
+            hooks.append(block.register_forward_pre_hook(lambda m, a, i=i, slots=slots: before(i, slots)))
             hooks.append(block.register_forward_hook(lambda m, a, out: after(out)))
         saved = []
         try:
@@ -242,8 +245,8 @@ def _verify(src: Path, tmp: Path, cls, config, dtype: torch.dtype, atol: float |
     atol, rtol = (d_atol if atol is None else atol), (d_rtol if rtol is None else rtol)
     how = "" if compute == dtype else f", {str(dtype).removeprefix('torch.')} weights computed in float32"
     validations, blocks = [], []
-    refs = OnDemand(original, Checkpoint(src).rename_for(original), src, compute).run_many(shapes)
-    news = OnDemand(rewritten, Checkpoint(tmp).rename_for(rewritten), tmp, compute).run_many(shapes)
+    refs = OnDemand(original, Checkpoint(src).rename_for(original), src, compute, "original").run_many(shapes)
+    news = OnDemand(rewritten, Checkpoint(tmp).rename_for(rewritten), tmp, compute, "rewritten").run_many(shapes)
     for k, (inputs, (ref, ref_blocks), (new, new_blocks)) in enumerate(zip(shapes, refs, news)):
         where = inputs.describe()
         for i, (r, c) in enumerate(zip(ref_blocks, new_blocks)):

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from normconv.quiet import phase
 from normconv.errors import NormconvError
 from normconv.io import hf_folder
 from normconv.io.hf_folder import safetensors_header, tensor_names
@@ -177,7 +178,7 @@ def write_shards(ckpt: Checkpoint, tmp: Path, produce: Callable[[str, torch.Tens
     values: the untied copies of a rewritten tied weight). Returns the new weight map."""
     copies = copies or {}
     weight_map: dict[str, str] = {}
-    for shard, header in ckpt.shards.items():
+    for k, (shard, header) in enumerate(ckpt.shards.items(), 1):
         names = ckpt.names(shard)
         entries = []
         for n in names:
@@ -185,7 +186,9 @@ def write_shards(ckpt: Checkpoint, tmp: Path, produce: Callable[[str, torch.Tens
             entries += [(c, dtype, shape) for c in copies.get(n, [])] + [(n, dtype, shape)]
         writer = ShardWriter(tmp / shard, entries, header.get("__metadata__") or {"format": "pt"})
         try:
-            for n in names:
+            for i, n in enumerate(names, 1):
+                phase("read + rewrite + write", i, len(names),
+                               detail=f"shard {k}/{len(ckpt.shards)}, tensor")
                 t = ckpt.get(n)
                 for c in copies.get(n, []):
                     writer.write(c, t)  # the tied name keeps the original rows

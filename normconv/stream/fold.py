@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.quiet import phase
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
 from normconv.io.hf_inputs import hf_example_inputs
@@ -59,6 +60,7 @@ def _plan(src: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
         raise NormconvError(f"{src}: no example inputs from its config (--stream needs a model taking input_ids "
                             f"or pixel_values)")
     # shapes only: every tensor on meta, inputs too (a meta weight meeting a real buffer fails in torch.export)
+    phase("capture", detail="on the meta device")
     cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
     if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
         raise NormconvError(f"{src}: the capture specialized a branch on tensor values at "

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from normconv.errors import NormconvError
+from normconv.quiet import phase
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
 from normconv.io.hf_inputs import hf_example_inputs
@@ -47,6 +48,7 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     inputs = hf_example_inputs(meta)
     if inputs is None:
         raise NormconvError(f"{folder}: no example inputs from its config (--stream needs a model taking input_ids)")
+    phase("capture", detail="on the meta device")
     cap = capture(meta, inputs, "torch.export")  # the graph needs shapes only: parameters stay on meta
     if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
         raise NormconvError(f"{folder}: the capture specialized a branch on tensor values at "
