@@ -17,6 +17,7 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, Callable
 
 import torch
@@ -184,6 +185,43 @@ def _follow_umask(path: str) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
+class _Probe(pickle.Pickler):
+    """pickle as torch.save does, tensor storages left out (their bytes always pickle): only the structure is tried."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return 0 if isinstance(obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage)) else None
+
+
+class _Sink:
+    def write(self, b: bytes) -> int:
+        return len(b)
+
+
+def _pickles(obj: Any) -> str | None:
+    try:
+        _Probe(_Sink(), protocol=2).dump(obj)
+    except Exception as exc:  # noqa: BLE001 - whatever pickle raises is the answer
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def unpicklable(model: nn.Module) -> str | None:
+    """Why ``torch.save(model)`` would fail, naming the attribute that does not pickle (a hook that is a local
+    function, a module object, a lock), or None when it pickles. Tensor bytes are not written: this costs the walk."""
+    why = _pickles(model)
+    if why is None:
+        return None
+    for path, m in model.named_modules():
+        for key, value in vars(m).items():
+            if key != "_modules" and _pickles(value) is not None:
+                where = f"{path}.{key}" if path else key
+                if isinstance(value, dict):  # a hook dict, a cache: which entry
+                    bad = next((k for k, v in value.items() if _pickles(v) is not None), None)
+                    where += f"[{bad!r}]" if bad is not None else ""
+                return f"{where}: {why}"
+    return why
+
+
 def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     """torch.save(model), carrying the example inputs so the next normconv command needs no --input-shape."""
     if inputs is not None:
@@ -257,4 +295,4 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
     "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "unpicklable", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]
