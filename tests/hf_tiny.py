@@ -56,6 +56,18 @@ def tiny_deberta_v2():
     return _build(DebertaV2Model, cfg), Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
 
+def tiny_deberta_v3():
+    """DeBERTa-v3's layout (DebertaV2Model with relative attention): ``encoder.LayerNorm`` normalizes the relative
+    position embeddings' weight (a parameter no layer takes as its weight) on every forward."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    cfg = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64, max_position_embeddings=64, relative_attention=True, position_buckets=8,
+                          norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"], position_biased_input=False)
+    ids = _ids()
+    return _build(DebertaV2Model, cfg), Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
 def tiny_albert():
     """ALBERT: one post-LN layer whose modules run num_hidden_layers (3) times (cross-layer parameter sharing)."""
     from transformers import AlbertConfig, AlbertModel
