@@ -33,20 +33,20 @@ def test_a_cache_filled_during_capture_is_not_left_on_the_rewrite(cli, tmp_path)
     torch.testing.assert_close(loaded(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
 
 
-def test_hooks_a_library_installs_on_the_first_forward_are_not_left_behind(tmp_path):
+def test_hooks_a_library_installs_on_the_first_forward_are_not_left_behind(cli, tmp_path):
     """transformers installs its output-capturing hooks (local closures, unpicklable) on a model's first call."""
     pytest.importorskip("transformers")
-    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+    from tests.hf_tiny import tiny_segformer
 
-    cfg = SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
-                          num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
-                          decoder_hidden_size=16, num_labels=3)
-    torch.manual_seed(0)
-    model = SegformerForSemanticSegmentation(cfg).eval()
-    folded, report = normconv.fold(model, (torch.randn(1, 3, 32, 32),))
+    model, inputs = tiny_segformer()
+    folded, report = normconv.fold(model, inputs)
     assert any(s.applied for s in report.sites)  # the decode head's BatchNorm
     assert unpicklable(model) is None and unpicklable(folded) is None
     torch.save(folded, io.BytesIO())
+    code, out, err = cli("fold", "tests.hf_tiny:tiny_segformer", "-o", tmp_path / "seg.pt")
+    assert code == 0, err
+    loaded = torch.load(tmp_path / "seg.pt", weights_only=False)
+    torch.testing.assert_close(loaded(*inputs.args).logits, model(*inputs.args).logits, atol=1e-4, rtol=1e-4)
 
 
 class _Unpicklable(torch.nn.Module):

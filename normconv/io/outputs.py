@@ -9,6 +9,7 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
   normconv.nn.modules.Float32Norm       ->  GraphModule: norm(x.to(compute)).to(out)      (same keys: norm.*)
   normconv.nn.modules.ChannelShift      ->  GraphModule: (x.transpose(1, -1) + bias).transpose(1, -1)   (key: bias)
   normconv.nn.modules.MovedDimNorm      ->  GraphModule: norm(x.movedim(dims, -1)).movedim(-1, dims)  (keys: norm.*)
+  normconv.nn.modules.BiasAfterNorm     ->  GraphModule: norm(x) + bias                    (keys: norm.*, bias)
   DeepNorm BranchScale / InputScale     ->  GraphModule hooks computing the same product
 
 ``keep_normconv=True`` (``--normconv-modules``) keeps normconv's faster eager modules; loading then needs normconv.
@@ -25,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.clone import clone_sharing_tensors, release
-from normconv.nn.modules import BranchScale, ChannelShift, Float32Norm, InputScale, MovedDimNorm
+from normconv.nn.modules import BiasAfterNorm, BranchScale, ChannelShift, Float32Norm, InputScale, MovedDimNorm
 from normconv.kinds import KINDS
 from normconv.verify import Inputs, run
 
@@ -53,6 +54,15 @@ class _Cast(nn.Module):
     def forward(self, x):
         y = self.norm(x.to(self.compute))
         return y.to(x.dtype) if self.out is None else y.to(self.out)
+
+
+class _Biased(nn.Module):
+    def __init__(self, norm: nn.Module, bias: nn.Parameter):
+        super().__init__()
+        self.norm, self.bias = norm, bias
+
+    def forward(self, x):
+        return self.norm(x) + self.bias
 
 
 class _Moved(nn.Module):
@@ -104,6 +114,8 @@ def _torch_form(m: nn.Module) -> nn.Module | None:
         return _graph_module(_Shift(m.bias), "ChannelShift")
     if isinstance(m, MovedDimNorm):
         return _graph_module(_Moved(m.norm, m.dims), "MovedDimNorm")
+    if isinstance(m, BiasAfterNorm):
+        return _graph_module(_Biased(m.norm, m.bias), "BiasAfterNorm")
     return None
 
 

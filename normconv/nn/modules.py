@@ -77,3 +77,17 @@ class ChannelShift(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.bias.reshape(1, -1, *([1] * (x.dim() - 2)))
+
+
+class BiasAfterNorm(nn.Module):
+    """``y = norm(x) + bias``: a norm's bias kept as an add after a bias-free norm (swap's LayerNorm -> RMSNorm where
+    the bias has no linear to fold into: LN_{g,b}(x) = RMSNorm_g(x) + b on a zero-mean stream)."""
+
+    def __init__(self, norm: nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.norm = norm
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + self.bias
+
