@@ -3,6 +3,8 @@
     import normconv
     folded, report = normconv.fold(model, example_inputs)
     swapped, report = normconv.swap(model, example_inputs, to="rmsnorm")
+    frozen, report = normconv.swap(model, example_inputs, to="frozen-batchnorm")  # batchnorm, affine, groupnorm ...
+    recalibrated, report = normconv.recalibrate(model, calibration_tensor)      # BatchNorm statistics re-estimated
     report = normconv.stream_swap("hf_folder", "out_folder")   # larger than RAM: tensor by tensor
     report = normconv.stream_fold("hf_folder", "out_folder")   # BatchNorm folded the same way
     new, report = normconv.canonicalize(model, example_inputs)
@@ -21,7 +23,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+local"
 
-_API = ("fold", "canonicalize", "swap", "stream_swap", "stream_fold", "rotate", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
+_API = ("fold", "canonicalize", "swap", "recalibrate", "stream_swap", "stream_fold", "rotate", "deepnorm", "export", "inspect", "load", "Inputs", "NormconvError",
         "VerificationError")
 
 

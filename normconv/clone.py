@@ -67,6 +67,14 @@ def adopt(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def copy_on_write(root: nn.Module, originals: nn.Module) -> None:
+    """The tensors of ``originals`` are no longer ``root``'s own (a writable copy made them so): from now on
+    ``owned`` copies them before a write, and ``originals`` keeps its values."""
+    mine = root.__dict__.get(_OWNED_ATTR)
+    if mine:
+        mine.difference_update(id(t) for t in list(originals.parameters()) + list(originals.buffers()))
+
+
 def release(root: nn.Module) -> nn.Module:
     """Forget the ownership record before the model leaves normconv (it is not part of the user's model)."""
     root.__dict__.pop(_OWNED_ATTR, None)
@@ -84,4 +92,4 @@ def owning_as(part: nn.Module, root: nn.Module) -> Iterator[nn.Module]:
         part.__dict__.pop(_OWNED_ATTR, None)
 
 
-__all__ = ["clone_sharing_tensors", "owned", "adopt", "release", "owning_as"]
+__all__ = ["clone_sharing_tensors", "owned", "adopt", "copy_on_write", "release", "owning_as"]

@@ -26,6 +26,9 @@ class Options:
     keep_normconv: bool = False  # keep normconv's own modules in the written model (else torch's)
     eval_mode: bool = False  # rewrite a training-mode model as its eval-mode self (fold)
     dtype: torch.dtype | None = None  # a half-precision target (float16 / bfloat16), measured against float32
+    # a rewrite of a capture that specialized a branch on tensor values is accepted unproven (verified for inputs that
+    # take the same branches only); else it is proven for the other branches or refused (engine.branches)
+    accept_specialized: bool = False
 
 
 __all__ = ["Options", "METHODS"]

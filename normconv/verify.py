@@ -41,6 +41,13 @@ element-wise defaults (DEFAULT_TOLERANCE): their rounding x 2^10 would pass a re
 the commands judge a half model against its float32 computation with budgets of their own. Integer and bool
 outputs must be equal.
 
+Squashed outputs (``Squashed``): an output a squashing op made (a sigmoid's probabilities, a softmax, a tanh)
+carries its input's error shrunk by the op's slope, not scaled with its own values: a detector's sigmoid map on
+random inputs peaks at 1e-4 while its logits reach 41, and the logits' rounding (7 u of their scale, measured on
+PaddleOCR's det model) is 5e5 u of the map's scale. Where the caller knows the op and hands both sides' inputs of
+it, the input is judged by its own scale and the output by what it carries: |ds| <= L x bound x scale(input) +
+bound x scale(output), L the op's Lipschitz constant in the max norm (sigmoid 1/4, softmax 1/2, tanh 1).
+
 Discrete selections (NMS, top-k, a threshold, argmax; ``normconv.selections``): a rewrite's rounding may flip
 them, and the outputs after them then differ by whole elements. A reference taken with ``run(..., trace=True)``
 (``with_selections`` does it where the output holds an integer or bool tensor) records each selection; the
@@ -60,7 +67,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten_with_path, keystr
+from torch.utils._pytree import tree_flatten_with_path
 
 from normconv.clone import clone_sharing_tensors
 from normconv.report import OutputError, Validation
@@ -75,6 +82,17 @@ DEFAULT_TOLERANCE = {
 }
 SCALE_ULPS = 2.0 ** 10  # units of roundoff an exact rewrite may differ by, relative to each output's scale (above)
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
+
+
+@dataclass
+class Squashed:
+    """An output made by a squashing op (module docstring): the op, its Lipschitz constant in the max norm, and its
+    input in the reference and in the candidate."""
+
+    op: str
+    lipschitz: float
+    reference: torch.Tensor
+    candidate: torch.Tensor
 
 
 @dataclass
@@ -322,8 +340,14 @@ def output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
     named = []
     for path, leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            named.append((keystr(path).lstrip(".") or "output", leaf))
+            named.append((leaf_name(path), leaf))
     return named
+
+
+def leaf_name(path: tuple) -> str:
+    """A readable name for a pytree path: ``logits``, ``0``, ``hidden_states.3`` (``output`` for the root)."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return ".".join(parts) or "output"
 
 
 def argmax_agreement(ref: list, new: list) -> float | None:
@@ -348,11 +372,12 @@ def scale_tolerance(dtype: torch.dtype) -> float | None:
 
 
 def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: float | None = None,
-            label: str = "torch") -> Validation:
+            label: str = "torch", squashed: dict[str, Squashed] | None = None) -> Validation:
     """Compare two model outputs leaf by leaf (module docstring): relative to each output's scale unless
     ``atol`` / ``rtol`` are given (then element-wise; a missing one defaults from the reference's dtype). A
     ``Traced`` reference with a candidate that replayed it (``run(..., replay=reference)``) is judged with the
-    original's selections, and the selections' inputs are compared too."""
+    original's selections, and the selections' inputs are compared too. ``squashed``: outputs (by leaf name) a
+    squashing op made, judged through its input where the rule is the scale's."""
     ref, cand = output_leaves(reference), output_leaves(candidate)
     if not ref:  # a check that compared nothing is not a pass
         return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
@@ -373,6 +398,9 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
     rtol = d_rtol if rtol is None else rtol
     whole = max((_scale(t) for _, t in ref if t.is_floating_point()), default=0.0)
     errs = [_leaf_error(name, r, c, atol, rtol, by_scale, whole) for (name, r), (_, c) in zip(ref, cand)]
+    if by_scale and squashed:
+        errs = [_through(e, squashed[e.name], r.dtype == c.dtype) if e.name in squashed and
+                math.isfinite(e.tolerance) else e for e, (_, r), (_, c) in zip(errs, ref, cand)]
     if isinstance(reference, Traced) and isinstance(candidate, Traced):
         errs, label = _with_selections(errs, reference.trace, candidate.trace, atol, rtol, by_scale, label)
     ruled = [e for e in errs if math.isfinite(e.tolerance)]
@@ -386,7 +414,8 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
         outputs=tuple(errs),
         label=label,
         rule="scale" if ruled else "elementwise",
-        scale_tolerance=max((e.tolerance for e in ruled), default=float("nan")),
+        scale_tolerance=max((e.tolerance for e in ruled if e.name not in (squashed or {})),
+                            default=SCALE_ULPS * UNIT_ROUNDOFF[torch.float32] if ruled else float("nan")),
         max_scale_error=max((e.scale_error for e in errs if not math.isnan(e.scale_error)), default=float("nan")),
     )
 
@@ -433,6 +462,18 @@ def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, r
     passed = passed and ref.dtype == cand.dtype
     return OutputError(name, max_abs, max_rel, cosine, passed, scale=scale, scale_error=scale_error, rms_error=rms,
                        tolerance=float("nan") if bound is None else bound)
+
+
+def _through(out: OutputError, sq: Squashed, same_dtype: bool) -> OutputError:
+    """An output judged through the squashing op that made it (module docstring): its input within the scale
+    bound, the output within what that input's error can carry through the op plus its own rounding."""
+    pre = _leaf_error(f"{out.name} ({sq.op} input)", sq.reference, sq.candidate, 0.0, 0.0, by_scale=True)
+    if not math.isfinite(pre.tolerance) or out.scale <= 0 or not math.isfinite(out.max_abs_error):
+        return out
+    carried = sq.lipschitz * pre.tolerance * pre.scale + out.tolerance * out.scale  # the bound on |ds|
+    return replace(out, passed=same_dtype and pre.passed and out.max_abs_error <= carried, tolerance=carried / out.scale,
+                   note=f"judged through its {sq.op}: the input's error is {pre.scale_error:.2g} of its scale "
+                        f"{pre.scale:.3g} (bound {pre.tolerance:.2g})")
 
 
 def _with_selections(errs: list[OutputError], ref: Trace, cand: Trace, atol: float, rtol: float, by_scale: bool,

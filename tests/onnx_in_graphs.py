@@ -193,3 +193,20 @@ def layernorm_in_function(opset=17, d=16):
 def save(proto: onnx.ModelProto, path) -> str:
     onnx.save(proto, str(path))
     return str(path)
+
+
+
+def conv_bn_sigmoid(opset=13, cin=16, cout=4, spread=1e4, planted=0.0):
+    """Conv -> BN -> -|.| - 12 -> Sigmoid: logits of scale ``spread`` whose largest is about -12 (a detector's
+    probability map on random inputs: its largest value is 6e-6, its logits large). ``planted``: an error added to
+    the BN's shift, relative to the logits' scale (then not the original's function: a check must refuse it)."""
+    w = RNG.standard_normal((cout, cin, 3, 3)) * spread / 12
+    nodes = [h.make_node("Conv", ["x", "w", "cb"], ["z"], name="conv", pads=[1, 1, 1, 1]),
+             h.make_node("BatchNormalization", ["z", "g", "b", "m", "v"], ["y"], name="bn", epsilon=1e-5),
+             h.make_node("Abs", ["y"], ["a"]), h.make_node("Neg", ["a"], ["na"]),
+             h.make_node("Add", ["na", "c12"], ["logits"]), h.make_node("Sigmoid", ["logits"], ["prob"])]
+    inits = [_f("w", w), _f("cb", np.zeros(cout)), _f("g", np.linspace(0.5, 2, cout)),
+             _f("b", np.full(cout, planted * spread * 4)), _f("m", np.linspace(-1, 1, cout)),
+             _f("v", np.linspace(0.5, 2, cout)), _f("c12", np.array(-12.0))]
+    return model(nodes, [h.make_tensor_value_info("x", T.FLOAT, ["n", cin, "h", "w"])],
+                 [h.make_tensor_value_info("prob", T.FLOAT, None)], inits, opset)

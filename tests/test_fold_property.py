@@ -168,9 +168,11 @@ def _check(stack: Stack, x: torch.Tensor) -> None:
     assert report.passed
     with torch.no_grad():
         assert torch.allclose(folded(x), model(x), atol=1e-9, rtol=1e-7)
-    want = expected_folds(stack)
-    assert sum(s.applied for s in report.sites) == want, [(s.target, s.reason) for s in report.sites]
-    assert bn_modules(folded) == total - want
+    want = expected_folds(stack)  # fold's own rule; fold-through then folds BNs behind an activation or a pool too
+    done = sum(s.applied for s in report.sites)
+    assert done >= want and sum(s.applied for s in report.sites if s.pass_name == "fold") <= want, \
+        [(s.target, s.reason) for s in report.sites]
+    assert bn_modules(folded) == total - done
     assert len(report.sites) == total
     assert all(s.reason.strip() for s in report.sites)
 

@@ -33,12 +33,15 @@ LAYERS = {
     "normconv.io": 0.4,  # what users have -> (model, inputs); what normconv writes, atomically
     "normconv.io.load": 0.4,  # every model format -> Loaded
     "normconv.io.write": 0.36,  # output paths, temp files, atomic save
+    "normconv.io.hf_folder": 0.35,  # what a Hugging Face folder means: its weights, paths inside it, valid headers
     "normconv.io.hf_inputs": 0.34,  # inputs made from a Hugging Face config
     "normconv.io.inputs": 0.33,  # example inputs: -i, calibration, masks, caches
     "normconv.io.pickles": 0.31,  # reading files without running their code
+    "normconv.io.archive": 0.305,  # zip archives checked from their directory before any member is inflated
+    "normconv.io.ledger": 0.302,  # every file the run read, checked by every write
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
-    "normconv.graph.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds that read calls)
+    "normconv.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds, which read calls with it)
     "normconv.verify": 0.2,  # guarded forwards, comparisons
     "normconv.selections": 0.18,  # discrete selections recorded and replayed
     "normconv.clone": 0.15,  # tensor-sharing copies
@@ -193,7 +196,7 @@ def test_package_imports_without_cycles():
     import subprocess
     import sys
 
-    for module in ("normconv.kinds", "normconv.graph.match", "normconv.io.pickles", "normconv.io.inputs",
+    for module in ("normconv.kinds", "normconv.match", "normconv.io.pickles", "normconv.io.inputs",
                    "normconv.io.hf_inputs", "normconv.io.outputs", "normconv.io.write", "normconv.io.load",
                    "normconv.graph.detect", "normconv.onnx.export", "normconv.passes.swap_norm",
                    "normconv.stream.checkpoint", "normconv.stream.blocks", "normconv.stream.swap",

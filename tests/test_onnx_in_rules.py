@@ -224,3 +224,24 @@ def test_float16_auto_keeps_a_weight_beyond_its_range_in_float32():
     assert half.kept == [next(n.name for n in model.graph if n.op_type == "Conv")]
     conv = next(n for n in out.graph if n.op_type == "Conv")
     assert conv.inputs[1].dtype == ir.DataType.FLOAT  # the folded weight stays float32
+
+
+def test_a_sigmoid_output_is_judged_through_its_logits(tmp_path):
+    """A probability map whose largest value is 6e-6 while its logits reach 6e4: the logits' rounding after a
+    fold (a few u of their scale) is thousands of u of the map's scale, so the map alone refused an exact fold;
+    judged through the Sigmoid's input the fold passes, and a planted error of 1e-3 of the logits' scale is still
+    refused."""
+    import onnx_ir
+
+    from normconv.onnx import parity
+
+    report, ops = _run(tmp_path, G.conv_bn_sigmoid(), "fold")
+    assert ops["BatchNormalization"] == 0
+    src = str(tmp_path / "in.onnx")
+    outs = [o for v in report.validation for o in v.outputs]
+    assert outs and all("judged through its Sigmoid" in o.note for o in outs)
+    assert max(o.scale_error for o in outs) > 6.1e-5  # the map's own scale would have refused it
+    wrong = G.save(G.conv_bn_sigmoid(planted=1e-3), tmp_path / "wrong.onnx")
+    plan = parity.plan_sizes(src, parity.specs(src, onnx_ir.load(src), None))
+    found = parity.compare_files(src, str(wrong), plan, None, None)
+    assert found and not any(v.passed for v in found)

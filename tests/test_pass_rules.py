@@ -18,6 +18,9 @@ from normconv.models import ZOO, get
 from normconv.passes.deepnorm import DeepNormWhy
 from normconv.passes.fold_batchnorm import FoldWhy
 from normconv.passes.fold_scales import FoldScalesWhy
+from normconv.passes.fold_through import ThroughWhy
+from normconv.passes.convert_batchnorm import ConvertWhy
+from normconv.passes.recalibrate import RecalibrateWhy
 from normconv.passes.fold_weight_standardization import FoldWSWhy
 from normconv.passes.lift_layers import LiftWhy
 from normconv.passes.rotate import RotateWhy
@@ -25,7 +28,8 @@ from normconv.passes.swap_norm import SwapWhy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WHY = {"fold": FoldWhy, "swap": SwapWhy, "deepnorm": DeepNormWhy, "fold-scales": FoldScalesWhy, "rotate": RotateWhy,
-       "fold-weight-standardization": FoldWSWhy, "lift": LiftWhy}
+       "fold-weight-standardization": FoldWSWhy, "lift": LiftWhy, "fold-through": ThroughWhy,
+       "convert-batchnorm": ConvertWhy, "recalibrate": RecalibrateWhy}
 
 
 def _codes_of_their_pass(sites) -> list:
@@ -100,8 +104,9 @@ def test_fold_guard_codes_name_the_rule():
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8), nn.Flatten(), nn.BatchNorm1d(8 * 36))
     net.eval()
     _, report = normconv.fold(net, torch.randn(2, 3, 8, 8))
-    codes = {s.target: s.code for s in report.sites if s.pass_name == "fold"}
-    assert codes == {"2": FoldWhy.NO_NEIGHBOUR, "4": FoldWhy.NO_NEIGHBOUR}
+    codes = {s.target: s.code for s in report.sites}
+    # the BN after the relu is folded through it (fold-through); the one after flatten has nothing to fold into
+    assert codes == {"2": ThroughWhy.FOLDED, "4": FoldWhy.NO_NEIGHBOUR}
     net[2].train()
     from normconv.graph.capture import capture
     from normconv.graph.detect import find_norms

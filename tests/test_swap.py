@@ -357,8 +357,10 @@ def test_cli_tolerance_miss_exits_1_and_writes_nothing(cli, tmp_path):
 
 
 def test_cli_bad_target(cli):
-    code, _, stderr = cli("swap", "zoo:gpt", "--to", "batchnorm")
+    code, _, stderr = cli("swap", "zoo:gpt", "--to", "batchnorm2")  # batchnorm is a target now (BatchNorm models)
     assert code == 2 and "unknown --to" in stderr
+    code, _, stderr = cli("swap", "zoo:gpt", "--to", "batchnorm")
+    assert code == 2 and "no BatchNorm module to convert" in stderr
 
 
 def test_functional_layer_norm_becomes_a_module_then_swaps_exactly(cli, tmp_path):

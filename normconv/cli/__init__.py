@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from normconv import __version__
-from normconv.cli import canonicalize, deepnorm, export, fold, inspect, rotate, swap, zoo
+from normconv.cli import canonicalize, deepnorm, export, fold, inspect, recalibrate, rotate, swap, zoo
 
 app = typer.Typer(
     name="normconv",
@@ -35,7 +35,7 @@ def main_options(
 
 
 # the commands, in the order `normconv --help` lists them (an explicit tuple, no import-time registry)
-COMMANDS = (inspect, fold, swap, rotate, canonicalize, export, deepnorm, zoo)
+COMMANDS = (inspect, fold, swap, rotate, canonicalize, export, deepnorm, recalibrate, zoo)
 for _command in COMMANDS:
     _command.register(app)
 

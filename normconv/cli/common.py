@@ -1,10 +1,15 @@
 """What every normconv command shares: option types, loading from flags, error handling, report output.
 
 Exit codes: 0 ok, 1 verification failed (nothing written), 2 bad input, 3 internal error (a normconv bug).
+
+stdout is normconv's: while a command runs, whatever the model prints (its forward, its factory, a library it
+calls, Python or C) goes to stderr (``model_output_to_stderr``); only the report (``emit``) reaches stdout, so
+``--json`` is one JSON object whatever the model does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -44,6 +49,9 @@ KeepNormconvOpt = Annotated[bool, typer.Option(
                                "normconv; default: torch's own modules, loads with torch alone)")]
 InPlaceOpt = Annotated[bool, typer.Option("--in-place", help="allow -o to overwrite the input file")]
 AtolOpt = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="absolute tolerance (default by dtype: fp32 1e-4)")]
+AcceptSpecializedOpt = Annotated[bool, typer.Option(
+    "--accept-specialized", help="accept a rewrite whose capture took a branch on tensor values as the example "
+                                 "inputs take it, unproven for the other branch (default: proven or refused)")]
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relative tolerance (default by dtype: fp32 1e-4)")]
 
 
@@ -71,12 +79,13 @@ def load_half_target(model: str, weights: Optional[str], input_shape: Optional[l
 
 def options_from_flags(output: Optional[str] = None, atol: Optional[float] = None, rtol: Optional[float] = None,
                        in_place: bool = False, bench: bool = False, normconv_modules: bool = False,
-                       eval_mode: bool = False, dtype: Optional[torch.dtype] = None):
+                       eval_mode: bool = False, dtype: Optional[torch.dtype] = None, accept_specialized: bool = False):
     """The shared options of one command run, from its flags (``normconv.options.Options``)."""
     from normconv.options import Options
 
     return Options(atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench,
-                   keep_normconv=normconv_modules, eval_mode=eval_mode, dtype=dtype)
+                   keep_normconv=normconv_modules, eval_mode=eval_mode, dtype=dtype,
+                   accept_specialized=accept_specialized)
 
 
 def check_stream_flags(what: str, flags: list[tuple[str, bool]], output: Optional[str]) -> None:
@@ -89,11 +98,66 @@ def check_stream_flags(what: str, flags: list[tuple[str, bool]], output: Optiona
         raise NormconvError("--stream writes a new folder: give it with -o")
 
 
+_REAL_STDOUT: list[tuple[object, int | None, int | None]] = []  # (sys.stdout, its fd, a dup of what that fd was)
+
+
+@contextlib.contextmanager
+def model_output_to_stderr():
+    """stdout goes to stderr inside the block, as a Python stream and, where stdout is a real file descriptor, at
+    the descriptor too (a C extension's printf, a subprocess); ``report_stdout`` gives it back to the report."""
+    real = sys.stdout
+    fd = saved = None
+    try:
+        fd = real.fileno()
+        err = sys.stderr.fileno()
+        real.flush()
+        saved = os.dup(fd)
+        os.dup2(err, fd)
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test runner's): Python only
+        fd = saved = None
+    _REAL_STDOUT.append((real, fd, saved))
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        _restore(real, fd, saved)
+        _REAL_STDOUT.pop()
+
+
+def _restore(real, fd: int | None, saved: int | None, close: bool = True) -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    sys.stdout = real
+    if saved is not None:
+        os.dup2(saved, fd)
+        if close:
+            os.close(saved)
+
+
+@contextlib.contextmanager
+def report_stdout():
+    """The real stdout inside the block (for the report), back to stderr after it."""
+    if not _REAL_STDOUT:
+        yield
+        return
+    real, fd, saved = _REAL_STDOUT[-1]
+    _restore(real, fd, saved, close=False)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            real.flush()
+        if saved is not None:
+            os.dup2(sys.stderr.fileno(), fd)
+        sys.stdout = sys.stderr
+
+
 def emit(report: Report, as_json: bool, printer: Callable[[Report], None] = print_report) -> None:
-    if as_json:
-        print_json(report)
-    else:
-        printer(report)
+    with report_stdout():
+        if as_json:
+            print_json(report)
+        else:
+            printer(report)
 
 
 def fail(message: str, code: int) -> None:
@@ -109,7 +173,8 @@ def user_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
         try:
-            return fn(*args, **kwargs)
+            with model_output_to_stderr():  # what the model prints never lands in the report (--json stays JSON)
+                return fn(*args, **kwargs)
         except VerificationError as exc:
             if exc.report is not None:
                 emit(exc.report, as_json)
@@ -129,5 +194,5 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "load_from_flags",
+__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags",
            "load_half_target", "fail", "options_from_flags"]

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, load_half_target, options_from_flags, user_errors)
 from normconv.errors import NormconvError
 from normconv.onnx.export import DEFAULT_OPSET, DEFAULT_TARGET
@@ -56,6 +56,7 @@ def register(app: typer.Typer) -> None:
         trust_pickle: TrustOpt = False,
         trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
+        accept_specialized: AcceptSpecializedOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Export to ONNX with every norm as one fused op; validate in onnxruntime (exit 1, no file, if it fails)."""
@@ -80,7 +81,7 @@ def register(app: typer.Typer) -> None:
             dim_names[key] = value
         check_args(output, target, opset, device)  # bad flags fail before loading the model
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report = run(loaded, options_from_flags(output, atol, rtol, dtype=half), target, opset, dynamic=dynamic,
+        report = run(loaded, options_from_flags(output, atol, rtol, dtype=half, accept_specialized=accept_specialized), target, opset, dynamic=dynamic,
                      fold=not no_fold, canonicalize=not no_canonicalize, validate=providers, baseline=baseline,
                      repeats=repeats, skip_fusion=skip_fusion, device=device, dim_names=dim_names, keep_fp32=keep_fp32)
         emit(report, as_json, print_export)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, check_stream_flags, emit, load_half_target, options_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
             "--stream", help="Hugging Face folder with safetensors weights: fold tensor by tensor, never holding "
                              "the model; writes the same architecture with each folded BatchNorm made the "
                              "identity, verified block by block")] = False,
+        accept_specialized: AcceptSpecializedOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
@@ -50,12 +51,13 @@ def register(app: typer.Typer) -> None:
                                [("--eval", eval_mode), ("--weights", weights is not None),
                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
                                 ("--in-place", in_place), ("--bench", bench), ("--normconv-modules", normconv_modules),
-                                ("--trust-pickle", trust_pickle), ("--trust-remote-code", trust_remote_code)], output)
+                                ("--trust-pickle", trust_pickle), ("--trust-remote-code", trust_remote_code),
+                                ("--accept-specialized", accept_specialized)], output)
             emit(streaming.fold(model, output, atol=atol, rtol=rtol), as_json)
             return
 
         # a half --dtype: headroom is measured on the model as loaded (float32), then it is cast and folded
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules, eval_mode,
-                                                   half))
+                                                   half, accept_specialized))
         emit(report, as_json)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt,
                                  RtolOpt, TrustOpt, WeightsOpt, emit, load_from_flags, options_from_flags, user_errors)
 
 
@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         rtol: RtolOpt = None,
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
+        accept_specialized: AcceptSpecializedOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Canonicalize, swap LayerNorm -> RMSNorm exactly (pre-LN), fold the norm scales into the linears and
@@ -40,5 +41,6 @@ def register(app: typer.Typer) -> None:
         if rotation not in ROTATIONS:
             raise NormconvError(f"unknown --rotation {rotation!r}: choose {', '.join(ROTATIONS)}")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench), rotation, seed)
+        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench,
+                                                   accept_specialized=accept_specialized), rotation, seed)
         emit(report, as_json)

@@ -1,4 +1,5 @@
-"""``normconv swap``: LayerNorm -> RMSNorm (or back), exact where the residual stream allows it."""
+"""``normconv swap``: LayerNorm -> RMSNorm (or back), exact where the residual stream allows it; BatchNorm -> frozen,
+batchnorm, affine, groupnorm[:G] or instancenorm (commands/swap_batchnorm.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, check_stream_flags, emit, load_from_flags, options_from_flags, user_errors)
 
 
@@ -15,8 +16,10 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def swap(
         model: ModelArg,
-        to: Annotated[str, typer.Option("--to", help="target norm: rmsnorm (from LayerNorm) or layernorm "
-                                                     "(from RMSNorm)")] = "rmsnorm",
+        to: Annotated[str, typer.Option("--to", help="target norm: rmsnorm (from LayerNorm) or layernorm (from "
+                                                     "RMSNorm); from BatchNorm: frozen-batchnorm, batchnorm (from "
+                                                     "SyncBatchNorm / frozen), affine (what fold leaves), "
+                                                     "groupnorm[:G] or instancenorm (approximate)")] = "rmsnorm",
         output: OutputOpt = None,
         approximate: Annotated[bool, typer.Option(
             "--approximate", help="swap sites that cannot be made exact too, and report the output drift")] = False,
@@ -27,6 +30,8 @@ def register(app: typer.Typer) -> None:
             "--no-canonicalize", help="do not convert hand-written norms to native modules first")] = False,
         fold_scales: Annotated[bool, typer.Option(
             "--fold-scales", help="then fold each RMSNorm's scale into the linears reading it")] = False,
+        as_conv: Annotated[bool, typer.Option(
+            "--as-conv", help="with --to affine: a depthwise 1x1 conv instead of a per-channel Mul and Add")] = False,
         stream: Annotated[bool, typer.Option(
             "--stream", help="Hugging Face folder with safetensors weights: rewrite it tensor by tensor, never "
                              "holding the model (larger than RAM); writes the same architecture with rewritten "
@@ -41,15 +46,28 @@ def register(app: typer.Typer) -> None:
         in_place: InPlaceOpt = False,
         bench: BenchOpt = False,
         normconv_modules: KeepNormconvOpt = False,
+        accept_specialized: AcceptSpecializedOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
-        """Swap LayerNorm -> RMSNorm exactly (Pre-LN: center the residual writers, fold the bias), or back."""
+        """Swap LayerNorm -> RMSNorm exactly (Pre-LN: center the residual writers, fold the bias), or back; or
+        convert BatchNorm for training (frozen, batchnorm, groupnorm, instancenorm) or the edge (affine)."""
         from normconv.commands.swap import swap as run
+        from normconv.commands.swap_batchnorm import parse_target, swap_batchnorm
         from normconv.errors import NormconvError
         from normconv.passes.swap_norm import SOURCE_KIND
 
+        if parse_target(to) is not None:
+            _refuse([("--approximate", approximate), ("--partial", partial), ("--no-canonicalize", no_canonicalize),
+                     ("--fold-scales", fold_scales), ("--stream", stream)], f"--to {to}")
+            loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
+            report, _ = swap_batchnorm(loaded, options_from_flags(output, atol, rtol, in_place, bench,
+                                                                  normconv_modules), to, as_conv=as_conv)
+            emit(report, as_json)
+            return
         if to not in SOURCE_KIND:
-            raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
+            raise NormconvError(f"unknown --to {to!r}: choose rmsnorm, layernorm, frozen-batchnorm, batchnorm, "
+                                f"affine, groupnorm[:G] or instancenorm")
+        _refuse([("--as-conv", as_conv)], f"--to {to}")
         if stream:
             from normconv.stream import swap as streaming
 
@@ -60,10 +78,21 @@ def register(app: typer.Typer) -> None:
                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
                                 ("--in-place", in_place), ("--bench", bench), ("--no-canonicalize", no_canonicalize),
                                 ("--normconv-modules", normconv_modules), ("--trust-pickle", trust_pickle),
-                                ("--trust-remote-code", trust_remote_code)], output)
+                                ("--trust-remote-code", trust_remote_code),
+                                ("--accept-specialized", accept_specialized)], output)
             emit(streaming.swap(model, output, atol=atol, rtol=rtol), as_json)
             return
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules), to,
+        report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules,
+                                                   accept_specialized=accept_specialized), to,
                         approximate, canonicalize=not no_canonicalize, fold_scales_=fold_scales, partial=partial)
         emit(report, as_json)
+
+
+def _refuse(flags: list[tuple[str, bool]], what: str) -> None:
+    """The flags that do not go with ``what``, refused in one line before anything is read."""
+    from normconv.errors import NormconvError
+
+    given = [flag for flag, on in flags if on]
+    if given:
+        raise NormconvError(f"{', '.join(given)} does not go with {what}")

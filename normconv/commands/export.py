@@ -21,6 +21,7 @@ from normconv.engine.plans import float32_sites, plan_of
 from normconv.engine.precision import (HALF_SLACK, cast_floats, cast_like, check_keep_fp32, dtype_label, half_dtype,
                                        rounding_limited, site_precisions, target_half)
 from normconv.engine.run import apply_passes
+from normconv.engine.branches import judge_specialized
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
@@ -56,6 +57,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     if skip_fusion is None:  # measured: fused residual add + norm is faster on CUDA, slower on CPU (BENCHMARKS.md)
         skip_fusion = device == "cuda"
     check_output_path(loaded, out)
+    check_output_path(loaded, out.with_name(out.name + ".data"))  # the external-data file a large model writes beside
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, loaded.require_inputs(), report)
     # the load's check forward when no mask was added (the same inputs), else one forward now
@@ -116,6 +118,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
         report.validation.append(check)
         if not check.passed:
             raise not_verified("export", check, report, "the rewritten model differs from the original")
+        judge_specialized(source, done, src_inputs, opts, report, "export")  # a value-decided branch: proven or not
     atol, rtol = opts.atol, opts.rtol
     if half is not None:
         prepared, reference, atol, rtol = _half_model(prepared, wide, half, inputs, reference32, half_torch, atol,

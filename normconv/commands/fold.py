@@ -1,4 +1,6 @@
-"""``normconv fold``: BatchNorm folded into its neighbouring conv / linear (inference), verified, then written."""
+"""``normconv fold``: BatchNorm folded into its neighbouring conv / linear (inference), then through the activations and
+pools around the ones left (fold-through: scale backward, shift forward, the rest a per-channel add), verified, then
+written."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
 from normconv.io.load import Loaded
 from normconv.options import Options
-from normconv.passes import fold_batchnorm, lift_layers
+from normconv.passes import fold_batchnorm, fold_through, lift_layers
 from normconv.passes import fold_weight_standardization as fold_ws
 from normconv.passes.base import Pass
 from normconv.report import Report
@@ -38,13 +40,17 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
         cast = loaded.model if loaded.disposable else copy.deepcopy(loaded.model)
         loaded = dataclasses.replace(loaded, model=cast.to(half), inputs=loaded.require_inputs().to(half))
     try:
-        report, done = rewrite(loaded, lifted(loaded.model) + [fold_ws.FOLD_WS, fold_batchnorm.FOLD], opts,
+        # fold-through first: it takes only BNs with ops between them and their layer, so a model where it has
+        # nothing to do is folded from the same capture (one capture, five forwards in all)
+        report, done = rewrite(loaded, lifted(loaded.model) + [fold_ws.FOLD_WS, fold_through.FOLD_THROUGH,
+                                                               fold_batchnorm.FOLD], opts,
                                command=fold_batchnorm.NAME)
     except VerificationError as exc:
         if rooms and exc.report is not None:
             exc.report.extra["headroom"] = headroom_extra(rooms, half, measured_on)
         raise
     model = done.model
+    report.sites = one_site_per_batchnorm(report.sites)
     if rooms:
         from normconv.graph.headroom import check_folded_weight
 
@@ -59,6 +65,24 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
         report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
                             else "the model has no BatchNorm; it is unchanged")
     return report, model
+
+
+def one_site_per_batchnorm(sites: list) -> list:
+    """One site per BatchNorm: fold-through's where it folded one (fold then never sees it), else fold's; where both
+    left it, fold's reason says why fold-through could not pass the ops around it either."""
+    through = {s.target: s for s in sites if s.pass_name == fold_through.NAME}
+    out = []
+    for s in sites:
+        if s.pass_name == fold_through.NAME:
+            if s.applied:
+                out.append(s)
+            continue
+        t = through.get(s.target)
+        if s.pass_name == fold_batchnorm.NAME and not s.applied and t is not None and not t.applied and \
+                t.code == fold_through.ThroughWhy.NOTHING:
+            s = dataclasses.replace(s, reason=f"{s.reason}; fold-through: {t.reason}")
+        out.append(s)
+    return out
 
 
 def _fold_headroom(loaded: Loaded, half: torch.dtype, method: str) -> tuple[list, dict[str, str]]:
@@ -78,4 +102,4 @@ def lifted(model: nn.Module) -> list[Pass]:
     return [lift_layers.LIFT] if isinstance(model, fx.GraphModule) else []
 
 
-__all__ = ["fold", "lifted"]
+__all__ = ["fold", "lifted", "one_site_per_batchnorm"]

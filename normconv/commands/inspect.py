@@ -42,9 +42,12 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
         sites.append(entry)
     extra_headroom = {} if rooms is None else {"headroom": headroom_extra(
         rooms, dtype, (calibration or inputs).describe() + (" (calibration)" if calibration else ""))}
+    notes = [f"the capture specialized a branch on tensor values as the example inputs take it: {g.describe()}; a "
+             f"rewrite is proven for the other branch or refused (--accept-specialized accepts it)" for g in cap.guards]
     return Report(
-        command="inspect", model=loaded.spec, sites=sites,
+        command="inspect", model=loaded.spec, sites=sites, notes=notes,
         extra={"capture": cap.method, "capture_failures": cap.attempts, "inputs": inputs.describe(),
+               "specialized": [g.to_json() for g in cap.guards],
                "counts": dict(collections.Counter(n.kind for n in norms)),
                "parameters": sum(p.numel() for p in loaded.model.parameters()),
                "near_misses": [m.to_json() for m in find_near_misses(cap, norms)],
@@ -92,9 +95,14 @@ def _inspect_by_parts(loaded: Loaded, inputs: Inputs, method: str, whole: Normco
     unseen = [f"{p or 'the model'} (its own code between its submodules)"
               for p in ["", *parts.failed] if p not in parts.leaves_failed]
     unseen += [f"{p} (a leaf: {parts.failed[p]})" for p in parts.leaves_failed]
+    guards = [(part.path, g) for part in parts.parts for g in part.cap.guards]
+    notes = [f"the capture of {path} specialized a branch on tensor values as the example inputs take it: "
+             f"{g.describe()}" for path, g in guards]
     return Report(
-        command="inspect", model=loaded.spec, sites=sites,
+        command="inspect", model=loaded.spec, sites=sites, notes=notes,
         extra={"capture": f"parts ({len(parts.parts)} submodules captured alone: the whole model cannot be)",
+               "specialized": [{**g.to_json(), "owner": ".".join(p for p in (path, g.owner) if p)}
+                               for path, g in guards],
                "capture_failures": {"whole model": str(whole)}, "inputs": inputs.describe(),
                "counts": dict(collections.Counter(s["kind"] for s in sites)),
                "parameters": sum(p.numel() for p in loaded.model.parameters()),

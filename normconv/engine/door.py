@@ -10,7 +10,9 @@ shape wherever the model's dimensions are free:
   DRIFT      the distance to the original, measured and reported, never judged;
   REFERENCE  the rewritten model equals ``pass.reference(rewritten)`` (DeepNorm: LN(alpha*x + f(x)) computed
              literally on the same weights) within tolerance.
-Nothing is written unless it verified; writing goes through ``io.save`` (atomic) in torch-only form.
+A capture that decided a branch on a tensor's value must be proven for the other branches, accepted
+(``--accept-specialized``) or refused (``engine.branches``). Nothing is written unless it verified; writing goes
+through ``io.save`` (atomic) in torch-only form.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from normconv.passes.base import Check, Pass
 from normconv.report import OutputError, Report, Validation
 from normconv.verify import Inputs, compare, other_shape, run, untraced, with_selections
 
+from .branches import judge_specialized
 from .run import Run, apply_passes
 
 # module families counted in before/after tables: every norm kind, then the layers norms fold into
@@ -105,6 +108,8 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     if failed is not None and judge:
         raise not_verified(command, failed, report, "outputs differ beyond tolerance" if referee is None else
                            f"the rewritten model differs from {referee.reference_label} on the same weights")
+    # a capture that decided a branch on a value: proven for the other branches, accepted, or refused (exit 2)
+    judge_specialized(loaded.model, done, inputs, opts, report, command)
     if write:
         write_model(loaded, done.model, opts, inputs, report)
     return report, done

@@ -12,7 +12,8 @@ import torch
 
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite
-from normconv.passes import canonicalize, deepnorm, fold_batchnorm, swap_norm
+from normconv.passes import canonicalize, convert_batchnorm, deepnorm, fold_batchnorm, fold_through, recalibrate
+from normconv.passes import swap_norm
 from normconv.report import Site
 
 Planner = Callable[[Captured, Sequence[NormSite]], list[Site]]
@@ -50,6 +51,9 @@ def _swap_plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
 # (pass, planner, plans a part captured alone): the order a user would run them
 PLANNERS: tuple[tuple[str, Planner, bool], ...] = (
     (fold_batchnorm.NAME, fold_batchnorm.plan, True),
+    (fold_through.NAME, fold_through.plan, True),
+    (convert_batchnorm.NAME, convert_batchnorm.plan_every_target, True),
+    (recalibrate.NAME, recalibrate.plan, True),
     (canonicalize.NAME, canonicalize.plan, True),
     (swap_norm.NAME, _swap_plan, True),
     (deepnorm.NAME, deepnorm.plan, False),

@@ -7,6 +7,10 @@ until a pass takes one through ``clone.owned`` (copy-on-write). One capture serv
 unchanged; a pass that modified it makes the next one capture again. A model no method captures whole is run part
 by part (``by_parts=True`` and every pass declares ``by_parts``): each submodule captured alone gets the pass,
 and the whole result is verified by the caller as always.
+
+A capture that decided a branch on a tensor's value (``Captured.guards``) is remembered in ``Run.guards`` (the door
+must prove the rewrite for the branches it did not see, or refuse), and from then on the passes copy what they
+write even on a disposable model: the original stays intact for that proof.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
-from normconv.clone import clone_sharing_tensors, owning_as, release
+from normconv.clone import clone_sharing_tensors, copy_on_write, owning_as, release
 from normconv.errors import Code, NormconvError
-from normconv.graph.capture import Captured, capture
+from normconv.graph.capture import Captured, Guard, capture
 from normconv.passes.base import Pass, replace_module
 from normconv.report import PassResult, Site
 from normconv.verify import Inputs
@@ -35,6 +39,19 @@ class Run:
     results: list[tuple[Pass, PassResult]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     capture: Captured | None = None
+    guards: list[Guard] = field(default_factory=list)  # every branch a capture decided on a value (module paths whole)
+    # the caller's model still holds its original values (False: a disposable model was written in place before a
+    # specialized capture was seen, so the door cannot compare the rewrite with it)
+    original_intact: bool = True
+
+    def saw(self, cap: Captured, prefix: str = "") -> Captured:
+        """Remember ``cap``'s guards (of a part at ``prefix``: its module paths made whole)."""
+        for g in cap.guards:
+            owner = ".".join(p for p in (prefix, g.owner) if p)
+            g = Guard(owner, g.where, g.what)
+            if g not in self.guards:
+                self.guards.append(g)
+        return cap
 
     def of(self, p: Pass) -> list[PassResult]:
         """The results of one pass (several when it ran by parts)."""
@@ -73,19 +90,21 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
     cap: Captured | None = None
     parts_allowed = by_parts and all(p.by_parts for p in passes)  # not rotation, DeepNorm, export
     if on_first_capture is not None:
-        cap = capture(work, inputs, method, reference)
+        cap = out.saw(capture(work, inputs, method, reference))
         on_first_capture(cap)
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
         if cap is None or cap.model is not work:
             try:
-                cap = capture(work, inputs, method, reference)
+                cap = out.saw(capture(work, inputs, method, reference))
             except NormconvError as whole:
                 if whole.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
                     raise
-                _by_parts(p, work, inputs, method, whole, out)
+                _by_parts(p, work, inputs, method, whole, out, model)
                 inherit_training_flags(before, work)
                 continue
+        if out.guards:
+            copy_on_write(work, model)
         try:
             result = p(work, cap)
         except NormconvError:
@@ -93,6 +112,8 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
         except Exception as exc:  # name the failing pass (onnx-ir's pass manager does the same)
             raise RuntimeError(f"pass {p.name} failed: {type(exc).__name__}: {exc}") from exc
         inherit_training_flags(before, result.model)
+        if result.modified and writable and not out.guards:
+            out.original_intact = False
         if result.modified or result.model is not work:
             cap = reference = None  # the graph changed: the next pass captures it again (and checks it afresh)
         work = result.model
@@ -103,7 +124,8 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
     return out
 
 
-def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: NormconvError, out: Run) -> None:
+def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: NormconvError, out: Run,
+              original: nn.Module) -> None:
     """One pass on each submodule of ``work`` captured alone (``capture_parts``), for a model no method captures
     whole (a VLM whose merge of image features is data-dependent). Each part's graph holds everything the pass
     proves about the part: a stream that enters the part as an input has writers the pass cannot see, so a swap
@@ -114,6 +136,10 @@ def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: Norm
     parts = capture_parts(work, inputs, method)
     if not parts.parts:
         raise NormconvError(f"{whole}; no submodule captures alone either", Code.CANNOT_CAPTURE)
+    for part in parts.parts:
+        out.saw(part.cap, part.path)
+    if out.guards:
+        copy_on_write(work, original)
     p.begin_parts()
     results = []
     for part in parts.parts:

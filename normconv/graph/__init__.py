@@ -1,7 +1,5 @@
 """Graphs of the model and what they say about its norms, one concept per module:
 
-  match.py        the op vocabulary both graph dialects share (symbolic_trace and torch.export), argument readers
-                  (sits low: the norm kinds read calls with it)
   capture.py      an FX graph of the model (symbolic_trace, else torch.export) and the node -> module view
   site.py         NormSite, WeightStandardization: what detection finds
   handwritten.py  hand-written norms recognized by what they compute
@@ -10,5 +8,6 @@
   headroom.py     half-precision margins per site
   parts.py        each submodule captured alone, for a model no method captures whole
 
-No re-exports here: importing ``normconv.graph.match`` must not pull in capture (the kinds sit between them).
+The op vocabulary both graph dialects share is ``normconv.match`` (below the norm kinds, which read calls with it).
+No re-exports here: a package __init__ that imports its modules runs them for anyone importing one of them.
 """

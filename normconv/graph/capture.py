@@ -6,12 +6,19 @@
 
 Both graphs carry ``nn_module_stack``; ``Captured.owner(node)`` reads it so passes see one view:
 the module path that computed a node, the module object, the parameter a node reads, shape and dtype.
+
+A capture that decided a Python branch on a tensor's value (torch.export.draft_export's data-dependent guards, or a
+concrete tensor's value read while symbolic_trace ran: ``if self.flag.item()``) holds one branch only: it is
+``specialized`` and lists each such ``Guard`` (where it is, the module whose forward holds it, what it decided);
+the engine refuses to claim an exact rewrite past it unless it proves the other branches are not affected.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -20,12 +27,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.overrides import TorchFunctionMode
 
 from normconv.errors import Code, NormconvError
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv import kinds
-from normconv.graph.match import TRANSPARENT, op_of
+from normconv.match import TRANSPARENT, op_of
 from normconv.verify import Inputs, compare, forward_guard, output_leaves, run
 
 
@@ -51,6 +59,21 @@ class NormLeafTracer(fx.Tracer):
         return False
 
 
+@dataclass(frozen=True)
+class Guard:
+    """A Python branch the capture decided on a tensor's value, as the example inputs decided it."""
+
+    owner: str  # the module whose forward holds the branch ('' : the model's own forward)
+    where: str  # file:line and the code there
+    what: str  # the condition (torch.export's expression) or the value read
+
+    def describe(self) -> str:
+        return f"{self.where} in {self.owner or 'the model'}'s forward ({self.what})"
+
+    def to_json(self) -> dict[str, str]:
+        return {"owner": self.owner, "where": self.where, "what": self.what}
+
+
 @dataclass
 class Captured:
     """A captured graph and the view passes use to read it."""
@@ -61,7 +84,8 @@ class Captured:
     inputs: Inputs
     exported: Any = None  # the ExportedProgram when method == "torch.export"
     attempts: dict[str, str] = field(default_factory=dict)  # method -> why it failed
-    specialized: bool = False  # torch.export.draft_export: branches on tensor values taken as on the example inputs
+    specialized: bool = False  # branches on tensor values taken as on the example inputs (see ``guards``)
+    guards: tuple[Guard, ...] = ()  # each branch decided on a value (draft_export's guards, values read in tracing)
     _params: dict[str, str] = field(default_factory=dict)  # placeholder name -> state_dict name (export)
 
     def __post_init__(self):
@@ -322,7 +346,8 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
         if inputs.kwargs:
             raise NormconvError("keyword inputs need torch.export")
         tracer = NormLeafTracer()
-        graph = tracer.trace(model)
+        with _ValueReads(tracer) as reads:  # a concrete tensor's value read while tracing: a branch baked in
+            graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         with torch.no_grad():  # on a copy of the inputs: a graph that writes into its input leaves the example alone
             traced = ShapeProp(gm).propagate(*copy.deepcopy(inputs.args))
@@ -333,7 +358,9 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
         check = compare(reference, traced, atol=1e-5, rtol=1e-5)
         if not check.passed:
             raise NormconvError(f"traced graph differs from eager (max abs error {check.max_abs_error:.3g})")
-        return Captured(model, gm, "symbolic_trace", inputs, attempts=attempts)
+        guards = tuple(dict.fromkeys(reads.guards))
+        return Captured(model, gm, "symbolic_trace", inputs, attempts=attempts, specialized=bool(guards),
+                        guards=guards)
     if m == "torch.export":
         with torch.no_grad(), quiet_torch_logs():
             try:
@@ -348,6 +375,85 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
                 _check_draft(model, ep, inputs, reference)
                 attempts[m] = (f"{_one_line(exc)}; captured with torch.export.draft_export instead (branches on "
                                f"tensor values taken as on the example inputs)")
-                return Captured(model, ep.graph_module, m, inputs, exported=ep, attempts=attempts, specialized=True)
+                return Captured(model, ep.graph_module, m, inputs, exported=ep, attempts=attempts, specialized=True,
+                                guards=_draft_guards(ep))
         return Captured(model, ep.graph_module, "torch.export", inputs, exported=ep, attempts=attempts)
     raise NormconvError(f"unknown capture method {m!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# guards: where a capture decided a branch on a tensor's value
+
+
+_VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__complex__", "numpy"}
+_INTERNAL = (os.sep + "torch" + os.sep, os.sep + "normconv" + os.sep, os.sep + "typer" + os.sep,
+             os.sep + "click" + os.sep, os.sep + "pluggy" + os.sep, os.sep + "_pytest" + os.sep)
+
+
+def _user_frame() -> traceback.FrameSummary | None:
+    """The innermost frame of the stack outside torch and normconv: the model's own code."""
+    frames = traceback.extract_stack()
+    return next((f for f in reversed(frames) if not any(part in f.filename for part in _INTERNAL)), None)
+
+
+def _where(filename: str, line: Any, code: str | None) -> str:
+    return f"{os.path.basename(str(filename))}:{line}" + (f" `{code.strip()}`" if code and code.strip() else "")
+
+
+class _ValueReads(TorchFunctionMode):
+    """While symbolic_trace runs: a concrete tensor's value read in Python (``bool(t)``, ``t.item()``, ``int(t)``)
+    is a decision the graph bakes in (a Proxy's would have failed the trace). Each is a Guard."""
+
+    def __init__(self, tracer: fx.Tracer):
+        super().__init__()
+        self.tracer, self.guards = tracer, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _VALUE_READS and args and isinstance(args[0], torch.Tensor):
+            stack = getattr(self.tracer, "module_stack", None) or {}
+            owner = _clean_path(list(stack.values())[-1][0]) if stack else ""
+            frame = _user_frame()
+            where = _where(frame.filename, frame.lineno, frame.line) if frame else "the model's forward"
+            self.guards.append(Guard(owner, where, f"a tensor's value read ({name}) while tracing"))
+        return func(*args, **(kwargs or {}))
+
+
+def _last_frame(trace: str) -> tuple[str, int] | None:
+    """(file, line) of the last ``File "...", line N`` of a node's stack trace."""
+    import re
+
+    found = re.findall(r'File "([^"]+)", line (\d+)', trace or "")
+    return (found[-1][0], int(found[-1][1])) if found else None
+
+
+def _draft_guards(ep: Any) -> tuple[Guard, ...]:
+    """The data-dependent decisions draft_export specialized (its report's failures), each with the module whose
+    forward made it (the module stack of the graph's nodes from that line; the model's own when none)."""
+    report = getattr(ep, "_report", None)
+    names = dict(getattr(report, "str_to_filename", None) or {})
+    try:  # the report maps only the file names first interned during this export; torch's table has them all
+        from torch._logging.structured import INTERN_TABLE
+
+        names.update({v: k for k, v in INTERN_TABLE.items()})
+    except ImportError:
+        pass
+    owners: dict[tuple[str, int], str] = {}
+    for n in ep.graph_module.graph.nodes:
+        last = _last_frame(n.meta.get("stack_trace") or "")
+        stack = n.meta.get("nn_module_stack")
+        if last is not None and stack:
+            owners.setdefault(last, _clean_path(list(stack.values())[-1][0]))
+    guards = []
+    for failure in getattr(report, "failures", None) or []:
+        data = failure.data if isinstance(failure.data, dict) else {}
+        frames = data.get("user_stack") or []
+        if frames:
+            f = frames[-1]
+            filename = names.get(f.get("filename"), str(f.get("filename")))
+            where, owner = _where(filename, f.get("line"), f.get("loc")), owners.get((filename, f.get("line")), "")
+        else:
+            where, owner = "the model's forward", ""
+        what = str(data.get("expr") or getattr(failure.failure_type, "name", "a guard"))
+        guards.append(Guard(owner, where, what + (f", taken as {data['result']}" if data.get("result") else "")))
+    return tuple(dict.fromkeys(guards)) or (Guard("", "the model's forward", "a branch on tensor values"),)

@@ -32,7 +32,7 @@ from normconv import kinds
 from normconv.graph.capture import Captured
 from normconv.graph.handwritten import (NoMatch, aliases_of, handwritten_site, other_operand, param_through_views,
                                         root)
-from normconv.graph.match import TRANSPARENT
+from normconv.match import TRANSPARENT
 from normconv.graph.site import NormSite, WeightStandardization
 
 KINDS = kinds.NAMES

@@ -3,6 +3,9 @@
   y = (x - mean_D(x)) * rsqrt(var_D(x) + eps) [* w] [+ b]     -> layernorm (instancenorm on every spatial dim)
   y = x * rsqrt(mean_D(x^2) + eps) [* w | * (1 + w)]           -> rmsnorm (Llama, T5, Gemma styles)
   y = (x - running_mean) / sqrt(running_var + eps) [* w] [+ b] -> batchnorm (inference form)
+  scale = w * rsqrt(running_var + eps); y = x * scale + (b - running_mean * scale)
+                                                               -> batchnorm (the frozen form: torchvision's, DETR's,
+                                                                  timm's and detectron2's FrozenBatchNorm2d)
 with ``/ sqrt`` for ``* rsqrt``, ``v ** -0.5`` for rsqrt, ``var(unbiased=False)``, ``var_mean`` or ``mean((x - m)^2)``
 for the variance, a scale applied before the factor (``(w * x) * rsqrt(...)``), and dtype casts anywhere in between.
 The site's nodes, owner and input are then trimmed of casts that belong to the caller or to another module.
@@ -11,13 +14,14 @@ The site's nodes, owner and input are then trimmed of casts that belong to the c
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
-from normconv.graph.match import PARAM_VIEW, arg, dims_of, scalar
+from normconv.match import PARAM_VIEW, arg, dims_of, scalar
 from normconv.graph.site import NormSite
 
 
@@ -36,10 +40,102 @@ def root(cap: Captured, node: fx.Node) -> str | None:
 
 
 def handwritten_site(cap: Captured, r: fx.Node) -> NormSite | None:
-    try:
-        return _match_handwritten(cap, r)
-    except NoMatch:
-        return None
+    for match in (_match_handwritten, _match_frozen_batchnorm):
+        try:
+            return match(cap, r)
+        except NoMatch:
+            continue
+    return None
+
+
+def _down(cap: Captured, node: fx.Node, acc: set[str]) -> list[fx.Node]:
+    """``node`` and every value computed from it by views and casts alone (each taken into ``acc``)."""
+    found, stack = [node], [node]
+    while stack:
+        for u in cap.users(stack.pop()):
+            is_view = (u.op == "call_method" and u.target in PARAM_VIEW) or cap.op(u) == "cast" or \
+                (u.op == "call_function" and getattr(u.target, "__name__", "").split(".")[0] in PARAM_VIEW)
+            if is_view and u.args and u.args[0] in found:
+                acc.add(u.name)
+                found.append(u)
+                stack.append(u)
+    return found
+
+
+def _only_user(cap: Captured, values: list[fx.Node], op: str) -> fx.Node:
+    """The one ``op`` node that reads any of ``values`` (views and casts of one value)."""
+    users = [u for v in values for u in cap.users(v) if u not in values]
+    if len(users) != 1 or cap.op(users[0]) != op:
+        raise NoMatch
+    return users[0]
+
+
+def _match_frozen_batchnorm(cap: Captured, r: fx.Node) -> NormSite:
+    """scale = w * rsqrt(rv + eps); shift = b - rm * scale; y = x * scale + shift (views and casts anywhere)."""
+    acc: set[str] = {r.name}
+    s = _strip(cap, r.args[0], acc)
+    if root(cap, r) != "rsqrt" or not (isinstance(s, fx.Node) and cap.op(s) == "add"):
+        raise NoMatch
+    c = [scalar(v) for v in s.args[:2]]
+    if (c[0] is None) == (c[1] is None):
+        raise NoMatch
+    eps, var = (c[1], s.args[0]) if c[1] is not None else (c[0], s.args[1])
+    acc.add(s.name)
+    running_var = param_through_views(cap, var, acc)
+    if running_var is None:
+        raise NoMatch
+    # scale = w * rsqrt(rv + eps): the factor's one multiplication by a parameter (none: no weight)
+    factor = _down(cap, r, acc)
+    users = [u for v in factor for u in cap.users(v) if u not in factor]
+    weighted = [u for u in users if cap.op(u) == "mul" and param_through_views(cap, other_operand(
+        u, next(v for v in factor if v in u.args)), set()) is not None]
+    weight, scale = None, factor
+    if len(users) == 1 and weighted:
+        (u,) = weighted
+        weight = param_through_views(cap, other_operand(u, next(v for v in factor if v in u.args)), acc)
+        acc.add(u.name)
+        scale = _down(cap, u, acc)
+    # scale is read twice: by rm * scale (rm a parameter) and by x * scale
+    reads = [u for v in scale for u in cap.users(v) if u not in scale]
+    if len(reads) != 2 or any(cap.op(u) != "mul" for u in reads):
+        raise NoMatch
+    rm_of = {u: param_through_views(cap, other_operand(u, next(v for v in scale if v in u.args)), set())
+             for u in reads}
+    rm_mul = next((u for u in reads if rm_of[u] is not None), None)
+    x_mul = next((u for u in reads if rm_of[u] is None), None)
+    if rm_mul is None or x_mul is None:
+        raise NoMatch
+    running_mean = param_through_views(cap, other_operand(rm_mul, next(v for v in scale if v in rm_mul.args)), acc)
+    x = _strip(cap, other_operand(x_mul, next(v for v in scale if v in x_mul.args)), acc)
+    acc |= {rm_mul.name, x_mul.name}
+    # shift = b - rm * scale, then y = x * scale + shift
+    sub = _only_user(cap, _down(cap, rm_mul, acc), "sub")
+    if sub.args[1] not in _down(cap, rm_mul, set()):
+        raise NoMatch
+    bias = param_through_views(cap, sub.args[0], acc)
+    if bias is None:
+        raise NoMatch
+    acc.add(sub.name)
+    y = _only_user(cap, _down(cap, sub, acc), "add")
+    if not set(y.args[:2]) & set(_down(cap, x_mul, acc)):  # the sum of x * scale (or its view) and the shift
+        raise NoMatch
+    acc.add(y.name)
+    if not isinstance(x, fx.Node):
+        raise NoMatch
+    # scale and shift as applied broadcast along dim 1 of x alone, each statistic one value per channel
+    rank, shape = len(cap.shape(x) or ()), cap.shape(x)
+    applied = [next(v for v in scale if v in x_mul.args),
+               next(a for a in y.args[:2] if a in _down(cap, sub, set()))]
+    for v in applied:
+        vs = cap.shape(v)
+        if rank < 2 or vs is None or len(vs) > rank or \
+                [d for d in range(len(vs)) if vs[d] != 1] != [len(vs) - rank + 1]:
+            raise NoMatch
+    names = [n for n in (weight, bias, running_mean, running_var) if n]
+    if any(cap.tensor(n) is None or cap.tensor(n).numel() != shape[1] for n in names):
+        raise NoMatch
+    site = _assemble(cap, "batchnorm", x, y, acc, None, eps, weight, bias, 0.0, running_mean, running_var, False)
+    return replace(site, channel_vectors=True)
 
 
 def _strip(cap: Captured, node: Any, acc: set[str]) -> Any:

@@ -27,7 +27,7 @@ import torch.fx as fx
 from normconv.graph.detect import NormSite
 from normconv.graph.handwritten import square_base
 from normconv.graph.capture import Captured
-from normconv.graph.match import arg, call_name as _fn, dims_of, scalar
+from normconv.match import arg, call_name as _fn, dims_of, scalar
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class NormSite:
     calls: int = 1  # how many sites share this target (a module called more than once)
     nodes: tuple[str, ...] = ()  # every node of the site
     self_contained: bool = True  # no intermediate value of the site is used outside it
+    channel_vectors: bool = False  # its statistics and affine are (C,) vectors read along dim 1 (checked on shapes)
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """The io room: what normconv reads from the user and writes back. Import the module you need; nothing is
 re-exported here.
 
+  ledger      every file and folder a run read (real path and inode), checked by every write
+  archive     zip archives (.pt2, torch.save) checked from their directory before any member is inflated
+  hf_folder   what a Hugging Face folder means: the weights from_pretrained loads, every path inside the folder,
+              every safetensors header valid by the library's rules, the size its config describes
   pickles     reading without running: weights-only torch.load, torch's and normconv's classes allowlisted, the
               globals a refused pickle would import, safetensors files; ``describe`` (an exception in one line)
   inputs      example inputs: --input-shape, --dtype, calibration files, forward's parameters, the Hugging Face
@@ -10,7 +14,7 @@ re-exported here.
   write       atomic writing: output paths checked before the work, temp file + rename, stale temps removed
   load        ``Loaded`` and ``load``: zoo, Hugging Face folder, .pt2, pickle, factory (+ --weights)
 
-Imports run one way, lowest first: pickles <- inputs <- hf_inputs; outputs <- write (write also reads pickles);
-load over all of them. graph.capture uses io.inputs, onnx.export io.write; nothing in io imports graph, passes or
+Imports run one way, lowest first: ledger, archive <- pickles <- inputs <- hf_inputs; ledger <- hf_folder;
+outputs <- write (write also reads pickles and ledger); load over all of them. graph.capture uses io.inputs, onnx.export io.write; nothing in io imports graph, passes or
 anything above them.
 """

@@ -3,14 +3,13 @@ file, and the forward parameters they are matched against; the defaults a Huggin
 (``HF_SEQ_LEN``, ``HF_BATCH``; io.hf_inputs makes them); inputs completed where forward takes what the caller left
 unset (``use_cache=False``, an all-ones ``attention_mask``).
 
-One of the io room's lowest modules (graph.capture uses ``with_attention_mask``): it imports io.pickles only.
+One of the io room's lowest modules (graph.capture uses ``with_attention_mask``): it imports io.pickles and io.archive only.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.io.archive import memory_bytes
 from normconv.io.pickles import read_tensors
 from normconv.verify import Inputs
 
@@ -94,13 +94,6 @@ def with_attention_mask(model: nn.Module, inputs: Inputs) -> Inputs | None:
 _INPUT_MEMORY_SHARE = 0.5
 
 
-def _memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def load_calibration(path_text: str, model: nn.Module | None = None) -> Inputs:
     """Calibration inputs from a .pt (weights_only) or .safetensors file of tensors: one tensor or a list / tuple
     of tensors (positional arguments), or a dict (keyword arguments by forward parameter name; keys "0", "1",
@@ -165,12 +158,14 @@ def parse_input_shapes(model: nn.Module, specs: list[str]) -> Inputs:
         dtype = parse_dtype(parts[2]) if len(parts) == 3 else torch.float32
         nbytes = math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else
                                      (8 if dtype == torch.bool else torch.iinfo(dtype).bits)) // 8
-        memory = _memory_bytes()
+        memory = memory_bytes()
         if memory and nbytes > _INPUT_MEMORY_SHARE * memory:
             raise NormconvError(f"--input-shape {spec!r} needs {nbytes / 2**30:.1f} GiB, more than half of this "
                                 f"machine's {memory / 2**30:.1f} GiB: choose a smaller example input")
         if params and name not in params:
             raise NormconvError(f"--input-shape names {name!r}, but forward takes: {', '.join(params)}")
+        if name in given:  # the same input twice: which one is meant is the user's to say, never the last silently
+            raise NormconvError(f"--input-shape gives {name!r} twice ({spec!r} and an earlier one): give each input once")
         if dtype.is_floating_point:
             given[name] = torch.randn(shape, generator=g).to(dtype)
         elif dtype == torch.bool:

@@ -27,8 +27,11 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.io import hf_folder
+from normconv.io.archive import check_archive
 from normconv.io.hf_inputs import hf_example_inputs
-from normconv.io.inputs import forward_params, parse_dtype, parse_input_shapes, without_kv_cache
+from normconv.io.inputs import forward_params, memory_bytes, parse_dtype, parse_input_shapes, without_kv_cache
+from normconv.io.ledger import Ledger
 from normconv.io.outputs import INPUTS_ATTR
 from normconv.io.pickles import (REFUSED, NeedsTrust, describe, load_allowlisted, only_weights_unpickled,
                                  quiet_loaders, read_tensors, shown_globals, torch_load_safely)
@@ -44,12 +47,19 @@ class Loaded:
     spec: str
     fmt: str  # zoo | hf | pt2 | pickle | factory
     path: Path | None = None
-    reads: tuple[Path, ...] = ()  # every file or folder the load read: -o may not be one of them (or inside one)
+    # every file and folder the run read (model, weights, config, shards, the factory's modules, calibration data),
+    # by real path and inode: every write checks it (io.write.check_output_path -> ledger.check_write)
+    ledger: Ledger = field(default_factory=Ledger, repr=False, compare=False)
     # the model is normconv's own (the command line loaded it from a file; no caller holds it): a rewrite may write
     # its tensors in place once the original's outputs are taken, instead of copying every tensor it changes
     disposable: bool = False
     # (inputs, output) of the load's check forward: the original's outputs on exactly these inputs, taken once
     checked: tuple[Inputs, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def reads(self) -> tuple[Path, ...]:
+        """The real paths of everything the run read (the ledger's entries)."""
+        return self.ledger.paths
 
     def checked_output(self) -> Any:
         """The model's output on its example inputs: the load's check forward when it ran on these very inputs
@@ -79,11 +89,25 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
     Nothing from a file runs unless asked: pickles (also inside a .pt2) load with ``weights_only=True`` unless
     ``trust_pickle``; a Hugging Face folder's own code (config ``auto_map``) only with ``trust_remote_code``."""
     cast_to = parse_dtype(dtype, floating=True) if dtype else None  # a bad flag fails before the load
-    loaded = _load_model(spec, weights, trust_pickle, trust_remote_code)
+    ledger = Ledger()
+    modules = set(sys.modules)
+    with ledger.watching():  # every file opened for reading while loading (a factory's own torch.load too)
+        loaded = _load_model(spec, weights, trust_pickle, trust_remote_code, ledger)
     if weights and loaded.fmt != "factory":
         raise NormconvError(f"--weights applies to a package.module:factory spec, not to {spec}")
-    reads = [r.resolve() for r in ([loaded.path] if loaded.path else []) + ([Path(weights)] if weights else [])]
-    loaded.reads = tuple(dict.fromkeys(reads))
+    if loaded.path is not None:
+        ledger.record(loaded.path, primary=True)
+    if weights:
+        ledger.record(weights)
+    imported = set(sys.modules) - modules
+    if loaded.fmt == "factory":  # the factory's own module and its packages, even when imported before this load
+        parts = spec.partition(":")[0].split(".")
+        imported |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    for name in imported:  # the modules the load imported (a factory's code): by their __file__
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(file, str):
+            ledger.record(file)
+    loaded.ledger = ledger
     if input_shapes:
         loaded.inputs = parse_input_shapes(loaded.model, input_shapes)
     if cast_to is not None:
@@ -107,13 +131,14 @@ def check_inputs(loaded: Loaded) -> Any:
     return out
 
 
-def _load_model(spec: str, weights: str | None, trust_pickle: bool, trust_remote_code: bool = False) -> Loaded:
+def _load_model(spec: str, weights: str | None, trust_pickle: bool, trust_remote_code: bool = False,
+                ledger: Ledger | None = None) -> Loaded:
     if spec.startswith("zoo:"):
         return _load_zoo(spec)
     path = Path(spec)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _load_hf(path, spec, trust_remote_code)
+            return _load_hf(path, spec, trust_remote_code, ledger)
         raise NormconvError(f"{spec} is a folder without config.json: not a Hugging Face model folder")
     if path.exists():
         if not path.is_file():
@@ -148,6 +173,7 @@ def _load_pt2(path: Path, spec: str, trust_pickle: bool = False) -> Loaded:
         raise NormconvError(f"{spec} is empty")
     if not zipfile.is_zipfile(path):
         raise NormconvError(f"{spec} is not a torch.export program (not a zip archive; truncated or another format)")
+    check_archive(path, spec)  # every member capped by what its header declares, before any is inflated
     try:
         with only_weights_unpickled(trust_pickle), quiet_loaders():
             ep = torch.export.load(str(path))
@@ -277,7 +303,21 @@ def load_weights(model: nn.Module, weights: str) -> None:
         state = state["state_dict"]  # a training checkpoint {"state_dict": ..., "epoch": ...}
     if not isinstance(state, dict):
         raise NormconvError(f"{weights} does not hold a state_dict")
-    result = model.load_state_dict(state, strict=False)
+    expected = model.state_dict()
+    wrong = [(k, tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
+             if k in expected and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(expected[k].shape)]
+    if wrong:
+        k, got, want = wrong[0]
+        raise NormconvError(f"{weights} does not match the model: {len(wrong)} tensors have another shape (e.g. {k}: "
+                            f"{got} in the file, {want} in the model)")
+    not_tensors = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        raise NormconvError(f"{weights} does not hold a state_dict of tensors ({not_tensors[0]!r} is a "
+                            f"{type(state[not_tensors[0]]).__name__})")
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except Exception as exc:  # anything else load_state_dict refuses (a dtype it cannot copy, ...)
+        raise NormconvError(f"{weights} does not match the model ({describe(exc)})") from None
     if result.missing_keys or result.unexpected_keys:
         raise NormconvError(
             f"{weights} does not match the model: {len(result.missing_keys)} missing keys "
@@ -289,7 +329,7 @@ def load_weights(model: nn.Module, weights: str) -> None:
 # Hugging Face folders
 
 
-def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
+def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Ledger | None = None) -> Loaded:
     try:
         import transformers
     except ImportError:
@@ -300,15 +340,25 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
         # transformers would ask [y/N] on a terminal, and 'y' runs the folder's code: never prompt, refuse
         raise NormconvError(f"{spec} ships its own model code (config.json auto_map: {remote}); normconv does not "
                             f"run it unless you pass --trust-remote-code")
+    # what the folder means, decided before transformers reads any of it: the weights from_pretrained loads (its
+    # own rules; an ambiguous folder refused), every path inside the folder, every safetensors header valid
+    raw = hf_folder._config(path)
+    hf_folder.check_folder_files(path, ["generation_config.json"])
+    weights = hf_folder.resolve(path, raw)
+    check_config_size(raw, spec)
+    for file in (weights.files if weights is not None and not weights.safetensors else []):
+        check_archive(file, str(file))  # a pytorch_model.bin is a zip archive torch inflates
+    if ledger is not None:
+        ledger.record_folder(path, primary=True)
+        if weights is not None:
+            weights.record(ledger)
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
                                                          trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise NormconvError(f"{spec}/config.json is not a readable Hugging Face config ({describe(exc)})") from None
-    archs = getattr(config, "architectures", None) or []
-    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
-    if cls is None:
-        cls = transformers.AutoModel
+    hf_folder.check_folder_files(path, list(getattr(type(config), "extra_files", ())))
+    cls = hf_model_class(config, spec)
     if hasattr(config, "use_cache"):
         config.use_cache = False  # torch.export cannot capture a KV cache object
     hf_logging = transformers.utils.logging
@@ -323,6 +373,39 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False) -> Loaded:
         if bars:
             hf_logging.enable_progress_bar()
     return Loaded(model.eval(), hf_example_inputs(model), spec, "hf", path)
+
+
+def hf_model_class(config: Any, spec: str) -> Any:
+    """The transformers model class a config's ``architectures`` names (transformers.AutoModel when it names none
+    transformers has); a name that is not a model class (a tokenizer, a config, a function) is refused."""
+    import transformers
+
+    archs = getattr(config, "architectures", None) or []
+    if not isinstance(archs, (list, tuple)):
+        archs = [archs]
+    for name in archs:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is None:
+            continue
+        auto = getattr(transformers.models.auto.auto_factory, "_BaseAutoModelClass", ())
+        if isinstance(cls, type) and (issubclass(cls, transformers.PreTrainedModel) or (auto and issubclass(cls, auto))):
+            return cls
+        what = f"defined in {getattr(cls, '__module__', '?')}"
+        raise NormconvError(f"{spec}/config.json: architectures names {name}, which is not a transformers model class "
+                            f"({what}); name the model's class there, or remove architectures")
+    return transformers.AutoModel
+
+
+def check_config_size(config: dict[str, Any], spec: str) -> None:
+    """Refuse a config that describes a model larger than this machine's memory (a ``num_hidden_layers`` of 1e9),
+    estimated from its numbers before anything is built from it."""
+    params = hf_folder.estimated_parameters(config)
+    nbytes = params * hf_folder.dtype_bytes(config)
+    memory = memory_bytes()
+    if memory and nbytes > memory:
+        raise NormconvError(f"{spec}/config.json describes a model of about {params:.3g} parameters "
+                            f"({nbytes / 2**30:.3g} GiB), more than this machine's {memory / 2**30:.1f} GiB of memory: "
+                            f"refused before building it (check num_hidden_layers, hidden_size, vocab_size)")
 
 
 def remote_code(config_json: Path) -> str | None:

@@ -9,6 +9,8 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
   normconv.nn.modules.Float32Norm       ->  GraphModule: norm(x.to(compute)).to(out)      (same keys: norm.*)
   normconv.nn.modules.ChannelShift      ->  GraphModule: (x.transpose(1, -1) + bias).transpose(1, -1)   (key: bias)
   normconv.nn.modules.MovedDimNorm      ->  GraphModule: norm(x.movedim(dims, -1)).movedim(-1, dims)  (keys: norm.*)
+  normconv.nn.modules.FrozenBatchNorm   ->  GraphModule: F.batch_norm(x, its four buffers, training=False)  (same keys)
+  normconv.nn.modules.ChannelAffine     ->  GraphModule: x * weight + bias per channel            (same keys)
   normconv.nn.modules.BiasAfterNorm     ->  GraphModule: norm(x) + bias                    (keys: norm.*, bias)
   DeepNorm BranchScale / InputScale     ->  GraphModule hooks computing the same product
 
@@ -17,16 +19,20 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from normconv.clone import clone_sharing_tensors, release
-from normconv.nn.modules import BiasAfterNorm, BranchScale, ChannelShift, Float32Norm, InputScale, MovedDimNorm
+from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
+                                 FrozenBatchNorm, InputScale, MovedDimNorm)
 from normconv.kinds import KINDS
 from normconv.verify import Inputs, run
 
@@ -95,6 +101,17 @@ class _InputHook(nn.Module):
         return (args[0] * self.factor,) + args[1:]
 
 
+class _Frozen(nn.Module):
+    def __init__(self, m: FrozenBatchNorm):
+        super().__init__()
+        self.eps = m.eps
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            self.register_buffer(name, getattr(m, name))
+
+    def forward(self, x):  # batch statistics never (training=False), the buffers passed as they are (kept on reload)
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
 def _graph_module(root: nn.Module, name: str) -> fx.GraphModule:
     gm = fx.symbolic_trace(root)
     gm.__class__.__name__ = name  # the repr a user sees; pickling stores the code, not this class
@@ -114,6 +131,10 @@ def _torch_form(m: nn.Module) -> nn.Module | None:
         return _graph_module(_Shift(m.bias), "ChannelShift")
     if isinstance(m, MovedDimNorm):
         return _graph_module(_Moved(m.norm, m.dims), "MovedDimNorm")
+    if isinstance(m, FrozenBatchNorm):
+        return _graph_module(_Frozen(m), "FrozenBatchNorm")
+    if isinstance(m, ChannelAffine):  # its forward is static in the rank: traced as it is
+        return _graph_module(m, "ChannelAffine")
     if isinstance(m, BiasAfterNorm):
         return _graph_module(_Biased(m.norm, m.bias), "BiasAfterNorm")
     return None
@@ -190,6 +211,81 @@ def torch_only(model: nn.Module, inputs: Inputs | None) -> nn.Module:
 # writers: (model, path, inputs) -> None; io.save gives each a temp path and renames it into place
 
 
+class LatchedFile(io.RawIOBase):
+    """A file written through Python whose first OSError is kept, not thrown into the serializer: torch's C++ zip
+    writer turns a failed write into ``unexpected pos 2048 vs 1942`` (and a .pt2 writer can abort the process from
+    its destructor), so the writer is let finish into the void and ``latched`` raises the OSError itself, errno
+    and all (ENOSPC: no space left on device)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._f = open(path, "wb")
+        self.error: OSError | None = None
+        self._pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = memoryview(b).nbytes
+        if self.error is None:
+            try:
+                self._f.write(b)
+            except OSError as exc:
+                self.error = exc
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:  # torch.export.save rewinds a file object it wrote
+        self.flush()
+        if self.error is None:
+            try:
+                self._pos = self._f.seek(offset, whence)
+            except OSError as exc:
+                self.error = exc
+        return self._pos
+
+    def flush(self) -> None:
+        if self.error is None and not self._f.closed:
+            try:
+                self._f.flush()
+            except OSError as exc:
+                self.error = exc
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self.flush()
+            try:
+                if self.error is None:
+                    os.fsync(self._f.fileno())  # the bytes are on the device before the rename makes them the output
+            except OSError as exc:
+                self.error = exc
+            finally:
+                try:
+                    self._f.close()
+                except OSError as exc:
+                    self.error = self.error or exc
+        super().close()
+
+
+@contextlib.contextmanager
+def latched(path: str) -> Iterator[LatchedFile]:
+    """A ``LatchedFile`` at ``path``; its first OSError is raised when the block ends (after the serializer)."""
+    f = LatchedFile(path)
+    try:
+        yield f
+    finally:
+        f.close()
+    if f.error is not None:
+        raise f.error
+
+
 def _follow_umask(path: str) -> None:
     """mkstemp creates 0600; a written model gets what open() would give (0666 minus the umask), like torch.save."""
     mask = os.umask(0)
@@ -239,7 +335,8 @@ def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     if inputs is not None:
         model.__dict__[INPUTS_ATTR] = {"args": tuple(inputs.args), "kwargs": dict(inputs.kwargs)}
     try:
-        torch.save(model, path)
+        with latched(path) as f:
+            torch.save(model, f)
     finally:
         model.__dict__.pop(INPUTS_ATTR, None)
     _follow_umask(path)
@@ -255,16 +352,40 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None) -> None:
         ep = torch.export.export(model, tuple(inputs.args), dict(inputs.kwargs), strict=False)
 
     # torch's logger warns about the temp file's name (not a .pt2 suffix)
-    with quiet(("torch", "torch.export", "torch.export.pt2_archive._package")):
-        torch.export.save(ep, path)
+    with quiet(("torch", "torch.export", "torch.export.pt2_archive._package")), latched(path) as f:
+        torch.export.save(ep, f)
     _follow_umask(path)
 
 
 def write_safetensors(model: nn.Module, path: str, inputs: Inputs | None) -> None:
-    from safetensors.torch import save_file
+    """The state_dict as safetensors, tied tensors stored once (as transformers' save_pretrained and
+    safetensors.torch.save_model do: ``safetensors.torch.load_model`` or ``from_pretrained`` ties them again)."""
+    from safetensors.torch import save
 
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    with latched(path) as f:
+        f.write(save(untied_state(model), metadata={"format": "pt"}))
     _follow_umask(path)
+
+
+def untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with each shared tensor once: names whose tensor is the same storage as a kept one are
+    left out (safetensors' own choice of which name to keep, the one ``load_model`` expects); tensors that share
+    storage only in part are written as copies."""
+    from safetensors.torch import _remove_duplicate_names
+
+    state = model.state_dict()
+    try:
+        dropped = {n for names in _remove_duplicate_names(state).values() for n in names}
+    except ValueError:  # views of one storage none of which covers it: no name to keep, each stored as a copy
+        dropped = set()
+    kept = {k: v for k, v in state.items() if k not in dropped}
+    owners: dict[Any, int] = {}
+    for v in kept.values():
+        if v.device.type != "meta" and v.numel():
+            key = (v.device, v.untyped_storage().data_ptr())
+            owners[key] = owners.get(key, 0) + 1
+    return {k: (v.detach().clone() if v.numel() and owners.get((v.device, v.untyped_storage().data_ptr()), 0) > 1
+                else v.detach()).contiguous() for k, v in kept.items()}
 
 
 # norm hyper-parameters a Hugging Face config sets; a rewrite that changes one is not expressible by the config

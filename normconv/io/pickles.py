@@ -3,7 +3,7 @@ and normconv's own module classes are allowlisted, and a pickle that needs more 
 would import (listed from its opcodes, nothing executed). Also: safetensors files, torch's loaders kept quiet, and
 ``why``, the one line of a library's exception that normconv's errors quote.
 
-The lowest module of the io room: it imports nothing of normconv but errors and quiet.
+One of the io room's lowest modules: it imports nothing of normconv but errors, quiet and io.archive.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from normconv.errors import NormconvError
+from normconv.io.archive import check_archive
 from normconv.quiet import quiet
 
 
@@ -65,6 +66,7 @@ def torch_load_safely(path: Path, spec: str) -> Any:
     if not zipfile.is_zipfile(path) and not _starts_like_a_pickle(path):  # every torch.save writes one of the two
         hint = "; it is text: for a model defined in Python, pass package.module:factory" if _is_text(path) else ""
         raise NormconvError(f"{spec} is not a model file normconv can read (neither a zip archive nor a pickle{hint})")
+    check_archive(path, spec)  # every member capped by what its header declares, before any is inflated
     if _is_torchscript(path):
         raise NormconvError(f"{spec} is a TorchScript archive (torch.jit.save): normconv rewrites nn.Modules; load "
                             f"the original module, or save it with torch.save(model) or torch.export")

@@ -1,21 +1,26 @@
-"""Writing atomically: an output path checked before the work (never over a file the load read, a folder that
-exists and is writable), the format its suffix asks for, a temp file beside it renamed into place only when the
-whole write succeeded, the temp files of a killed run removed, and a failed write said in one line.
+"""Writing atomically: an output path checked before the work and again just before the rename (never over
+anything the run read, as the run's ledger says: ``loaded.ledger.check_write(path, in_place)``; only ever over a
+regular file; a folder that exists and is writable), the format its suffix asks for, a temp file beside it renamed
+into place only when the whole write succeeded, the temp files of a killed run removed, and a failed write said in
+one line (a full disk as "no space left on device"). SIGINT / SIGTERM wait while a temp file is created or
+removed (``signals_held``), so an interrupt never leaves one behind.
 
 One of the io room's lowest modules (onnx.export uses ``check_writable`` and the temp names): it imports
-io.pickles (``describe``) and io.outputs (one writer per format) only.
+io.pickles (``describe``), io.ledger and io.outputs (one writer per format) only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.io.ledger import Ledger
 from normconv.io.outputs import WRITERS, config_mismatch, unpicklable
 from normconv.io.pickles import describe
 from normconv.verify import Inputs
@@ -23,13 +28,13 @@ from normconv.verify import Inputs
 
 class Source(Protocol):
     """What writing needs of the load it writes for (io.load.Loaded is one): the model as loaded, its example
-    inputs, its format and the files it read."""
+    inputs, its format and the ledger of everything the run read."""
 
     model: nn.Module
     inputs: Inputs | None
     fmt: str
     path: Path | None
-    reads: tuple[Path, ...]
+    ledger: Ledger
 
     def require_inputs(self) -> Inputs: ...
 
@@ -50,16 +55,12 @@ def output_format(loaded: Source, out: Path) -> str:
 
 
 def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = False) -> Path:
-    """Refuse to write over anything the load read (the model file, its --weights, a file inside its Hugging
-    Face folder) unless ``in_place``, or where no file can be created."""
+    """Refuse to write over anything the run read (the model, its --weights, the factory's code, its config,
+    shards, calibration data, anything inside its Hugging Face folder; through symlinks and hard links), over
+    anything but a regular file, or where no file can be created. ``in_place`` allows the model itself."""
     path = Path(out)
-    target = path.resolve()
-    for read in loaded.reads or ((loaded.path.resolve(),) if loaded.path else ()):
-        inside = read.is_dir() and read in target.parents
-        if (target == read or inside) and not in_place:
-            what = f"a file inside the input folder {read}" if inside else f"the input {out}"
-            raise NormconvError(f"refusing to overwrite {what}: choose another -o or pass --in-place")
-    check_writable(path)
+    loaded.ledger.check_write(path, in_place)
+    path = check_writable(path)
     if path.suffix != ".onnx" and output_format(loaded, path) == "pickle":
         why = unpicklable(loaded.model)
         if why is not None:  # torch.save would fail at the end: said before the work
@@ -88,6 +89,56 @@ def check_writable(path: Path) -> Path:
 
 
 TEMP_SUFFIX = ".normconv-tmp"  # every temp file / folder normconv makes next to an output ends with this
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is over, then take effect as usual: a temp file or folder is created
+    and known to its remover (or removed) whole, so an interrupt never lands in between and leaves it behind. In a
+    thread other than the main one (no handlers to set) the block runs as is."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    old: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None and handler is not signal.SIG_IGN:
+            old[sig] = signal.signal(sig, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum, frame in caught[:1]:  # the first one, delivered now as it would have been
+            handler = old[signum]
+            if callable(handler):
+                handler(signum, frame)
+            else:  # SIG_DFL: the default action (terminate), after the cleanup the block did
+                os.kill(os.getpid(), signum)
+
+
+def temp_file(path: Path, folder: bool = False) -> str:
+    """A new temp file (or folder) next to ``path``; call it inside ``signals_held``, assigning the name in the same
+    block, so an interrupt finds it known to the code that removes it."""
+    if folder:
+        return tempfile.mkdtemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+    fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+    os.close(fd)
+    return tmp
+
+
+def remove_temp(tmp: str | os.PathLike | None) -> None:
+    """Remove a temp file or folder whole (interrupts wait until it is gone)."""
+    if tmp is None:
+        return
+    import shutil
+
+    with signals_held():
+        shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(str(tmp))
 
 
 def temp_name(path: Path) -> str:
@@ -134,7 +185,7 @@ def write_error(out: Any, exc: BaseException) -> NormconvError:
     """An OSError while writing is the user's situation (full disk, permissions), said in one line."""
     import errno
 
-    why = {errno.ENOSPC: "no space left on the device", errno.EACCES: "permission denied",
+    why = {errno.ENOSPC: "no space left on device", errno.EACCES: "permission denied",
            errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded"}.get(
         getattr(exc, "errno", None), describe(exc))
     return NormconvError(f"cannot write {out}: {why}; nothing was written")
@@ -151,14 +202,13 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
     remove_stale_temps(path)
     tmp = None
     try:
-        if fmt == "hf":
-            tmp = tempfile.mkdtemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
-        else:
-            fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
-            os.close(fd)
+        with signals_held():
+            tmp = temp_file(path, folder=fmt == "hf")
         WRITERS[fmt](model, tmp, inputs or (loaded.require_inputs() if fmt == "pt2" else loaded.inputs))
-        os.replace(tmp, path)
-        tmp = None
+        loaded.ledger.check_write(path, in_place)  # again just before the rename: nothing read was put there since
+        with signals_held():
+            os.replace(tmp, path)
+            tmp = None
     except NormconvError:
         raise
     except OSError as exc:
@@ -172,10 +222,7 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
                                 f"write {_other_formats(path)} instead") from None
         raise NormconvError(f"cannot write {out}: {describe(exc)}{hint}") from None
     finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
-        if tmp is not None:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
+        remove_temp(tmp)
     return path
 
 

@@ -8,7 +8,7 @@
   batchnorm.py layernorm.py rmsnorm.py groupnorm.py instancenorm.py   one kind each
 
 Adding a kind: one file with a NormKind subclass and its instance, one entry in KINDS (ARCHITECTURE.md, "How to
-add a norm kind"). Kinds import torch, normconv.nn and graph.match only: everything else imports them.
+add a norm kind"). Kinds import torch, normconv.nn and normconv.match only: everything else imports them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def by_name(name: str) -> NormKind:
 
 
 def for_op(op: str | None) -> NormKind | None:
-    """The kind whose functional form is the canonical op ``op`` (graph.match), or None."""
+    """The kind whose functional form is the canonical op ``op`` (normconv.match), or None."""
     return _BY_OP.get(op) if op is not None else None
 
 

@@ -6,7 +6,7 @@ the ONNX lowering and the before/after counts iterate through that tuple:
 
   name            "layernorm", the ``NormSite.kind`` and JSON name
   modules         torch's native modules of the kind (a subclass whose forward is its own is user code)
-  functional      the canonical op (``graph.match``) of its functional / aten form: "layer_norm"
+  functional      the canonical op (``normconv.match``) of its functional / aten form: "layer_norm"
   onnx_ops        the (domain, op_type) pairs that count as its one fused op in an ONNX graph
   from_module     NormSite fields read off a native module
   from_call       NormSite fields read off a functional / aten call
@@ -16,7 +16,7 @@ the ONNX lowering and the before/after counts iterate through that tuple:
   torch_only      torch's own module for a normconv module of the kind (None when it is not one)
 
 Kinds sit low (below detection, the passes, the outputs and ONNX): they import torch, ``normconv.nn`` and the
-matching primitives of ``graph.match`` only.
+matching primitives of ``normconv.match`` only.
 """
 
 from __future__ import annotations

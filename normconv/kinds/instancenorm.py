@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from normconv.graph.match import arg, scalar
+from normconv.match import arg, scalar
 from normconv.kinds.base import NormKind, channels_of, copy_affine
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from normconv.graph.match import arg
+from normconv.match import arg
 from normconv.kinds.base import NormKind, shape_text
 from normconv.kinds.layernorm import trailing_call_fields, trailing_scale
 from normconv.nn.rmsnorm import RMSNorm as FastRMSNorm, make_rmsnorm

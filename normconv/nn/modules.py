@@ -79,6 +79,58 @@ class ChannelShift(nn.Module):
         return x + self.bias.reshape(1, -1, *([1] * (x.dim() - 2)))
 
 
+def _channel_view(spatial: int) -> tuple[int, ...]:
+    return (1, -1) + (1,) * spatial
+
+
+class FrozenBatchNorm(nn.Module):
+    """torchvision's ``FrozenBatchNorm2d`` for inputs (N, C, *S) with ``spatial`` = len(S) dims: BatchNorm whose
+    statistics and affine are fixed buffers (nothing trains, training mode changes nothing), the model's own eps:
+
+        scale = weight * rsqrt(running_var + eps);   y = x * scale + (bias - running_mean * scale)   along dim 1
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, spatial: int = 2):
+        super().__init__()
+        self.num_features, self.eps, self.spatial = num_features, eps, spatial
+        self.register_buffer("weight", torch.ones(num_features))
+        self.register_buffer("bias", torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+
+    def forward(self, x):  # no annotations: its torch-only form is this forward traced, and must pickle
+        view = _channel_view(self.spatial)
+        scale = self.weight.reshape(view) * (self.running_var.reshape(view) + self.eps).rsqrt()
+        bias = self.bias.reshape(view) - self.running_mean.reshape(view) * scale
+        return x * scale + bias
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}"
+
+
+class ChannelAffine(nn.Module):
+    """``y = x * weight + bias`` per channel (dim 1) of an input (N, C, *S) with ``spatial`` = len(S) dims: a
+    BatchNorm in eval mode as the Mul and Add every runtime lowers. ``weight`` None: the shift alone."""
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, spatial: int = 2):
+        super().__init__()
+        self.spatial = spatial
+        self.weight = nn.Parameter(weight.detach().clone()) if weight is not None else None
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    def forward(self, x):  # no annotations: its torch-only form is this forward traced, and must pickle
+        view = _channel_view(self.spatial)
+        if self.weight is not None:
+            x = x * self.weight.reshape(view)
+        if self.bias is not None:
+            x = x + self.bias.reshape(view)
+        return x
+
+    def extra_repr(self) -> str:
+        c = (self.weight if self.weight is not None else self.bias)
+        return f"{c.numel() if c is not None else 0}, scale={self.weight is not None}, shift={self.bias is not None}"
+
+
 class BiasAfterNorm(nn.Module):
     """``y = norm(x) + bias``: a norm's bias kept as an add after a bias-free norm (swap's LayerNorm -> RMSNorm where
     the bias has no linear to fold into: LN_{g,b}(x) = RMSNorm_g(x) + b on a zero-mean stream)."""
@@ -90,4 +142,3 @@ class BiasAfterNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x) + self.bias
-

@@ -291,9 +291,8 @@ def run(spec: str, command: str, output: str | None, target: str = "ort", opset:
         report.validation.extend(parity.compare_files(str(src.path), str(tmp), sizes, atol, rtol))
         if not report.passed:
             bad = next(v for v in report.validation if not v.passed)
-            raise VerificationError(f"{command}: {bad.label} differs from the input beyond tolerance (max abs error "
-                                    f"{bad.max_abs_error:.3g}, atol {bad.atol:g}, rtol {bad.rtol:g}); nothing "
-                                    f"written", report)
+            raise VerificationError(f"{command}: {bad.label} differs from the input beyond tolerance ({bad.worst}; "
+                                    f"{bad.criterion}); nothing written", report)
         if out is not None:
             for f in (tmp, tmpdir / (tmp.name + ".data")):
                 if f.exists():

@@ -8,7 +8,9 @@ Equal compares them with (a sample rate), else [0, n) for the indices of a Gathe
 ``-i NAME:D0,D1,..[:DTYPE]`` fixes an input's shape and dtype.
 
 Each size runs IN with graph optimizations disabled (the reference) and OUT twice: disabled (what normconv wrote is
-what runs) and at onnxruntime's default level; per output, max abs / rel error (``verify.compare``).
+what runs) and at onnxruntime's default level; per output, max abs / rel error (``verify.compare``). An output a
+squashing op made (Sigmoid, Softmax, Tanh) is judged through that op's input where both files hold it
+(``verify.Squashed``): both sessions also return it.
 """
 
 from __future__ import annotations
@@ -213,20 +215,48 @@ def plan_sizes(path: str, specs: list[Spec]) -> Plan:
     return plan
 
 
+SQUASHING = {"Sigmoid": 0.25, "Softmax": 0.5, "Tanh": 1.0}  # op -> Lipschitz constant in the max norm
+
+
+def _squashed(path_in: str, path_out: str) -> tuple[Any, Any, dict[str, tuple[str, str]]]:
+    """Both files, each with the inputs of the squashing ops that make graph outputs added as outputs, and
+    {output: (op, its input)}; the paths themselves (nothing added) where there are none, or a file keeps its
+    weights outside (its bytes would not find them)."""
+    import onnx
+
+    models = [onnx.load(p, load_external_data=False) for p in (path_in, path_out)]
+    if any(init.data_location == onnx.TensorProto.EXTERNAL for m in models for init in m.graph.initializer):
+        return path_in, path_out, {}
+    made = [{o: n for n in m.graph.node for o in n.output} for m in models]
+    found = {}
+    for out in models[0].graph.output:
+        node = made[0].get(out.name)
+        if node is not None and node.op_type in SQUASHING and node.input and \
+                (node.input[0] in made[1] or any(i.name == node.input[0] for i in models[1].graph.input)):
+            found[out.name] = (node.op_type, node.input[0])
+    if not found:
+        return path_in, path_out, {}
+    for m in models:
+        for op, x in found.values():
+            m.graph.output.append(onnx.ValueInfoProto(name=x))
+    return models[0].SerializeToString(), models[1].SerializeToString(), found
+
+
 def compare_files(path_in: str, path_out: str, plan: Plan, atol: float | None, rtol: float | None,
                   levels=("disabled", "default")) -> list[Validation]:
     """OUT against IN at each planned size; IN runs unoptimized (the reference)."""
     import torch
 
-    from normconv.verify import compare
+    from normconv.verify import Squashed, compare
 
-    ref_sess = session(path_in, "disabled")
-    names = [o.name for o in ref_sess.get_outputs()]
-    outs = {level: session(path_out, level) for level in levels}
+    src_in, src_out, through = _squashed(path_in, path_out)
+    ref_sess = session(src_in, "disabled")
+    names = [o.name for o in ref_sess.get_outputs()][:len(ref_sess.get_outputs()) - len(through)]
+    outs = {level: session(src_out, level) for level in levels}
     found = []
     for n, sizes in enumerate(plan.sizes):
         feed = feeds(plan.specs, sizes, seed=1 + n)
-        ref = dict(zip(names, ref_sess.run(None, feed)))
+        ref = dict(zip([o.name for o in ref_sess.get_outputs()], ref_sess.run(None, feed)))
         shown = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
         for level, sess in outs.items():
             got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
@@ -235,5 +265,8 @@ def compare_files(path_in: str, path_out: str, plan: Plan, atol: float | None, r
                 raise NormconvError(f"the output lost model outputs {missing}")
             a = {k: torch.from_numpy(np.asarray(ref[k])) for k in names}
             b = {k: torch.from_numpy(np.asarray(got[k])) for k in names}
-            found.append(compare(a, b, atol, rtol, label=f"onnxruntime cpu, optimizations {level}, inputs {shown}"))
+            sq = {k: Squashed(op, SQUASHING[op], torch.from_numpy(np.asarray(ref[x])), torch.from_numpy(np.asarray(got[x])))
+                  for k, (op, x) in through.items()}
+            found.append(compare(a, b, atol, rtol, label=f"onnxruntime cpu, optimizations {level}, inputs {shown}",
+                                 squashed=sq))
     return found

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -23,7 +21,7 @@ import torch.nn as nn
 from normconv.errors import NormconvError, VerificationError
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.io.inputs import HF_SEQ_LEN
-from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
+from normconv.io.write import remove_stale_temps, remove_temp, signals_held, temp_file, write_error
 from normconv.report import Report, Validation
 from normconv.stream.checkpoint import Checkpoint, copy_folder, model_class, stored_key, tied_names
 from normconv.verify import Inputs, compare, default_tolerance
@@ -273,8 +271,10 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
     the folder's other files, verify block by block against ``reference(original block output)``, and only then
     rename the temp folder to ``out``; on any failure nothing is left under ``out`` or beside it."""
     remove_stale_temps(out)
-    tmp: Path | None = Path(tempfile.mkdtemp(prefix=temp_name(out), suffix=TEMP_SUFFIX, dir=str(out.parent)))
+    tmp: Path | None = None
     try:
+        with signals_held():  # an interrupt waits until the temp folder exists and is known to the cleanup below
+            tmp = Path(temp_file(out, folder=True))
         weight_map, untied = write(tmp)
         copy_folder(src, tmp, ckpt, weight_map, untied, report.notes)
         if after_rewrite is not None:
@@ -287,12 +287,13 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
             raise VerificationError(
                 f"{report.command} --stream: {failed.label}: max abs error {failed.max_abs_error:.3g} (atol "
                 f"{failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
-        os.replace(tmp, out)
-        tmp = None
+        with signals_held():
+            os.replace(tmp, out)
+            tmp = None
     except OSError as exc:
         raise write_error(out, exc) from None
     finally:  # every exit path, interrupts included: no folder under OUT, no temp beside it
-        if tmp is not None and not keep_temp_on_failure:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not keep_temp_on_failure:
+            remove_temp(tmp)
     report.output = str(out)
 

@@ -1,8 +1,10 @@
 """A Hugging Face folder's safetensors checkpoint, a tensor at a time: headers, ``Checkpoint`` (each tensor read
 into a buffer of its own, its key mapped to the model's name as from_pretrained maps it), ``ShardWriter`` /
 ``write_shards`` (a shard written a tensor at a time behind a header computed up front), and the folder around the
-shards: ``open_folder`` (the checks before any work: a Hugging Face folder without remote code, an output that is
-new and writable) and ``copy_folder`` (the index, config.json and every other file of the folder).
+shards: ``open_folder`` (the checks before any work: a Hugging Face folder without remote code whose weights are
+the ones from_pretrained loads, every path it names inside it and every header valid (io.hf_folder), an output that
+is new, writable and nothing the run read (io.ledger)) and ``copy_folder`` (the index, config.json and every other
+file of the folder).
 
 The lowest module of the streaming room: it imports io only.
 """
@@ -20,32 +22,26 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
-from normconv.io.load import remote_code
+from normconv.io import hf_folder
+from normconv.io.hf_folder import safetensors_header, tensor_names
+from normconv.io.ledger import Ledger
+from normconv.io.load import hf_model_class, remote_code
 from normconv.io.write import check_writable
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX = hf_folder.SAFE_INDEX
+SINGLE = hf_folder.SAFE_SINGLE
 # weight files of other formats are not copied: they would hold the original weights under the rewritten config
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".safetensors", ".gguf")
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+# the library's other dtypes that torch holds (F4 / F6 pack several values per byte: refused in one line)
+_DTYPES.update({code: getattr(torch, name) for code, name in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                                                              ("F8_E8M0", "float8_e8m0fnu"), ("C64", "complex64"))
+                if hasattr(torch, name)})
 _CODES = {v: k for k, v in _DTYPES.items()}
-
-
-def _header(path: Path) -> dict[str, Any]:
-    """A safetensors file's header: {name: {dtype, shape, data_offsets}, "__metadata__": {...}}, plus
-    "__start__": where its data begins."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header["__start__"] = 8 + n
-    return header
-
-
-def _entries(header: dict[str, Any]) -> list[str]:
-    return [k for k in header if k not in ("__metadata__", "__start__")]
+_entries = tensor_names  # a header's tensor names (io.hf_folder: headers validated by the safetensors library)
 
 
 class Checkpoint:
@@ -55,23 +51,27 @@ class Checkpoint:
     mapping, cached per handle (an edit in place shows in the next read of the same name: a norm bias zeroed before
     its consumer's bias was computed read back as zeros), and every mapped page it touched counts in the RSS."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, weights: hf_folder.Weights | None = None):
         self.folder = folder
-        if (folder / INDEX).exists():
-            index = json.loads((folder / INDEX).read_text())
-            self.index_metadata = index.get("metadata", {})
-            self.weight_map: dict[str, str] = index["weight_map"]
-        elif (folder / SINGLE).exists():
-            self.index_metadata = None
-            self.weight_map = {k: SINGLE for k in _entries(_header(folder / SINGLE))}
-        else:
-            raise NormconvError(f"{folder} has no safetensors weights ({SINGLE} or {INDEX}): --stream reads "
+        # the weights from_pretrained loads (its own rules), every path inside the folder, every header valid
+        w = weights if weights is not None else hf_folder.resolve(folder)
+        if w is None or not w.safetensors:
+            loads = f": from_pretrained would load {w.files[0].name if w.index is None else w.index.name}" if w else ""
+            raise NormconvError(f"{folder} has no safetensors weights ({SINGLE} or {INDEX}){loads}; --stream reads "
                                 f"safetensors checkpoints only")
-        self.shards: dict[str, dict[str, Any]] = {}  # shard -> header, in the index's order
-        for shard in dict.fromkeys(self.weight_map.values()):
-            if not (folder / shard).exists():
-                raise NormconvError(f"{folder}/{INDEX} names {shard}, which is missing")
-            self.shards[shard] = _header(folder / shard)
+        odd = next((s for s in w.headers if Path(s).name != s), None)
+        if odd is not None:
+            raise NormconvError(f"{folder}: the shard {odd} lies in a subfolder; --stream reads shards at the top of "
+                                f"the folder")
+        unknown = next((f"{s}: {k} ({h[k]['dtype']})" for s, h in w.headers.items() for k in _entries(h)
+                        if h[k]["dtype"] not in _DTYPES), None)
+        if unknown is not None:
+            raise NormconvError(f"{folder}/{unknown}: a dtype --stream does not read (it reads "
+                                f"{', '.join(_DTYPES)})")
+        self.index_name = w.index.name if w.index is not None else None
+        self.index_metadata = dict(w.index_metadata or {}) if w.index is not None else None
+        self.weight_map: dict[str, str] = dict(w.weight_map)
+        self.shards: dict[str, dict[str, Any]] = dict(w.headers)  # shard -> header, in the index's order
         self.key = {k: k for k in self.weight_map}  # model's state_dict name -> checkpoint key
         self.name = dict(self.key)  # checkpoint key -> model's state_dict name
 
@@ -207,7 +207,9 @@ def write_shards(ckpt: Checkpoint, tmp: Path, produce: Callable[[str, torch.Tens
 def open_folder(folder: str | os.PathLike, output: str | os.PathLike) -> tuple[Path, Path, Checkpoint, Any, Any,
                                                                             torch.dtype]:
     """(input folder, output folder, its checkpoint, model class, config, float dtype), or NormconvError: not a
-    Hugging Face folder, remote code, an output over / inside the input or already there, unwritable."""
+    Hugging Face folder, remote code, weights that are not what from_pretrained loads or that name a path outside
+    the folder, an invalid header, an output over / inside anything read or already there, unwritable. Nothing of
+    the weights is read before every one of these checks passed."""
     src = Path(folder)
     if not (src / "config.json").is_file():
         raise NormconvError(f"{src} is not a Hugging Face folder (no config.json): --stream reads Hugging Face "
@@ -216,18 +218,38 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike) -> tuple[P
     if remote:
         raise NormconvError(f"{src} ships its own model code (config.json auto_map: {remote}); --stream builds "
                             f"models from transformers' own classes only")
+    raw = hf_folder._config(src)
+    for entry in sorted(src.iterdir()):  # every file the stream reads or copies resolves inside the folder
+        hf_folder.inside(src, entry.name)
+    weights = hf_folder.resolve(src, raw)
+    ledger = Ledger()
+    ledger.record_folder(src, primary=True)
+    if weights is not None:
+        weights.record(ledger)
     out = Path(output)
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise NormconvError(f"refusing to write {out} over or inside the input folder {src}: choose another -o")
+    ledger.check_write(out, folder=True)  # never over or inside anything the run reads (the folder, its blobs)
     if out.exists():
         raise NormconvError(f"cannot write the Hugging Face folder {out}: it exists; choose a new folder")
     check_writable(out)
-    ckpt = Checkpoint(src)
+    ckpt = Checkpoint(src, weights)
+    _check_described_size(src, raw, ckpt)
     try:
         cls, config = model_class(src)
+    except NormconvError:
+        raise
     except Exception as exc:
         raise NormconvError(f"{src}/config.json is not a readable Hugging Face config ({exc})") from None
     return src, out, ckpt, cls, config, float_dtype(ckpt)
+
+
+def _check_described_size(src: Path, raw: dict[str, Any], ckpt: Checkpoint) -> None:
+    """A config that describes far more parameters than the checkpoint holds (a num_hidden_layers of 1e9) is refused
+    before the model is built from it on the meta device (building 1e9 layers would never end)."""
+    held = sum(torch.Size(h[k]["shape"]).numel() for h in ckpt.shards.values() for k in _entries(h))
+    described = hf_folder.estimated_parameters(raw)
+    if described > 100 * held + 10**7:
+        raise NormconvError(f"{src}/config.json describes about {described:.3g} parameters, the checkpoint holds "
+                            f"{held:.3g}: refused before building it (check num_hidden_layers, hidden_size, vocab_size)")
 
 
 def model_class(folder: Path):
@@ -235,11 +257,10 @@ def model_class(folder: Path):
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    archs = getattr(config, "architectures", None) or []
-    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
+    cls = hf_model_class(config, str(folder))
     if hasattr(config, "use_cache"):
         config.use_cache = False  # torch.export cannot capture a KV cache object
-    return (cls or transformers.AutoModel), config
+    return cls, config
 
 
 def copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, str], untied: bool,
@@ -250,11 +271,11 @@ def copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, st
         sizes = {s: _data_bytes(tmp / s) for s in set(weight_map.values())}
         meta = dict(ckpt.index_metadata)
         meta["total_size"] = sum(sizes.values())
-        (tmp / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))},
-                                            indent=2) + "\n")
+        (tmp / ckpt.index_name).write_text(json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))},
+                                                      indent=2) + "\n")
     skipped = []
     for entry in sorted(src.iterdir()):
-        if entry.name in ckpt.shards or entry.name == INDEX:
+        if entry.name in ckpt.shards or entry.name == ckpt.index_name:
             continue
         if entry.name == "config.json":
             config = json.loads(entry.read_text())
@@ -273,5 +294,5 @@ def copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, st
 
 def _data_bytes(path: Path) -> int:
     """Bytes of tensor data in a safetensors file."""
-    h = _header(path)
+    h = safetensors_header(path)
     return max((h[k]["data_offsets"][1] for k in _entries(h)), default=0)

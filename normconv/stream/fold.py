@@ -60,6 +60,10 @@ def _plan(src: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
                             f"or pixel_values)")
     # shapes only: every tensor on meta, inputs too (a meta weight meeting a real buffer fails in torch.export)
     cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
+    if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
+        raise NormconvError(f"{src}: the capture specialized a branch on tensor values at "
+                            f"{cap.guards[0].describe()}; --stream rewrites models whose graph holds every branch "
+                            f"(run without --stream, where the rewrite is proven for the other branch or refused)")
     # then the BN tensors are read for real: the plan computes each BN's (s, t) from them
     bn_slots = [slot for path, m in bns for slot in tensor_slots(m, path)]
     fill(bn_slots, ckpt, aliases, src)

@@ -48,6 +48,10 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     if inputs is None:
         raise NormconvError(f"{folder}: no example inputs from its config (--stream needs a model taking input_ids)")
     cap = capture(meta, inputs, "torch.export")  # the graph needs shapes only: parameters stay on meta
+    if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
+        raise NormconvError(f"{folder}: the capture specialized a branch on tensor values at "
+                            f"{cap.guards[0].describe()}; --stream rewrites models whose graph holds every branch "
+                            f"(run without --stream, where the rewrite is proven for the other branch or refused)")
     aliases = tied_names(meta)
 
     def read(name: str) -> torch.Tensor:

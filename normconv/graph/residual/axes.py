@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
-from normconv.graph.match import EXPAND, PAD, PICK, RESAMPLE, SWAP, TRANSPARENT, VIEW, call_name
+from normconv.match import EXPAND, PAD, PICK, RESAMPLE, SWAP, TRANSPARENT, VIEW, call_name
 
 Shape = tuple[int, ...]
 # (cap, node, output hidden axis, input shape, output shape) -> the input's hidden axis, or None: not followed

@@ -23,7 +23,7 @@ import torch.nn as nn
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite
 from normconv.graph.handwritten import owns_only
-from normconv.graph.match import CAT, TRANSPARENT, call_name
+from normconv.match import CAT, TRANSPARENT, call_name
 from normconv.nn.rmsnorm import RMSNorm
 
 from .walk import Leaf, cat_on_last, live_users, reader, stream_end

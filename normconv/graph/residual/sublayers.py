@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, is_ancestor, producer_of
-from normconv.graph.match import COPY, RESHAPE, SPLIT, TRANSPARENT, call_name as _name
+from normconv.match import COPY, RESHAPE, SPLIT, TRANSPARENT, call_name as _name
 from normconv.report import Why
 
 

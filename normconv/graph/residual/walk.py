@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite
-from normconv.graph.match import CAT, LIKE, TEMPLATE, call_name
+from normconv.match import CAT, LIKE, TEMPLATE, call_name
 
 from .axes import last, passes_through, source
 

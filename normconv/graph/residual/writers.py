@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.graph.capture import Captured
-from normconv.graph.match import CAT, SWAP, VIEW, call_name
+from normconv.match import CAT, SWAP, VIEW, call_name
 
 from .axes import last, prod, source
 from .walk import live_users

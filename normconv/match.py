@@ -187,3 +187,25 @@ def call_name(node: fx.Node) -> str:
         t = getattr(node.target, "overloadpacket", node.target)
         return getattr(t, "__name__", str(t)).split(".")[0]
     return ""
+
+
+def permutation(node: fx.Node, rank: int) -> list[int] | None:
+    """out[i] = in[perm[i]] for a permutation op, or None when its dims are not constants."""
+    name, args = call_name(node), list(node.args[1:])
+    if name == "t":
+        return [1, 0] if rank == 2 else list(range(rank))
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d = [node.kwargs.get(k, a) for k, a in zip(("dim0", "dim1"), args)] if len(args) >= 2 else \
+            [node.kwargs.get("dim0"), node.kwargs.get("dim1")]
+        if not all(isinstance(x, int) for x in d):
+            return None
+        perm = list(range(rank))
+        a, b = d[0] % rank, d[1] % rank
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args or node.kwargs.get("dims")
+        if not dims or not all(isinstance(x, int) for x in dims):
+            return None
+        return [x % rank for x in dims]
+    return None  # movedim: not needed so far

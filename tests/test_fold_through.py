@@ -1,0 +1,148 @@
+"""fold-through, the partial fold: a BatchNorm behind an activation or a pool (conv -> relu -> BN -> max pool, as in
+CREPE) gets its scale folded backward and its shift forward, exactly, and every shift left behind says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import bn_styles as B
+import normconv
+from normconv.nn.modules import ChannelAffine
+from normconv.passes.fold_through import ThroughWhy
+
+
+def _through(report) -> dict[str, tuple[bool, str]]:
+    return {s.target: (s.applied, s.code) for s in report.sites if s.pass_name == "fold-through"}
+
+
+def _no_bn(model: nn.Module) -> bool:
+    return not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return B.toy_pitch(256, seed=1)
+
+
+@pytest.mark.parametrize("pad_mode", ["constant", "reflect"])
+def test_trained_crepe_is_folded_through_relu_and_max_pool(pad_mode, toy):
+    """A model with trained weights and running statistics: fold alone folds none of its BNs (a relu before each,
+    a max pool after); fold-through folds every scale into its conv and every shift as far as it goes."""
+    model = B.trained_crepe(pad_mode)
+    x, y = toy
+    assert all(bool((bn.weight > 0).all()) for bn in model.bns)  # so the max pool passes the rest
+    new, report = normconv.fold(model, x[:8])
+    assert report.passed and _no_bn(new)
+    codes = _through(report)
+    if pad_mode == "reflect":  # reflect padding copies the shift: it reaches the next conv, every BN is gone
+        assert codes == {f"bns.{i}": (True, ThroughWhy.FOLDED) for i in range(3)}
+        assert all(isinstance(m, nn.Identity) for m in new.bns)
+    else:  # zero padding before the next conv keeps the shift (an add); the last one reaches the classifier
+        assert codes == {"bns.0": (True, ThroughWhy.SHIFT_ZERO_PAD), "bns.1": (True, ThroughWhy.SHIFT_ZERO_PAD),
+                         "bns.2": (True, ThroughWhy.FOLDED)}
+        assert [type(m) for m in new.bns] == [ChannelAffine, ChannelAffine, nn.Identity]
+        assert all(m.weight is None for m in new.bns[:2])  # a shift alone: the scale went into the conv
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-4)
+    assert B.accuracy(new, x, y) == B.accuracy(model, x, y)
+
+
+def test_negative_gamma_keeps_its_sign_and_max_pool_keeps_the_rest():
+    model = B.randomize(B.Crepe()).eval()
+    model.bns[0].weight.data[0] = -abs(model.bns[0].weight.data[0])
+    x = torch.randn(4, 64)
+    new, report = normconv.fold(model, x)
+    assert report.passed and _through(report)["bns.0"] == (True, ThroughWhy.SHIFT_OP)
+    assert "negative scale" in next(s.reason for s in report.sites if s.target == "bns.0")
+    left = new.bns[0]
+    assert isinstance(left, ChannelAffine) and set(left.weight.tolist()) <= {-1.0, 1.0} and left.weight[0] == -1
+    torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+class _Block(nn.Module):
+    def __init__(self, act, pool, pad_after=0, bias=True):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, bias=bias)
+        self.act, self.pool = act, pool
+        self.bn = nn.BatchNorm2d(6)
+        self.next = nn.Conv2d(6, 4, 3, padding=pad_after)
+
+    def forward(self, x):
+        return self.next(self.pool(self.bn(self.act(self.conv(x)))))
+
+
+@pytest.mark.parametrize("act, pool, pad, code", [
+    (nn.ReLU(), nn.MaxPool2d(2), 0, ThroughWhy.FOLDED),
+    (nn.LeakyReLU(0.2), nn.MaxPool2d(2, padding=1), 0, ThroughWhy.FOLDED),  # -inf padding passes a shift
+    (nn.PReLU(6), nn.AvgPool2d(2), 0, ThroughWhy.FOLDED),
+    (nn.ReLU(), nn.AvgPool2d(3, 1, padding=1), 0, ThroughWhy.SHIFT_OP),  # counted zero padding: not a shift
+    (nn.ReLU(), nn.AvgPool2d(3, 1, padding=1, count_include_pad=False), 0, ThroughWhy.FOLDED),
+    (nn.ReLU(), nn.Identity(), 1, ThroughWhy.SHIFT_ZERO_PAD),  # the next conv pads with zeros
+    (nn.Identity(), nn.MaxPool2d(2), 0, ThroughWhy.FOLDED),  # pools only: scale and shift both fold back
+    (nn.Identity(), nn.AvgPool2d(2), 1, ThroughWhy.FOLDED),
+])
+def test_ops_between(act, pool, pad, code):
+    model = B.randomize(_Block(act, pool, pad)).eval()
+    with torch.no_grad():
+        model.bn.weight.abs_()
+    x = torch.randn(2, 3, 12, 12)
+    new, report = normconv.fold(model, x)
+    assert report.passed and _through(report) == {"bn": (True, code)}, report.sites
+    assert _no_bn(new)
+    torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_linear_relu_batchnorm1d_and_a_flatten_head():
+    model = B.randomize(nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 3))).eval()
+    x = torch.randn(6, 5)
+    new, report = normconv.fold(model, x)
+    assert report.passed and _no_bn(new)
+    torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-4)
+    vgg = B.randomize(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4), nn.MaxPool2d(2), nn.Flatten(),
+                                    nn.Linear(4 * 3 * 3, 2))).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        vgg[2].weight.abs_()
+    new, report = normconv.fold(vgg, x)
+    assert _through(report) == {"2": (True, ThroughWhy.FOLDED)} and report.passed
+    torch.testing.assert_close(new(x), vgg(x), atol=1e-5, rtol=1e-4)
+
+
+def test_what_stays_says_why():
+    class Shared(nn.Module):  # the conv's output also feeds a skip: its scale cannot change
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.bn(F.relu(y)) + y
+
+    model = B.randomize(Shared()).eval()
+    new, report = normconv.fold(model, torch.randn(2, 3, 6, 6))
+    site = next(s for s in report.sites if s.target == "bn")
+    assert not site.applied and "fold-through" in site.reason and isinstance(new.bn, nn.BatchNorm2d)
+
+
+def test_inspect_plans_the_partial_fold():
+    model = B.randomize(B.Crepe(pad_mode="reflect")).eval()
+    with torch.no_grad():
+        for bn in model.bns:
+            bn.weight.abs_()
+    report = normconv.inspect(model, torch.randn(2, 64))
+    plans = {s["target"]: {p["pass"]: p for p in s["plan"]} for s in report.sites}
+    assert all(plans[f"bns.{i}"]["fold-through"]["applied"] for i in range(3))
+    assert all(not plans[f"bns.{i}"]["fold"]["applied"] for i in range(3))
+
+
+def test_fold_through_exports_without_batchnorm(tmp_path):
+    model = B.trained_crepe("constant")
+    new, _ = normconv.fold(model, torch.randn(2, 64))
+    report = normconv.export(new, torch.randn(2, 64), tmp_path / "m.onnx", baseline=False, repeats=0)
+    import onnx
+
+    assert report.passed and "BatchNormalization" not in {n.op_type for n in onnx.load(str(tmp_path / "m.onnx"))
+                                                          .graph.node}

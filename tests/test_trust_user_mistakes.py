@@ -1,0 +1,77 @@
+"""Issue 27, class 6: user mistakes end as one line and exit 2, never as an internal error or a hang: --weights with
+the right keys and wrong shapes, a config.json whose architectures names something that is not a model class, a
+config that describes a model larger than any memory (estimated from its numbers before anything is built), the
+same -i NAME given twice."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from tests.trust_helpers import one_line_error, saved_folder
+
+FACTORY = "tests.fixtures.user_models:small_net"
+
+
+def test_weights_with_the_right_keys_and_wrong_shapes(cli, tmp_path):
+    from tests.fixtures.user_models import small_net
+
+    state = small_net().state_dict()
+    name = next(k for k, v in state.items() if v.dim() == 4)
+    state[name] = torch.zeros(*(d + 1 for d in state[name].shape))
+    weights = tmp_path / "w.pt"
+    torch.save(state, weights)
+    one_line_error(cli, "fold", FACTORY, "--weights", weights, "-i", "x:2,3,8,8", match=("another shape", name))
+    from safetensors.torch import save_file
+
+    save_file(state, tmp_path / "w.safetensors")
+    one_line_error(cli, "inspect", FACTORY, "--weights", tmp_path / "w.safetensors", "-i", "x:2,3,8,8",
+                   match="another shape")
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mistakes") / "gpt2"
+    saved_folder(folder, shard=None)
+    return folder
+
+
+def _with_config(tmp_path, template, **changes):
+    folder = tmp_path / "model"
+    shutil.copytree(template, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["GPT2Tokenizer", "GPT2TokenizerFast", "GPT2Config", "pipeline", "AutoTokenizer"])
+def test_architectures_naming_something_that_is_not_a_model(cli, tmp_path, template, name):
+    folder = _with_config(tmp_path, template, architectures=[name])
+    one_line_error(cli, "inspect", folder, match=("not a transformers model class", name))
+    one_line_error(cli, "swap", folder, "--stream", "-o", tmp_path / "out", match="not a transformers model class")
+
+
+@pytest.mark.parametrize("layers", [1e9, 1000000000, 10 ** 15])
+@pytest.mark.parametrize("command", ["inspect", "swap --stream"])
+def test_a_config_larger_than_memory_is_refused_before_building(cli, tmp_path, template, layers, command):
+    folder = _with_config(tmp_path, template, n_layer=layers)
+    name, *flags = command.split()
+    t0 = time.perf_counter()
+    one_line_error(cli, name, folder, *flags, *(["-o", tmp_path / "out"] if flags else []),
+                   match=("refused before building it", "parameters"))
+    assert time.perf_counter() - t0 < 60  # estimated from the numbers, not built
+
+
+def test_a_huge_width_is_refused_too(cli, tmp_path, template):
+    folder = _with_config(tmp_path, template, n_embd=10 ** 9)
+    one_line_error(cli, "inspect", folder, match="refused before building it")
+
+
+def test_the_same_input_twice_is_refused(cli):
+    one_line_error(cli, "fold", "zoo:resnet", "-i", "x:2,3,32,32", "-i", "x:1,3,16,16", match=("'x' twice",))
+    one_line_error(cli, "fold", FACTORY, "-i", "x:2,3,8,8", "-i", "x:2,3,8,8", match="twice")
