@@ -58,6 +58,7 @@ the selections that flipped.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -120,6 +121,49 @@ class Inputs:
         return ", ".join(parts)
 
 
+_TORCH_STATE = ("_parameters", "_buffers", "_modules", "training")  # guarded on their own (buffers) or left alone
+
+
+class _ModuleState:
+    """A module's Python state before a forward: its attributes, and the contents of the containers among them
+    (hook dicts, caches). A forward that leaves state behind is undone: LeViT caching ``attention_biases`` under
+    ``str(device)`` (a tracer's Proxy as the key), transformers installing closures as output-capturing hooks on
+    the first call, symbolic_trace's ``_tensor_constant`` attributes. Left there, they are the original's state
+    no more, and they do not pickle (``torch.save`` of the rewrite failed on them)."""
+
+    __slots__ = ("module", "attrs", "contents")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.attrs = {k: v for k, v in module.__dict__.items() if k not in _TORCH_STATE}
+        self.contents = {k: (list(v.items()) if isinstance(v, dict) else list(v)) for k, v in self.attrs.items()
+                         if type(v) in _CONTAINERS}
+
+    def restore(self) -> None:
+        d = self.module.__dict__
+        for k in [k for k in d if k not in self.attrs and k not in _TORCH_STATE]:
+            del d[k]  # an attribute the forward added
+        for k, v in self.attrs.items():
+            if d.get(k, _MISSING) is not v:
+                d[k] = v  # an attribute the forward re-bound
+        for k, items in self.contents.items():
+            v = self.attrs[k]
+            if isinstance(v, dict):
+                if len(v) != len(items) or any(v.get(key, _MISSING) is not x for key, x in items):
+                    v.clear()
+                    v.update(items)  # a cache or hook dict the forward filled
+            elif len(v) != len(items) or any(a is not b for a, b in zip(v, items)):
+                if isinstance(v, list):
+                    v[:] = items
+                else:
+                    v.clear()
+                    v.update(items)
+
+
+_CONTAINERS = (dict, collections.OrderedDict, collections.defaultdict, list, set)
+_MISSING = object()
+
+
 class _Guard:
     """What a guarded forward saw: the buffers the forward changed (compared when the output holds no tensor)."""
 
@@ -130,12 +174,14 @@ class _Guard:
 @contextlib.contextmanager
 def forward_guard(model: nn.Module):
     """normconv's own forwards change nothing: eval mode and no autograd inside; on exit every module's training
-    flag and every buffer (BatchNorm statistics, counters, caches) is back bit for bit.
+    flag and every buffer (BatchNorm statistics, counters, caches) is back bit for bit, and every module's Python
+    attributes and hook dicts are as they were (``_ModuleState``: what a forward or a trace added is removed).
 
     Flags are set on each module directly, never through ``.eval()``: an exported program's module refuses
     ``.eval()``, and a user's override of ``train()`` is not ours to call."""
     modules = list(model.modules())
     flags = [m.training for m in modules]
+    state = [_ModuleState(m) for m in modules]
     buffers = [(m, name, b, b.detach().clone()) for m in modules for name, b in m._buffers.items()
                if isinstance(b, torch.Tensor) and not b.is_meta]  # a meta buffer holds no values to guard
     names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
@@ -148,6 +194,8 @@ def forward_guard(model: nn.Module):
     finally:
         for m, flag in zip(modules, flags):
             m.training = flag
+        for saved_state in state:
+            saved_state.restore()
         for m, name, b, saved in buffers:
             now = m._buffers.get(name)
             if now is not None and (now is not b or now.shape != saved.shape or not torch.equal(now, saved)):

@@ -2,6 +2,8 @@
 
   LN(x) = LN(x - mean(x));  if every writer of the stream is zero-mean, mean(x) = 0 and
   LN_{g,b,eps}(x) = RMSNorm_{g,eps}(x) + b      (same eps; b folds into the consuming linears: c <- c + W b)
+  where b has no linear to fold into (the output feeds a transpose, a cat, an activation, the model's output),
+  b stays an add after the RMSNorm (``BiasAfterNorm``): the same sum, still exact.
 Pre-LN: center embeddings (row means) and each sublayer's output projection (W <- W - mean_rows W, b <- b - mean b).
   The stream is the sum tree of residual adds read by the norms; its leaves are the writers. Centering a writer
   changes every reader of the stream, so each stream value may be read only by the adds of the tree and by the
@@ -60,7 +62,7 @@ class SwapWhy(Why):
     MULTI_DIM = "multi-dim"  # normalizes more than one dim
     POST_LN = "post-ln"  # the stream is re-normalized with a bias after every sublayer: never zero-mean
     STREAM = "stream-refused"  # the stream's writers or readers refuse (``SitePlan.detail`` says which rule)
-    BIAS = "bias-cannot-fold"  # the norm's bias has no linear to fold into
+    BIAS_KEPT = "exact-bias-kept"  # exact; the bias has no linear to fold into, so it stays an add after the RMSNorm
     SHARED_MODULE = "module-shared"  # the same module is also called at a site that cannot be swapped
 
 
@@ -73,7 +75,8 @@ class SitePlan:
     code: SwapWhy | None = None
     stream: int | None = None  # index into Analysis.streams
     consumers: list[Consumer] = field(default_factory=list)  # where b goes (to rmsnorm, b != 0)
-    beta_problem: Refused | None = None
+    beta_problem: Refused | None = None  # why b cannot fold (then it is kept: ``keep_bias``)
+    keep_bias: bool = False  # b stays an add after the RMSNorm (BiasAfterNorm)
     detail: ResidualWhy | None = None  # the residual analysis's own rule behind STREAM / BIAS
 
 
@@ -158,21 +161,23 @@ def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, r
         p.reason = ("post-LN: the residual stream is re-normalized (with its bias) after every sublayer, so it is "
                     "not zero-mean" + _ONLY_APPROXIMATE)
         if to == "rmsnorm":
-            p.consumers, p.beta_problem = bias_consumers(cap, p.module, site.node, readers, read)
+            _bias(cap, p, readers, read)
         return
     st = found[p.stream] if p.stream is not None else None
     if to == "rmsnorm":
-        p.consumers, p.beta_problem = bias_consumers(cap, p.module, site.node, readers, read)
+        _bias(cap, p, readers, read)
     # a writer that cannot be centered, or a reader that is not a LayerNorm  =>  approximate only
     if st is not None and st.problem:
         p.code, p.detail, p.reason = SwapWhy.STREAM, st.problem.code, f"{st.problem}{_ONLY_APPROXIMATE}"
         return
-    # the bias has no linear to fold into  =>  approximate only
-    if p.beta_problem:
-        p.code, p.detail, p.reason = SwapWhy.BIAS, p.beta_problem.code, f"{p.beta_problem}{_ONLY_APPROXIMATE}"
-        return
     p.exact = True
-    if to == "rmsnorm":
+    if p.keep_bias:
+        # LN(x) on a zero-mean stream  =>  RMSNorm(x) * g + b, b an add after the norm (no linear takes it)
+        n = len(st.writers) if st else 0
+        p.code, p.detail = SwapWhy.BIAS_KEPT, p.beta_problem.code if p.beta_problem else None
+        p.reason = (f"to RMSNorm(eps={site.eps:g}) + bias, exact: {n} stream writer(s) centered; the bias stays an "
+                    f"add after the RMSNorm ({p.beta_problem})")
+    elif to == "rmsnorm":
         # LN(x) on a zero-mean stream  =>  RMSNorm(x) * g, b folded into the consumers
         n = len([w for w in st.writers.values()]) if st else 0
         beta = f"; bias folds into {len(p.consumers)} consumer linear(s)" if p.consumers else ""
@@ -184,13 +189,21 @@ def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, r
         p.reason = f"to LayerNorm(eps={site.eps:g}, no bias), exact: the stream's writers are zero-mean"
 
 
+def _bias(cap: Captured, p: SitePlan, readers, read) -> None:
+    """Where the norm's bias b goes: the linears that absorb it, or (none can) an add kept after the RMSNorm."""
+    p.consumers, p.beta_problem = bias_consumers(cap, p.module, p.site.node, readers, read)
+    # b has no linear to fold into (a transpose, a cat, the output reads the norm)  =>  keep it as an add
+    p.keep_bias = p.beta_problem is not None
+
+
 def edits(cap: Captured, a: Analysis, approximate: bool = False,
           read: Callable[[str], torch.Tensor] | None = None) -> Edits:
     """The weight edits ``a`` plans (exact sites; every swappable site with ``approximate``); norm bias values
     are read through ``read`` (default: the captured model's tensors) to skip zero biases."""
     if a.to != "rmsnorm":
         return Edits()  # RMSNorm -> LayerNorm edits no weight: its writers are zero-mean already
-    replaced = [Replaced(p.module, p.stream, tuple(p.consumers), p.beta_problem) for p in a.plans
+    # a kept bias is neither folded nor dropped: the replacement adds it (BiasAfterNorm)
+    replaced = [Replaced(p.module, p.stream, () if p.keep_bias else tuple(p.consumers), None) for p in a.plans
                 if p.module is not None and (p.exact or approximate)]
     return _edits(cap, a.streams, replaced, read)
 
@@ -315,6 +328,7 @@ class SwapPass(Pass):
                                 pass_name=NAME)
 
     def _replacement(self, cap: Captured, p: SitePlan) -> nn.Module:
+        from normconv.nn.modules import BiasAfterNorm
         from normconv.nn.rmsnorm import make_rmsnorm
 
         old = cap.modules[p.module]
@@ -324,6 +338,8 @@ class SwapPass(Pass):
         if self.to == "rmsnorm":
             # LN(g, b, eps) on a zero-mean stream  =>  RMSNorm(g, eps)   (b already folded)
             new = make_rmsnorm(shape, float(old.eps), weight.detach() if weight is not None else None, dtype)
+            if p.keep_bias:  # b no linear takes  =>  RMSNorm(x) * g + b
+                new = BiasAfterNorm(new, old.bias)
         else:
             # RMSNorm(g, eps) on a zero-mean stream  =>  LN(g, no bias, eps)   (eps=None resolved to finfo.eps)
             new = nn.LayerNorm(shape, eps=float(p.site.eps), elementwise_affine=weight is not None, bias=False,

@@ -56,6 +56,18 @@ def tiny_deberta_v2():
     return _build(DebertaV2Model, cfg), Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
 
+def tiny_deberta_v3():
+    """DeBERTa-v3's layout (DebertaV2Model with relative attention): ``encoder.LayerNorm`` normalizes the relative
+    position embeddings' weight (a parameter no layer takes as its weight) on every forward."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    cfg = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64, max_position_embeddings=64, relative_attention=True, position_buckets=8,
+                          norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"], position_biased_input=False)
+    ids = _ids()
+    return _build(DebertaV2Model, cfg), Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
 def tiny_albert():
     """ALBERT: one post-LN layer whose modules run num_hidden_layers (3) times (cross-layer parameter sharing)."""
     from transformers import AlbertConfig, AlbertModel
@@ -140,6 +152,39 @@ def tiny_convnext():
 TINY_VISION = {"resnet": tiny_resnet, "mobilenetv2": tiny_mobilenetv2, "convnext": tiny_convnext}
 
 
+def _randomized(model, seed: int = 0):
+    """Norms as trained weights leave them: LayerNorm affines and BatchNorm statistics / affines away from (1, 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (torch.nn.LayerNorm, torch.nn.BatchNorm2d)) and m.weight is not None:
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
+            if isinstance(m, torch.nn.BatchNorm2d) and m.running_mean is not None:
+                m.running_mean.copy_(0.2 * torch.randn(m.running_mean.shape, generator=g))
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+    return model
+
+
+def tiny_mobilevit():
+    """MobileViT: each transformer stage ends in a LayerNorm whose output is folded back into patches (a transpose)."""
+    from transformers import MobileViTConfig, MobileViTModel
+
+    cfg = MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 16, 16], num_attention_heads=2,
+                          neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], mlp_ratio=2.0)
+    return _randomized(_build(MobileViTModel, cfg)), Inputs((_image(),))
+
+
+def tiny_segformer():
+    """Segformer: transformers installs output-capturing hooks (local closures) on its first forward."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    cfg = SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                          num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
+                          decoder_hidden_size=16, num_labels=3)
+    return _build(SegformerForSemanticSegmentation, cfg), Inputs((_image(batch=1),))
+
+
 def tiny_opt():
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -211,6 +256,13 @@ def tiny_dinov2():
     cfg = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=32,
                        patch_size=8)
     return _build(Dinov2Model, cfg), Inputs((_image(),))
+
+
+def trained_dinov2():
+    """DINOv2 with every LayerNorm's affine randomized: the final LayerNorm's output is the model's output (and its
+    CLS token is sliced out of it), so its bias reaches the output through no linear."""
+    model, inputs = tiny_dinov2()
+    return _randomized(model), inputs
 
 
 def cached_gpt2():

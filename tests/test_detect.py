@@ -91,6 +91,23 @@ def test_hf_models(name):
         assert all(s.upcast for s in sites)  # statistics in float32
 
 
+def test_deberta_v3_layernorm_of_a_parameter_is_a_site():
+    """DeBERTa-v3 runs 6 LayerNorms: the relative embeddings' one normalizes a parameter that no layer takes as its
+    weight, so it is a norm site placed on-parameter (not a weight standardization, which BiT's StdConv is)."""
+    from normconv.graph.detect import find_weight_standardizations
+    from tests.hf_tiny import tiny_deberta_v3
+
+    model, inputs = tiny_deberta_v3()
+    cap, sites = _sites(model, inputs)
+    assert sum(isinstance(m, nn.LayerNorm) for m in model.modules()) == 6
+    assert len(sites) == 6 and {s.kind for s in sites} == {"layernorm"}
+    placed = {s.target: s.placement for s in sites}
+    assert placed["encoder.LayerNorm"] == "on-parameter"
+    assert placed["embeddings.LayerNorm"] == "after-embedding"
+    assert sum(p == "post-norm" for p in placed.values()) == 4
+    assert find_weight_standardizations(cap) == []
+
+
 def test_cli_inspect_on_saved_hf_folders(cli, hf_folders):
     for name, folder in hf_folders.items():
         code, out, err = cli("inspect", folder, "--json")

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from normconv.errors import NormconvError
 from normconv.models import ZOO
 from normconv.api import swap
+from normconv.nn.modules import BiasAfterNorm
 from normconv.nn.rmsnorm import RMSNorm
+from normconv.passes.swap_norm import SwapWhy
 from normconv.verify import Inputs, run
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)  # the documented fp32 tolerance of exact passes (verify.DEFAULT_TOLERANCE)
@@ -169,7 +171,6 @@ class _Stack(nn.Module):
 
 @pytest.mark.parametrize("kwargs,why", [
     (dict(kind="relu_writer"), "not a linear layer or an embedding"),
-    (dict(kind="relu_consumer"), "cannot absorb its bias"),
     (dict(return_stream=True), "also read by the model.s output"),
 ])
 def test_structural_refusals_name_the_site_and_reason(kwargs, why):
@@ -179,6 +180,49 @@ def test_structural_refusals_name_the_site_and_reason(kwargs, why):
         swap(model, inputs)
     _, report = swap(model, inputs, approximate=True)
     assert report.extra["drift"]["max_abs_error"] > 0
+
+
+def _kept_bias_sites(report):
+    return [s.target for s in report.sites if s.pass_name == "swap" and s.code == SwapWhy.BIAS_KEPT]
+
+
+def test_a_bias_no_linear_takes_stays_an_add_after_the_rmsnorm():
+    """x + fc(relu(ln(x))): no linear reads the norm directly, so its bias cannot fold; RMSNorm(x) * g + b is the
+    same sum on the centered stream: exact, the bias an add after the RMSNorm."""
+    model = _randomize_norms(_Stack(kind="relu_consumer").eval())
+    inputs = Inputs((torch.randn(2, 3, 6),))
+    new, report = swap(model, inputs)
+    assert report.passed and report.extra["exact"]
+    assert _kept_bias_sites(report) == ["block.ln"]
+    assert isinstance(new.block.ln, BiasAfterNorm) and isinstance(new.block.ln.norm, RMSNorm)
+    torch.testing.assert_close(new.block.ln.bias, model.block.ln.bias)
+    assert isinstance(new.ln_f, RMSNorm)  # its bias still folds into the head
+    x2 = Inputs((torch.randn(3, 5, 6),))
+    torch.testing.assert_close(run(new, x2), run(model, x2), **FP32_TOL)
+
+
+@pytest.mark.parametrize("factory,kept", [("tiny_mobilevit", 3), ("trained_dinov2", 1)])
+def test_hf_vision_norms_feeding_a_transpose_or_the_output_swap_exactly(factory, kept, cli, tmp_path):
+    """MobileViT folds each stage's last LayerNorm back into patches (a transpose); DINOv2 returns its final
+    LayerNorm's output: their biases stay adds after the RMSNorms, and the swap is exact."""
+    pytest.importorskip("transformers")
+    import tests.hf_tiny as hf
+
+    model, inputs = getattr(hf, factory)()  # LayerNorm affines and BatchNorm statistics randomized
+    new, report = swap(model, inputs)
+    assert report.passed and report.extra["exact"] and report.extra["refused"] == 0
+    assert len(_kept_bias_sites(report)) == kept
+    assert _count(new, nn.LayerNorm) == 0
+    ref, out = run(model, inputs), run(new, inputs)
+    err = (out.last_hidden_state - ref.last_hidden_state).abs().max() / ref.last_hidden_state.abs().max()
+    assert err < 1e-5
+    # written as .pt with torch's own modules, loaded back and run
+    code, _, err_text = cli("swap", f"tests.hf_tiny:{factory}", "--to", "rmsnorm", "-o", tmp_path / "s.pt")
+    assert code == 0, err_text
+    loaded = torch.load(tmp_path / "s.pt", weights_only=False)
+    assert not any(type(m).__module__.startswith("normconv") for m in loaded.modules())
+    torch.testing.assert_close(loaded(*inputs.args).last_hidden_state, model(*inputs.args).last_hidden_state,
+                               **FP32_TOL)
 
 
 def test_stream_from_the_raw_input_is_refused():
@@ -288,10 +332,19 @@ def test_cli_post_ln_refused_without_approximate(cli, tmp_path):
     assert drift["max_abs_error"] > 0 and drift["cosine"] < 1
 
 
+def relu_writer_stack():
+    """No site swaps exactly: a ReLU writes the stream both norms read."""
+    return _randomize_norms(_Stack(kind="relu_writer").eval()), (torch.randn(2, 3, 6),)
+
+
 def test_cli_partial_on_a_model_with_no_exact_site_exits_2_and_writes_nothing(cli, tmp_path):
-    out = tmp_path / "bert.pt"
-    code, _, stderr = cli("swap", "zoo:bert", "--partial", "-o", out)
+    out = tmp_path / "none.pt"
+    code, _, stderr = cli("swap", "tests.test_swap:relu_writer_stack", "--partial", "-o", out)
     assert code == 2 and "--partial: no site can be swapped exactly" in stderr and not out.exists()
+    # post-LN BERT: only the embedding LayerNorm reads a stream that can be centered (its bias stays an add)
+    code, stdout, _ = cli("swap", "zoo:bert", "--partial", "-o", tmp_path / "bert.pt", "--json")
+    assert code == 0 and json.loads(stdout)["extra"]["swapped"] == 1
+    out = tmp_path / "gpt.pt"
     code, stdout, _ = cli("swap", "zoo:gpt", "--partial", "-o", out, "--json")  # every site exact: all swapped
     assert code == 0 and json.loads(stdout)["extra"]["swapped"] == 5 and out.exists()
 

@@ -287,9 +287,11 @@ def test_layernorm_writer_with_varying_scale_is_refused_in_words():
     torch.manual_seed(0)
     model = _randomize(ViT(emb_norm=True)).eval()
     x = torch.randn(2, 4, 32, 32)
-    with pytest.raises(NormconvError, match=r"emb_norm: the norm writes the residual stream \(read by blocks.0.ln1\), "
-                                            r"so its bias has no linear layer to fold into"):
-        normconv.swap(model, x)
+    # emb_norm itself reads a centered stream: exact, its bias kept as an add (no linear reads it); the blocks' stream
+    # it writes cannot be centered
+    _, report = normconv.swap(model, x, partial=True)
+    assert [s.target for s in report.sites if s.applied] == ["emb_norm"]
+    assert report.sites[0].code == "exact-bias-kept" and report.extra["exact"]
     with torch.no_grad():
         model.emb_norm.bias.zero_()
     with pytest.raises(NormconvError, match=r"emb_norm is a LayerNorm whose scale g varies .*: mean\(g \* n\) "
@@ -460,10 +462,9 @@ def test_hf_bloom_embedding_layernorm():
     with pytest.raises(NormconvError, match="h.0.input_layernorm: stream writer word_embeddings_layernorm is a "
                                             "LayerNorm whose scale g varies .*unless g is constant"):
         normconv.swap(model, inputs)
-    # and its bias cannot go anywhere but the stream
-    model, inputs = _hf("tiny_bloom", ("word_embeddings_layernorm",))
-    with pytest.raises(NormconvError, match=r"word_embeddings_layernorm: the norm writes the residual stream"):
-        normconv.swap(model, inputs)
+    # a constant scale and a bias: the bias is centered as the stream's writer and stays an add after the RMSNorm
+    model, inputs = _hf("tiny_bloom", ("word_embeddings_layernorm.bias",))
+    _hf_exact(model, inputs, cut=("input_ids",))
 
 
 

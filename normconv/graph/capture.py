@@ -196,13 +196,17 @@ class Captured:
         return None
 
     def tensor(self, name: str) -> torch.Tensor | None:
-        """The parameter / buffer / tensor attribute at a dotted path of the model."""
-        obj: Any = self.model
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                return None
-        return obj if isinstance(obj, torch.Tensor) else None
+        """The parameter / buffer / tensor attribute at a dotted path of the model (or of the traced graph: a
+        constant symbolic_trace lifted, ``_tensor_constant0``, lives on the GraphModule only)."""
+        for root in (self.model, self.gm):
+            obj: Any = root
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+                if obj is None:
+                    break
+            if isinstance(obj, torch.Tensor):
+                return obj
+        return None
 
     def is_input(self, node: fx.Node) -> bool:
         return node.op == "placeholder" and self.param_name(node) is None

@@ -15,6 +15,7 @@ Placement says what feeds the norm and where it sits in a residual stream:
   post-norm   N(x + f(x)): the norm's input is a residual add and the stream continues through the norm
   final-norm  N(x + f(M(x))): a residual add whose branch was itself pre-normed (last norm of a pre-norm stack)
   after-conv / after-linear / after-embedding / after-add / input / other: the producer of its input
+  on-parameter a norm of a parameter no layer takes as its weight (DeBERTa-v2's relative embeddings' LayerNorm)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ KINDS = kinds.NAMES
 def find_norms(cap: Captured) -> list[NormSite]:
     """Every norm site of the captured graph, in graph order, with placement (weight standardizations excluded:
     see ``find_weight_standardizations``)."""
-    sites = [s for s in _raw_sites(cap) if _constant_input(cap, s) is None]
+    sites = [s for s in _raw_sites(cap) if _standardized(cap, s) is None]
     order = cap.order
     outputs = frozenset(s.node for s in sites)
     sites = [_with_placement(cap, s, sites, order, outputs) for s in sites]
@@ -70,7 +71,7 @@ def find_weight_standardizations(cap: Captured) -> list[WeightStandardization]:
     """Norm-shaped computations applied to a parameter (weight standardization), with what reads them."""
     found = []
     for s in _raw_sites(cap):
-        param = _constant_input(cap, s)
+        param = _standardized(cap, s)
         if param is not None:
             found.append(WeightStandardization(s, param, _weight_consumer(cap, cap.nodes[s.node])))
     return found
@@ -79,6 +80,15 @@ def find_weight_standardizations(cap: Captured) -> list[WeightStandardization]:
 def _constant_input(cap: Captured, site: NormSite) -> str | None:
     """The parameter / buffer a site normalizes (through views and casts), or None for an activation."""
     return param_through_views(cap, cap.nodes[site.input], set())
+
+
+def _standardized(cap: Captured, site: NormSite) -> str | None:
+    """The parameter a site standardizes for a layer that takes it as its weight (BiT / timm StdConv), or None.
+    A norm of a parameter that no layer takes as its weight normalizes a table the forward reads as data (DeBERTa-v2's
+    and SEW-D's ``encoder.LayerNorm`` of the relative position embeddings): it is a norm site (placed on-parameter),
+    a layer that runs on every forward like any other."""
+    param = _constant_input(cap, site)
+    return param if param is not None and weight_reader(cap, cap.nodes[site.node]) is not None else None
 
 
 def _weight_consumer(cap: Captured, node: fx.Node) -> str:
@@ -201,6 +211,8 @@ def _with_placement(cap: Captured, site: NormSite, sites: list[NormSite], order:
     kind, pnode = producer_of(cap, x, norm_outputs)
     placement = f"after-{kind}" if kind in ("conv", "conv_transpose", "linear", "embedding", "add", "norm") else \
         ("input" if kind == "input" else "other")
+    if _constant_input(cap, site) is not None:  # a norm of a table the forward reads (no layer's weight)
+        return replace(site, producer="parameter", placement="on-parameter")
     if site.kind in ("layernorm", "rmsnorm"):
         inside = set(site.nodes)
         # pre-norm: x also feeds an add whose other operand is computed from this norm's output

@@ -11,6 +11,7 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
   normconv.nn.modules.MovedDimNorm      ->  GraphModule: norm(x.movedim(dims, -1)).movedim(-1, dims)  (keys: norm.*)
   normconv.nn.modules.FrozenBatchNorm   ->  GraphModule: F.batch_norm(x, its four buffers, training=False)  (same keys)
   normconv.nn.modules.ChannelAffine     ->  GraphModule: x * weight + bias per channel            (same keys)
+  normconv.nn.modules.BiasAfterNorm     ->  GraphModule: norm(x) + bias                    (keys: norm.*, bias)
   DeepNorm BranchScale / InputScale     ->  GraphModule hooks computing the same product
 
 ``keep_normconv=True`` (``--normconv-modules``) keeps normconv's faster eager modules; loading then needs normconv.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 from typing import Any, Callable, Iterator
 
 import torch
@@ -29,8 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normconv.clone import clone_sharing_tensors, release
-from normconv.nn.modules import (BranchScale, ChannelAffine, ChannelShift, Float32Norm, FrozenBatchNorm, InputScale,
-                                 MovedDimNorm)
+from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
+                                 FrozenBatchNorm, InputScale, MovedDimNorm)
 from normconv.kinds import KINDS
 from normconv.verify import Inputs, run
 
@@ -58,6 +60,15 @@ class _Cast(nn.Module):
     def forward(self, x):
         y = self.norm(x.to(self.compute))
         return y.to(x.dtype) if self.out is None else y.to(self.out)
+
+
+class _Biased(nn.Module):
+    def __init__(self, norm: nn.Module, bias: nn.Parameter):
+        super().__init__()
+        self.norm, self.bias = norm, bias
+
+    def forward(self, x):
+        return self.norm(x) + self.bias
 
 
 class _Moved(nn.Module):
@@ -124,6 +135,8 @@ def _torch_form(m: nn.Module) -> nn.Module | None:
         return _graph_module(_Frozen(m), "FrozenBatchNorm")
     if isinstance(m, ChannelAffine):  # its forward is static in the rank: traced as it is
         return _graph_module(m, "ChannelAffine")
+    if isinstance(m, BiasAfterNorm):
+        return _graph_module(_Biased(m.norm, m.bias), "BiasAfterNorm")
     return None
 
 
@@ -280,6 +293,43 @@ def _follow_umask(path: str) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
+class _Probe(pickle.Pickler):
+    """pickle as torch.save does, tensor storages left out (their bytes always pickle): only the structure is tried."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return 0 if isinstance(obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage)) else None
+
+
+class _Sink:
+    def write(self, b: bytes) -> int:
+        return len(b)
+
+
+def _pickles(obj: Any) -> str | None:
+    try:
+        _Probe(_Sink(), protocol=2).dump(obj)
+    except Exception as exc:  # noqa: BLE001 - whatever pickle raises is the answer
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def unpicklable(model: nn.Module) -> str | None:
+    """Why ``torch.save(model)`` would fail, naming the attribute that does not pickle (a hook that is a local
+    function, a module object, a lock), or None when it pickles. Tensor bytes are not written: this costs the walk."""
+    why = _pickles(model)
+    if why is None:
+        return None
+    for path, m in model.named_modules():
+        for key, value in vars(m).items():
+            if key != "_modules" and _pickles(value) is not None:
+                where = f"{path}.{key}" if path else key
+                if isinstance(value, dict):  # a hook dict, a cache: which entry
+                    bad = next((k for k, v in value.items() if _pickles(v) is not None), None)
+                    where += f"[{bad!r}]" if bad is not None else ""
+                return f"{where}: {why}"
+    return why
+
+
 def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     """torch.save(model), carrying the example inputs so the next normconv command needs no --input-shape."""
     if inputs is not None:
@@ -378,4 +428,4 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
     "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "unpicklable", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from normconv.errors import NormconvError
 from normconv.io.ledger import Ledger
-from normconv.io.outputs import WRITERS, config_mismatch
+from normconv.io.outputs import WRITERS, config_mismatch, unpicklable
 from normconv.io.pickles import describe
 from normconv.verify import Inputs
 
@@ -60,7 +60,18 @@ def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = F
     anything but a regular file, or where no file can be created. ``in_place`` allows the model itself."""
     path = Path(out)
     loaded.ledger.check_write(path, in_place)
-    return check_writable(path)
+    path = check_writable(path)
+    if path.suffix != ".onnx" and output_format(loaded, path) == "pickle":
+        why = unpicklable(loaded.model)
+        if why is not None:  # torch.save would fail at the end: said before the work
+            raise NormconvError(f"cannot write {out}: {type(loaded.model).__name__} does not pickle ({why}); write "
+                                f"{_other_formats(path)} instead")
+    return path
+
+
+def _other_formats(path: Path) -> str:
+    return f"-o {path.with_suffix('.pt2').name} (torch.export.load) or -o {path.with_suffix('.safetensors').name} " \
+           f"(the weights)"
 
 
 def check_writable(path: Path) -> Path:
@@ -205,6 +216,10 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
     except Exception as exc:
         # a .pt2 is a torch.export program: a model torch.export cannot take whole has none
         hint = f"; write -o {path.with_suffix('.pt').name} (torch.load) instead" if fmt == "pt2" else ""
+        why = unpicklable(model) if fmt == "pickle" else None
+        if why is not None:  # which attribute does not pickle, and what to write instead
+            raise NormconvError(f"cannot write {out}: the rewritten {type(model).__name__} does not pickle ({why}); "
+                                f"write {_other_formats(path)} instead") from None
         raise NormconvError(f"cannot write {out}: {describe(exc)}{hint}") from None
     finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
         remove_temp(tmp)

@@ -129,3 +129,16 @@ class ChannelAffine(nn.Module):
     def extra_repr(self) -> str:
         c = (self.weight if self.weight is not None else self.bias)
         return f"{c.numel() if c is not None else 0}, scale={self.weight is not None}, shift={self.bias is not None}"
+
+
+class BiasAfterNorm(nn.Module):
+    """``y = norm(x) + bias``: a norm's bias kept as an add after a bias-free norm (swap's LayerNorm -> RMSNorm where
+    the bias has no linear to fold into: LN_{g,b}(x) = RMSNorm_g(x) + b on a zero-mean stream)."""
+
+    def __init__(self, norm: nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.norm = norm
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + self.bias
