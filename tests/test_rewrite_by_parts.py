@@ -90,6 +90,26 @@ def test_fold_by_parts_folds_the_bn_and_verifies_the_whole_model():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the user's model untouched
 
 
+def test_the_whole_model_is_tried_once_however_many_passes_modify_it(monkeypatch):
+    """fold runs several passes, each modifying the model; the whole model's capture failed before the first, and
+    is not tried again before the next (a detector's failed draft_export costs minutes each time)."""
+    from normconv.engine import run as engine_run
+
+    tried = []
+    real = engine_run.capture
+
+    def counted(model, *args, **kwargs):
+        tried.append(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(engine_run, "capture", counted)
+    model, x = branchy()
+    model.vision.append(nn.Conv2d(8, 8, 1))  # a second fold-able pair: conv -> BN -> ReLU -> conv
+    folded, report = normconv.fold(model, x, eval_mode=True)
+    assert report.passed and len(report.validation) >= 1
+    assert tried.count("Branchy") == 1, tried
+
+
 def test_canonicalize_by_parts_makes_the_handwritten_norm_native():
     model, x = branchy()
     new, report = normconv.canonicalize(model, x)

@@ -6,7 +6,8 @@ The user's model is never written: the passes get ``clone_sharing_tensors(model)
 until a pass takes one through ``clone.owned`` (copy-on-write). One capture serves every pass that leaves the model
 unchanged; a pass that modified it makes the next one capture again. A model no method captures whole is run part
 by part (``by_parts=True`` and every pass declares ``by_parts``): each submodule captured alone gets the pass,
-and the whole result is verified by the caller as always.
+and the whole result is verified by the caller as always. The whole is tried once: the passes after the first
+rewrite layers, not the control flow that kept it from capturing (a detector's draft_export costs minutes).
 
 A capture that decided a branch on a tensor's value (``Captured.guards``) is remembered in ``Run.guards`` (the door
 must prove the rewrite for the branches it did not see, or refuse), and from then on the passes copy what they
@@ -94,15 +95,19 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
         phase("capture")
         cap = out.saw(capture(work, inputs, method, reference))
         on_first_capture(cap)
+    whole: NormconvError | None = None  # why the whole model does not capture, once seen
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
         if cap is None or cap.model is not work:
             phase("capture", detail=f"for {p.name}")
             try:
+                if whole is not None:  # a pass rewrote layers, not the control flow that kept the whole uncaptured
+                    raise whole
                 cap = out.saw(capture(work, inputs, method, reference))
-            except NormconvError as whole:
-                if whole.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
+            except NormconvError as exc:
+                if exc.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
                     raise
+                whole = exc
                 _by_parts(p, work, inputs, method, whole, out, model)
                 inherit_training_flags(before, work)
                 continue
