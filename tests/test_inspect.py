@@ -9,7 +9,7 @@ import pytest
 from normconv.models import ZOO
 
 FACTORY = "tests.fixtures.user_models:small_net_with_inputs"
-PASSES = {"fold", "canonicalize", "swap", "deepnorm", "export"}
+PASSES = {"fold", "fold-through", "convert-batchnorm", "recalibrate", "canonicalize", "swap", "deepnorm", "export"}
 
 
 def _json(cli, *args):
