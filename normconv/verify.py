@@ -114,8 +114,17 @@ class Inputs:
         return Inputs(tuple(move(x) for x in self.args), {k: move(v) for k, v in self.kwargs.items()})
 
     def describe(self) -> str:
-        def one(x):
-            return f"{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor) else repr(x)
+        def one(x):  # tensors by shape and dtype, inside lists, tuples and dicts too (a detector's list of images)
+            if isinstance(x, torch.Tensor):
+                return f"{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}"
+            if isinstance(x, (list, tuple)):
+                inner = ", ".join(one(v) for v in x[:4]) + (f", ... {len(x)} in all" if len(x) > 4 else "")
+                return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
+            if isinstance(x, dict):
+                return "{" + ", ".join(f"{k!r}: {one(v)}" for k, v in list(x.items())[:4]) + \
+                    (", ..." if len(x) > 4 else "") + "}"
+            text = repr(x)
+            return text if len(text) <= 60 else text[:57] + "..."
 
         parts = [one(x) for x in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
         return ", ".join(parts)

@@ -125,3 +125,14 @@ def test_l2_normalization_is_a_near_miss_with_why(capture, spelling):
     assert report["sites"] == []
     misses = report["extra"]["near_misses"]
     assert len(misses) == 1 and misses[0]["target"] == "1" and "L2 normalization" in misses[0]["computes"]
+
+
+def test_inputs_are_described_by_shape_inside_lists_and_dicts():
+    """A detector takes a list of images: the header names their shapes, never prints their values."""
+    import torch
+
+    from normconv.verify import Inputs
+
+    text = Inputs(([torch.rand(3, 64, 80), torch.rand(3, 32, 32)],), {"targets": {"boxes": torch.rand(5, 4)}}).describe()
+    assert text == "[(3, 64, 80):float32, (3, 32, 32):float32], targets={'boxes': (5, 4):float32}"
+    assert "tensor(" not in Inputs(([torch.rand(3, 8, 8)] * 9,), {}).describe()
