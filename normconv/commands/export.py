@@ -57,8 +57,8 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     out = onnx_export.check_args(opts.output, target, opset, device)
     if skip_fusion is None:  # measured: fused residual add + norm is faster on CUDA, slower on CPU (BENCHMARKS.md)
         skip_fusion = device == "cuda"
-    check_output_path(loaded, out)
-    check_output_path(loaded, out.with_name(out.name + ".data"))  # the external-data file a large model writes beside
+    check_output_path(loaded, out, model=False)
+    check_output_path(loaded, out.with_name(out.name + ".data"), model=False)  # the external-data file a large model writes beside
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, loaded.require_inputs(), report)
     # the load's check forward when no mask was added (the same inputs), else one forward now

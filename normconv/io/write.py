@@ -54,14 +54,16 @@ def output_format(loaded: Source, out: Path) -> str:
     return "pt2" if loaded.fmt == "pt2" else "pickle"  # no telling suffix: the input's own format
 
 
-def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = False) -> Path:
+def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = False, model: bool = True) -> Path:
     """Refuse to write over anything the run read (the model, its --weights, the factory's code, its config,
     shards, calibration data, anything inside its Hugging Face folder; through symlinks and hard links), over
-    anything but a regular file, or where no file can be created. ``in_place`` allows the model itself."""
+    anything but a regular file, or where no file can be created. ``in_place`` allows the model itself.
+    ``model``: ``out`` will hold the rewritten torch model (a pickle is then checked to pickle, before the work);
+    False for the ONNX writer's files."""
     path = Path(out)
     loaded.ledger.check_write(path, in_place)
     path = check_writable(path)
-    if path.suffix != ".onnx" and output_format(loaded, path) == "pickle":
+    if model and output_format(loaded, path) == "pickle":
         why = unpicklable(loaded.model)
         if why is not None:  # torch.save would fail at the end: said before the work
             raise NormconvError(f"cannot write {out}: {type(loaded.model).__name__} does not pickle ({why}); write "
@@ -195,7 +197,7 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
          inputs: Inputs | None = None) -> Path:
     """Write ``model`` atomically (temp file + rename): any failure or interrupt (Ctrl-C, SIGTERM) leaves no
     file under ``out`` and no temp file beside it."""
-    path = check_output_path(loaded, out, in_place)
+    path = check_output_path(loaded, out, in_place, model=False)  # the rename's check: the pickling is tried
     fmt = output_format(loaded, path)
     if fmt == "hf":
         _check_hf_folder_output(loaded, model, path)
