@@ -82,7 +82,7 @@ class _Bar:
                                  console=console or Console(file=sys.stderr), transient=True,
                                  redirect_stdout=False, redirect_stderr=False)
         self.task = self.progress.add_task("start", total=None)
-        self.last: tuple[str, str] = ("", "")
+        self.last = ""
         self.progress.start()
 
     def show(self, name: str, step: int | None, total: int | None, detail: str) -> None:
@@ -92,8 +92,8 @@ class _Bar:
         # a counted phase fills its bar (step - 1 of total done as step begins); an uncounted one pulses
         self.progress.update(self.task, description=text, total=total or None,
                              completed=(step - 1) if step is not None and total else 0)
-        if (name, detail) != self.last:  # a new phase is drawn at once (its steps at rich's own pace)
-            self.last = (name, detail)
+        if text != self.last:  # a new phase or step is drawn at once (a bar's own progress at rich's pace)
+            self.last = text
             self.progress.refresh()
 
     def close(self) -> None:

@@ -191,9 +191,10 @@ def test_fused_count_takes_dead_calls_per_call(tmp_path):
     assert ok and why.startswith("fused 2 of 2"), why
 
 
-def test_a_norm_of_a_parameter_may_export_as_one_more_norm_op(tmp_path):
-    """SEW-D's LayerNorm on its relative position embeddings: not a site (inspect lists it apart), exported as a
-    LayerNormalization on a constant: allowed once per listed norm, not beyond."""
+def test_a_norm_of_a_parameter_is_a_site_and_exports_as_its_norm_op(tmp_path):
+    """SEW-D's and DeBERTa-v2's LayerNorm on their relative position embeddings: a norm that runs on every forward,
+    of a table no layer takes as its weight, so a site (placed on-parameter; the sweep's hooks count it), not a
+    weight standardization; exported as a LayerNormalization on a constant, counted once."""
     import torch.nn as nn
 
     class NormedTable(nn.Module):
@@ -210,8 +211,9 @@ def test_a_norm_of_a_parameter_may_export_as_one_more_norm_op(tmp_path):
     path = str(tmp_path / "m.onnx")
     normconv.export(model, (x,), path, opset=17)
     report = normconv.inspect(model, (x,)).to_json()
-    assert [w["target"] for w in report["extra"]["weight_standardizations"]] == ["table_norm"]
-    ok, why = sweep().fused_vs_sites(path, report["sites"], constants=1)
-    assert ok and why == "fused 1 of 1 norm sites (+1 on parameters)", why
+    assert report["extra"]["weight_standardizations"] == []
+    assert [(s["target"], s["placement"]) for s in report["sites"]] == [("ln", "input"), ("table_norm", "on-parameter")]
     ok, why = sweep().fused_vs_sites(path, report["sites"])
-    assert not ok
+    assert ok and why == "fused 2 of 2 norm sites", why
+    ok, why = sweep().fused_vs_sites(path, report["sites"][:1])
+    assert not ok  # one more norm op than the sites listed is not a pass
