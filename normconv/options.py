@@ -26,6 +26,8 @@ class Options:
     keep_normconv: bool = False  # keep normconv's own modules in the written model (else torch's)
     eval_mode: bool = False  # rewrite a training-mode model as its eval-mode self (fold)
     dtype: torch.dtype | None = None  # a half-precision target (float16 / bfloat16), measured against float32
+    static: bool = False  # written .onnx / .pt2 files keep every input shape as the example's (else: dynamic dims)
+    overwrite: bool = False  # -o may replace an existing output (a folder too), never one that was read
 
 
 __all__ = ["Options", "METHODS"]

@@ -33,10 +33,12 @@ LAYERS = {
     "normconv.io": 0.4,  # what users have -> (model, inputs); what normconv writes, atomically
     "normconv.io.load": 0.4,  # every model format -> Loaded
     "normconv.io.write": 0.36,  # output paths, temp files, atomic save
+    "normconv.io.hf_folder": 0.35,  # a rewrite in the architecture a Hugging Face config describes
     "normconv.io.hf_inputs": 0.34,  # inputs made from a Hugging Face config
     "normconv.io.inputs": 0.33,  # example inputs: -i, calibration, masks, caches
     "normconv.io.pickles": 0.31,  # reading files without running their code
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
+    "normconv.io.dims": 0.29,  # dynamic dimensions of written models: found, named, checked
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
     "normconv.graph.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds that read calls)
     "normconv.verify": 0.2,  # guarded forwards, comparisons

@@ -23,7 +23,7 @@ import torch.nn as nn
 from normconv.errors import NormconvError, VerificationError
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.io.inputs import HF_SEQ_LEN
-from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
+from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, replace, temp_name, write_error
 from normconv.report import Report, Validation
 from normconv.stream.checkpoint import Checkpoint, copy_folder, model_class, stored_key, tied_names
 from normconv.verify import Inputs, compare, default_tolerance
@@ -287,7 +287,7 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
             raise VerificationError(
                 f"{report.command} --stream: {failed.label}: max abs error {failed.max_abs_error:.3g} (atol "
                 f"{failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
-        os.replace(tmp, out)
+        replace(tmp, out)  # over an existing folder only with --overwrite (checked first): exchanged
         tmp = None
     except OSError as exc:
         raise write_error(out, exc) from None

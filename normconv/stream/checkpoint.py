@@ -204,7 +204,7 @@ def write_shards(ckpt: Checkpoint, tmp: Path, produce: Callable[[str, torch.Tens
 # the folder
 
 
-def open_folder(folder: str | os.PathLike, output: str | os.PathLike) -> tuple[Path, Path, Checkpoint, Any, Any,
+def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path, Checkpoint, Any, Any,
                                                                             torch.dtype]:
     """(input folder, output folder, its checkpoint, model class, config, float dtype), or NormconvError: not a
     Hugging Face folder, remote code, an output over / inside the input or already there, unwritable."""
@@ -219,9 +219,12 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike) -> tuple[P
     out = Path(output)
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
         raise NormconvError(f"refusing to write {out} over or inside the input folder {src}: choose another -o")
-    if out.exists():
-        raise NormconvError(f"cannot write the Hugging Face folder {out}: it exists; choose a new folder")
-    check_writable(out)
+    if out.exists() and not overwrite:
+        raise NormconvError(f"cannot write the Hugging Face folder {out}: it exists; pass --overwrite to replace it, "
+                            f"or choose a new folder")
+    if overwrite and out.resolve() in src.resolve().parents:
+        raise NormconvError(f"refusing to overwrite {out}: the input folder {src} is inside it")
+    check_writable(out, overwrite)
     ckpt = Checkpoint(src)
     try:
         cls, config = model_class(src)
