@@ -152,14 +152,19 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
         except Exception as exc:
             raise NormconvError(f"cannot write {output} in torch-only form: {type(exc).__name__}: {exc}",
                                 Code.WRITE_FAILED) from None
+        pickle = output_format(loaded, Path(output)) == "pickle"
+        needs = outputs.load_needs(to_write) if pickle else []  # what torch.load will import besides torch
         if parts:
             report.notes.append(
                 "written with torch's own modules (" + ", ".join(p.rpartition(".")[2] for p in parts) + " replaced): "
-                "it loads with torch alone" + (
+                + (f"loading it needs torch and {', '.join(needs)} importable (the pickle holds the model's own "
+                   f"classes)" if needs else "it loads with torch alone") + (
                     "; the replacements include torch.fx code (GraphModules), so reading it back into normconv needs "
                     "--trust-pickle (--normconv-modules keeps normconv's modules instead)"
-                    if outputs.holds_graph_modules(to_write) and not Path(output).suffix in (".pt2", ".safetensors")
-                    else ""))
+                    if outputs.holds_graph_modules(to_write) and pickle else ""))
+        elif needs:
+            report.notes.append(f"loading it (torch.load) needs {', '.join(needs)} importable: the pickle holds the "
+                                f"model's own classes (-o OUT.pt2 loads with torch alone)")
     info: dict[str, Any] = {}
     report.output = str(save(loaded, to_write, output, opts.in_place, inputs, static=opts.static,
                              overwrite=opts.overwrite, info=info))

@@ -121,6 +121,13 @@ def widened(model: nn.Module, inputs: Inputs) -> Inputs | None:
     return resized(model, inputs, ones, 2) if ones else None
 
 
+def held(program: Any) -> dict[str, int]:
+    """Symbols of a torch.export program that its range holds to one value (a conv's channels kept symbolic by the
+    ONNX exporter): symbol -> that value."""
+    return {str(k): int(v.lower) for k, v in program.range_constraints.items()
+            if str(v.upper) != "int_oo" and int(v.lower) == int(v.upper)}
+
+
 def found(program: Any, inputs_names: list[str] | None = None) -> list[Dim]:
     """The dynamic dimensions of a torch.export program: one Dim per symbol of its user inputs' shapes, with the
     program's range for it (an unbounded maximum is None)."""
@@ -140,10 +147,12 @@ def found(program: Any, inputs_names: list[str] | None = None) -> list[Dim]:
             symbol = str(d)
             if not symbol.isidentifier():  # an expression of symbols (s0 * 2): carried by the free one
                 continue
+            r = ranges.get(symbol)
+            hi = getattr(r, "upper", None) if r is not None else None
+            if r is not None and str(hi) != "int_oo" and int(r.lower) == int(hi):
+                continue  # a symbol held to one value (a conv's channels): static after all
             dim = dims.get(symbol)
             if dim is None:
-                r = ranges.get(symbol)
-                hi = getattr(r, "upper", None) if r is not None else None
                 dim = dims[symbol] = Dim([symbol], [], int(d.node.hint) if hasattr(d, "node") and
                                          d.node.hint is not None else 0,
                                          max(int(r.lower), 1) if r is not None else None,
@@ -253,5 +262,5 @@ def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable
     return checks
 
 
-__all__ = ["Dim", "export_shapes", "found", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened",
+__all__ = ["Dim", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened",
            "input_names", "candidates", "cycled"]

@@ -126,6 +126,18 @@ def normconv_parts(model: nn.Module) -> list[str]:
     return sorted(found)
 
 
+def load_needs(model: nn.Module) -> list[str]:
+    """The packages besides torch that ``torch.load`` of a pickle of ``model`` imports: the top-level package of
+    every module and hook class it holds (a GraphModule's generated code is torch's)."""
+    found = set()
+    for m in model.modules():
+        for x in [m, *m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
+            if isinstance(x, fx.GraphModule):
+                continue
+            found.add(type(x).__module__.split(".")[0])
+    return sorted(found - {"torch", "builtins"})
+
+
 def holds_graph_modules(model: nn.Module) -> bool:
     """A GraphModule among the modules or hooks: its pickle carries code (normconv's safe loader refuses it)."""
     return any(isinstance(x, fx.GraphModule) for m in model.modules()
@@ -336,4 +348,4 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
     "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "load_needs", "holds_graph_modules", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]

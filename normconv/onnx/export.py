@@ -321,8 +321,9 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported,
                            pinned=pinned)
     onnx_model = program.model
-    dims = []
+    dims, held = [], {}
     if dynamic and getattr(program, "exported_program", None) is not None:
+        held = io_dims.held(program.exported_program)  # written as the number it is held to
         dims = io_dims.found(program.exported_program, io_dims.input_names(prepared, inputs))
         dims = io_dims.name_dims(dims, io_dims.input_shapes(prepared, inputs), dim_names)
     repair_downconverted(onnx_model)
@@ -357,7 +358,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
 
     # logits / batch / sequence, not linear / s72
     extra["renamed"] = name_graph(onnx_model, reference, dim_names,
-                                  {sym: d.name for d in dims for sym in d.symbols} or None)
+                                  {**held, **{sym: d.name for d in dims for sym in d.symbols}} or None)
     extra["dynamic_axes"] = _dynamic_axes(onnx_model)
     if dynamic and not extra["dynamic_axes"] and not pinned:
         report.notes.append("the model specializes every input dimension (torch.export found none free): the "

@@ -68,7 +68,7 @@ def _dim_names(graph, chosen: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def name_graph(model, reference: Any, dim_names: dict[str, str] | None = None,
-               dims: dict[str, str] | None = None) -> dict[str, Any]:
+               dims: dict[str, str | int] | None = None) -> dict[str, Any]:
     """Rename the outputs and the dynamic dimensions of an onnx_ir model in place; returns what was renamed.
     ``dim_names``: the user's names for batch / sequence / height ...; ``dims``: exporter symbol -> name already
     chosen (``io.dims.name_dims``), else they are read off the graph's inputs."""
@@ -85,6 +85,13 @@ def name_graph(model, reference: Any, dim_names: dict[str, str] | None = None,
                 done["outputs"][v.name] = name
                 _rename(graph, v, name, taken)
     dims = dims or _dim_names(graph, dim_names)
+    fixed = {k: v for k, v in dims.items() if isinstance(v, int)}  # symbols held to one value: that number
+    dims = {k: v for k, v in dims.items() if not isinstance(v, int)}
+    if fixed:
+        for v in _all_values(graph):
+            if v.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in fixed for d in v.shape):
+                v.shape = ir.Shape([fixed[d.value] if isinstance(d, ir.SymbolicDim) and d.value in fixed else d
+                                    for d in v.shape])
     if dims:
         pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(dims, key=len, reverse=True))) + r")\b")
         for v in _all_values(graph):
