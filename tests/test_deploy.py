@@ -255,3 +255,23 @@ def test_overwrite_replaces_a_folder_atomically_never_the_input(cli, hf_folders,
     assert Path(rep["output"]).is_file()
     code, _, err = cli("fold", hf_folders["bert"], "-o", hf_folders["bert"].parent, "--overwrite")
     assert code == 2 and "inside it" in err
+
+
+# -- one answer per model, whatever form it comes in ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,command", [("resnet", "fold"), ("gpt", "inspect"), ("llama", "canonicalize")])
+def test_same_model_same_sites_in_every_form(cli, tmp_path, name, command):
+    """The zoo model, its pickle and its .pt2 (written unchanged) give the same sites under the same module names
+    (a .pt2's calls are named through the nn_module_stack the program kept, not layer_norm_3) and decisions."""
+    forms = {"zoo": f"zoo:{name}"}
+    for suffix in (".pt", ".pt2"):
+        out = tmp_path / f"{name}{suffix}"
+        _json(cli, "canonicalize", f"zoo:{name}", "-o", out, "--static")  # nothing to canonicalize: the model as is
+        forms[suffix] = out
+    answers = {}
+    for form, spec in forms.items():
+        rep = _json(cli, command, spec)
+        answers[form] = sorted((s.get("pass", ""), s["target"], s.get("applied", s.get("kind"))) for s in rep["sites"]
+                               if s.get("pass", command) != "lift-layers")
+    assert answers["zoo"] == answers[".pt"] == answers[".pt2"], answers
