@@ -316,8 +316,11 @@ def _inherit_module_stacks(source: fx.Graph, traced: fx.Graph) -> None:
     """A graph traced from a GraphModule (an exported program's module, loaded from a .pt2) calls the same functions
     in the same order; each call takes its source node's ``nn_module_stack``, the module tree of the model that was
     exported, so that sites are named after the modules (blocks.0.ln_1) as in the model itself, not layer_norm_3."""
-    def ops(graph: fx.Graph) -> list[fx.Node]:  # the aten calls (shape checks the tracer adds are not)
-        return [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    def ops(graph: fx.Graph) -> list[fx.Node]:
+        # the aten calls on graph values (shape checks the tracer adds are not; a call on constants only, such as a
+        # static arange, the tracer runs at once and keeps as a constant)
+        return [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                and n.all_input_nodes]
 
     src, dst = ops(source), ops(traced)
     if len(src) != len(dst) or any(a.target is not b.target for a, b in zip(src, dst)):
