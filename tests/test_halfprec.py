@@ -190,7 +190,7 @@ def test_plain_torch_onnx_export_of_the_fp16_model_reduces_squares_in_fp16(name)
 
 @pytest.mark.parametrize("name", ["fp16_overflow", "nafnet_fp16"])
 def test_fp16_export_default_target_keeps_statistics_in_float32(cli, tmp_path, name):
-    """The default (--target ort): SimplifiedLayerNormalization / LayerNormalization with float32 statistics
+    """The default (--target onnx, opset 23): RMSNormalization / LayerNormalization with float32 statistics
     (stash_type 1, the ops' default), no reduction on fp16 data, and the fp32 model's outputs within tolerance."""
     import json
 
@@ -202,7 +202,7 @@ def test_fp16_export_default_target_keeps_statistics_in_float32(cli, tmp_path, n
     assert code == 0, err
     assert json.loads(stdout)["extra"]["half_precision"]["error_vs_float32"]["normconv"] < 1e-2
     model = onnx.load(str(out))
-    norms = [n for n in model.graph.node if n.op_type in ("SimplifiedLayerNormalization", "LayerNormalization")]
+    norms = [n for n in model.graph.node if n.op_type in ("RMSNormalization", "LayerNormalization")]
     assert len(norms) == 3 and _fp16_reductions(model) == []
     assert all(a.i == 1 for n in norms for a in n.attribute if a.name == "stash_type")
 

@@ -39,14 +39,18 @@ from normconv.report import Report, Site, Why
 
 NAME = "export"
 OPSETS = range(17, 24)
-# torch.onnx.export's own default; at 18 tanh-GELU decomposes into 8 ops onnxruntime CPU does not fuse back
-# (zoo:gpt measured 6% slower than at 20, where it is one Gelu)
-DEFAULT_OPSET = 20
+# 23: the first opset with a standard RMSNormalization (and GroupNormalization-21, Gelu-20): every norm is one
+# standard op, which onnxruntime, OpenVINO and TensorRT (10.15+) load; below 23 an RMSNorm is the model-local function
+# normconv.RMSNorm, which onnxruntime inlines and fuses but OpenVINO cannot load (measured: "No conversion rule for
+# normconv.RMSNorm"). At 18 a tanh GELU decomposes into 8 ops onnxruntime CPU does not fuse back (zoo:gpt 6% slower)
+DEFAULT_OPSET = 23
 TARGETS = ("onnx", "ort")
-# onnxruntime is the runtime users deploy to unless they say otherwise; measured (BENCHMARKS.md, export defaults):
-# at opset 20 an RMSNorm stack runs 2.1x slower as the portable function-bodied normconv.RMSNorm (--target onnx)
-# than as SimplifiedLayerNormalization (--target ort), which matches plain torch.onnx.export at its best opset (23)
-DEFAULT_TARGET = "ort"
+# a standard file by default: it passes onnx.checker (full_check) and loads in every runtime (onnxruntime, OpenVINO,
+# TensorRT); measured (BENCHMARKS.md, export defaults) as fast on onnxruntime CPU as --target ort at opset 20 (the
+# function body normconv.RMSNorm is written in the form onnxruntime fuses into SimplifiedLayerNormalization) and 23
+# (RMSNormalization); onnxruntime's own ops (SimplifiedLayerNormalization in the default domain, which the checker
+# rejects; Skip*LayerNormalization) stay one flag away: --target ort
+DEFAULT_TARGET = "onnx"
 # the provider deployed to picks the Skip*LayerNormalization fusion: measured on an H100 (fp16, (8, 2048, 4096)) the
 # fused op runs 1.64x faster than Add + norm, and the 16-layer Llama 4% faster; on onnxruntime CPU it is slower
 DEVICES = ("cpu", "cuda")
@@ -156,38 +160,16 @@ def _one_line(exc: BaseException) -> str:
     return first(exc, 240) + (f" (cause: {first(root, 240)})" if root is not exc else "")
 
 
-def dynamic_shapes(model: nn.Module, inputs) -> dict[str, Any] | None:
-    """Batch (dim 0) and sequence (dim 1 of token ids / (B, L, C) activations) as Dim.AUTO: export keeps them
-    dynamic where the model allows and specializes the rest without failing."""
-    import inspect
-
-    auto = torch.export.Dim.AUTO
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and inputs.args:
-        return None
-
-    def spec(x):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return None
-        dims = {0: auto}
-        if x.dim() >= 2 and (not x.is_floating_point() and x.dim() == 2 or x.is_floating_point() and x.dim() == 3):
-            dims[1] = auto
-        return dims
-
-    shapes = {params[i].name: spec(a) for i, a in enumerate(inputs.args)}
-    shapes.update({k: spec(v) for k, v in inputs.kwargs.items()})
-    return shapes
-
-
-def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool, exported: Any = None):
+def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool, exported: Any = None,
+                 pinned: frozenset = frozenset()):
     """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export.
 
-    ``exported``: a torch.export ExportedProgram of ``model`` on ``inputs`` already made (normconv's capture, with
-    static shapes): the exporter starts from it instead of running torch.export once more; if it fails on it, the
-    module is exported as usual."""
+    ``dynamic``: every input dimension the model lets vary stays symbolic (``io.dims``: Dim.AUTO on each, an example
+    batch of 1 exported at 2), except the ``pinned`` (input, axis) places. ``exported``: a static torch.export
+    ExportedProgram of ``model`` on ``inputs`` already made (normconv's capture): a static export starts from it
+    instead of running torch.export once more; if it fails on it, the module is exported as usual."""
+    from normconv.io import dims as io_dims
+
     if exported is not None and not dynamic:
         try:
             return torch_export(exported, inputs, opset, normconv_ops, dynamic)
@@ -197,14 +179,21 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
 
     kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False)
     kwargs["custom_translation_table"] = translation_table() if normconv_ops else missing_translations()
+    tries = [inputs]
     if dynamic:
-        kwargs["dynamic_shapes"] = dynamic_shapes(model, inputs)
-    try:
-        with _quiet(), torch.no_grad():
-            program = torch.onnx.export(model, tuple(inputs.args), kwargs=dict(inputs.kwargs) or None, **kwargs)
-    except Exception as exc:
-        raise NormconvError(f"cannot export {type(model).__name__} to ONNX at opset {opset}: {_one_line(exc)}") \
-            from None
+        kwargs["dynamic_shapes"] = io_dims.export_shapes(model, inputs, pinned)
+        wide = io_dims.widened(model, inputs)  # batch 1 is specialized by torch.export: trace at batch 2
+        tries = [wide, inputs] if wide is not None and kwargs["dynamic_shapes"] is not None else tries
+    for i, example in enumerate(tries):
+        try:
+            with _quiet(), torch.no_grad():
+                program = torch.onnx.export(model, tuple(example.args), kwargs=dict(example.kwargs) or None, **kwargs)
+            break
+        except Exception as exc:
+            if i + 1 < len(tries):
+                continue  # the model takes no batch 2: export at the example as given
+            raise NormconvError(f"cannot export {type(model).__name__} to ONNX at opset {opset}: "
+                                f"{_one_line(exc)}") from None
     if program is None or program.model is None:
         raise NormconvError(f"cannot export {type(model).__name__} to ONNX: the exporter returned no model")
     return program
@@ -238,19 +227,47 @@ def _nbytes(model) -> int:
 
 
 def _check(path: Path, model) -> str:
-    """onnx.checker where the ops allow it: SimplifiedLayerNormalization sits in the default domain unregistered."""
+    """onnx.checker with full_check (shape inference too) where the ops allow it: SimplifiedLayerNormalization
+    (--target ort) sits in the default domain unregistered, which the checker rejects."""
     import onnx
 
     if any(n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx") for n in model.graph):
-        return "skipped: SimplifiedLayerNormalization is an onnxruntime op in the default domain (checker rejects it)"
+        return ("skipped: --target ort writes SimplifiedLayerNormalization, an onnxruntime op in the default domain "
+                "that onnx.checker rejects (the default --target onnx passes it)")
     try:
-        onnx.checker.check_model(str(path))
+        onnx.checker.check_model(str(path), full_check=True)
     except Exception as exc:
         return f"failed: {_one_line(exc)}"
-    return "passed"
+    return "passed (full_check)"
 
 
-def check_args(path: str | os.PathLike, target: str, opset: int, device: str = "cpu") -> Path:
+def runtimes(model, opset: int) -> list[str]:
+    """Which runtimes can load the written file, read off its ops: onnxruntime (its version, which validated it),
+    TensorRT (RMSNormalization from 10.15; onnxruntime-only ops never), OpenVINO (standard ops and model-local
+    functions)."""
+    import onnxruntime
+
+    domains = {n.domain for n in model.graph if n.domain not in ("", "ai.onnx")}
+    ort_only = {n.op_type for n in model.graph if n.op_type in ORT_ONLY_OPS}
+    out = [f"onnxruntime {onnxruntime.__version__} (validated here)"]
+    if ort_only:
+        out.append(f"not TensorRT / OpenVINO / other runtimes: {', '.join(sorted(ort_only))} are onnxruntime's own "
+                   f"ops (--target onnx writes standard ones)")
+        return out
+    rms = any(n.op_type == "RMSNormalization" for n in model.graph)
+    out.append("TensorRT " + ("10.15 or later (RMSNormalization, opset 23)" if rms else
+                              f"(standard opset {opset} ops" + (", model-local functions inlined by its parser)"
+                                                               if domains else ")")))
+    out.append("OpenVINO (standard ops" + (", model-local functions" if domains else "") +
+               "; the test suite loads the default file in OpenVINO's CPU runtime)")
+    return out
+
+
+# onnxruntime's own ops normconv may write (--target ort): no other runtime has them
+ORT_ONLY_OPS = ("SimplifiedLayerNormalization", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def check_args(path: str | os.PathLike, target: str, opset: int, device: str = "cpu", overwrite: bool = False) -> Path:
     if device not in DEVICES:
         raise NormconvError(f"unknown --device {device!r}; choose {' or '.join(DEVICES)}")
     if target not in TARGETS:
@@ -260,18 +277,23 @@ def check_args(path: str | os.PathLike, target: str, opset: int, device: str = "
     out = Path(path)
     if out.suffix != ".onnx":
         raise NormconvError(f"output {path} must end with .onnx")
-    return check_writable(out)
+    return check_writable(out, overwrite)
 
 
 def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any, out: Path, report: Report,
-               norms: Sequence[NormSite], *, target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET, dynamic: bool = False,
+               norms: Sequence[NormSite], *, target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET, dynamic: bool = True,
                validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
                baseline: bool = True, repeats: int = 10, skip_fusion: bool = False, exported: Any = None,
-               dim_names: dict[str, str] | None = None, fuse_inline: bool = True) -> Report:
+               dim_names: dict[str, str] | None = None, fuse_inline: bool = True, truth: nn.Module | None = None,
+               pinned: frozenset = frozenset()) -> Report:
     """Export ``prepared`` (the passes already applied and verified, in eval mode) to ``out`` with one fused op
     per norm, validate it in onnxruntime against ``reference`` (the original's outputs), and rename it into
     place. ``original`` is exported plainly for the baseline op counts and latency (None: no baseline).
-    ``exported``: normconv's capture of ``prepared`` (an ExportedProgram), reused by the exporter.
+    ``exported``: normconv's capture of ``prepared`` (an ExportedProgram), reused by a static export.
+
+    ``dynamic`` (the default): every input dimension the model lets vary stays dynamic (``io.dims``), each checked in
+    onnxruntime at a second size against ``truth`` (the original model; default ``prepared``); a dimension that fails
+    its check is pinned and the file exported again without it (``pinned``: the (input, axis) places already static).
 
     Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
     in both cases nothing is left under ``out``.
@@ -292,13 +314,22 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     from normconv.onnx.rules.base import SiteLog
     from normconv.onnx.validate import validate as ort_validate
 
+    from normconv.io import dims as io_dims
+
     extra = report.extra
-    extra.update({"target": target, "opset": opset})
+    entry = (list(report.sites), list(report.notes), list(report.validation), dict(extra))  # for a re-export
+    extra.update({"target": target, "opset": opset, "static": not dynamic})
     sites_by_kind = dict(collections.Counter(s.kind for s in norms))
     extra["norm_sites"] = sites_by_kind
 
-    program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported)
+    program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported,
+                           pinned=pinned)
     onnx_model = program.model
+    dims, held = [], {}
+    if dynamic and getattr(program, "exported_program", None) is not None:
+        held = io_dims.held(program.exported_program)  # written as the number it is held to
+        dims = io_dims.found(program.exported_program, io_dims.input_names(prepared, inputs))
+        dims = io_dims.name_dims(dims, io_dims.input_shapes(prepared, inputs), dim_names)
     # the ONNX half, one pass set with ONNX files in: repair the down-conversion, match the norms written inside
     # bigger modules (not replaced in torch) in the ONNX graph, lower normconv's placeholders for the target
     log, lower = SiteLog(), LowerNorms(target)
@@ -333,10 +364,13 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                             f"differ from norm sites ({non_bn_sites} + {sites_by_kind.get('batchnorm', 0)} batchnorm)")
     from normconv.onnx.names import name_graph
 
-    extra["renamed"] = name_graph(onnx_model, reference, dim_names)  # logits / batch / sequence, not linear / s72
+    # logits / batch / sequence, not linear / s72
+    extra["renamed"] = name_graph(onnx_model, reference, dim_names,
+                                  {**held, **{sym: d.name for d in dims for sym in d.symbols}} or None)
     extra["dynamic_axes"] = _dynamic_axes(onnx_model)
-    if dynamic and not extra["dynamic_axes"]:
-        report.notes.append("--dynamic: the model specializes every input dimension; the graph is static")
+    if dynamic and not extra["dynamic_axes"] and not pinned:
+        report.notes.append("the model specializes every input dimension (torch.export found none free): the "
+                            "graph is static")
 
     from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
 
@@ -350,6 +384,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
             ir.save(onnx_model, str(tmp), external_data=(out.name + ".data") if external else None)
         extra["external_data"] = (out.name + ".data") if external else None
         extra["checker"] = _check(tmp, onnx_model)
+        extra["runtimes"] = runtimes(onnx_model, opset)
         extra["bytes"] = sum(f.stat().st_size for f in tmpdir.iterdir())
         if extra["checker"].startswith("failed"):
             raise VerificationError(f"export: onnx.checker rejects the exported model ({extra['checker']}); "
@@ -375,9 +410,25 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                 f"nothing written", report)
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
+        pins = _check_dims(str(tmp), dims, prepared, truth or prepared, inputs, reference, atol, rtol, report)
+        if pins:  # a dimension the file does not really take at another size: pinned, exported again
+            report.sites[:], report.notes[:], report.validation[:] = entry[0], entry[1], entry[2]
+            report.extra.clear()
+            report.extra.update(entry[3])
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            tmpdir = None
+            again = write_onnx(prepared, original, inputs, reference, out, report, norms, target=target, opset=opset,
+                               dynamic=dynamic, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
+                               repeats=repeats, skip_fusion=skip_fusion, exported=exported, dim_names=dim_names,
+                               fuse_inline=fuse_inline, truth=truth, pinned=pinned | pins)
+            again.extra["dynamic_dims"] = [d.to_json() for d in dims if d.pinned] + again.extra["dynamic_dims"]
+            return again
+        extra["dynamic_dims"] = [d.to_json() for d in dims]
+        from normconv.io.write import replace
+
         for f in tmpdir.iterdir():
             if f.is_file() and f.name != "baseline.onnx":
-                os.replace(f, out.parent / f.name)
+                replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite (checked first)
         report.output = str(out)
     except (VerificationError, NormconvError):
         raise
@@ -395,6 +446,33 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
     return report
+
+
+def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, inputs, reference: Any, atol, rtol,
+                report: Report) -> frozenset:
+    """Each dynamic dimension checked in onnxruntime (CPU, default optimizations) at a second size against
+    ``truth`` at that size; the checks join the report's validation. Returns the places of the dimensions that
+    failed (to be pinned), empty when every one held."""
+    from normconv.io import dims as io_dims
+    from normconv.onnx.validate import _like, available, feeds, session
+    from normconv.verify import compare, run
+
+    if not dims or available("cpu") is not None:
+        return frozenset()
+    sess = session(path, "CPUExecutionProvider", "default")
+
+    def candidate(alt):  # onnxruntime's outputs in the structure of torch's
+        return _like(reference, sess.run(None, feeds(sess, prepared, alt)))
+
+    checks = io_dims.check(dims, prepared, inputs, lambda alt: run(truth, alt), candidate,
+                           lambda a, b, label: compare(a, b, atol, rtol,
+                                                       label=f"onnxruntime cpu, second shape ({label})"))
+    report.validation.extend(v for _, v in checks if v.passed)
+    pinned = [d for d in dims if d.pinned]
+    for d in pinned:
+        report.notes.append(f"dimension {d.name} ({', '.join(f'{i}[{a}]' for i, a in d.places)}) pinned to "
+                            f"{d.size}: {d.pinned}")
+    return frozenset(p for d in pinned for p in d.places)
 
 
 def _traced_differs(exported: Any, inputs, reference: Any) -> str:
