@@ -374,6 +374,20 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
 
     from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
 
+    def _export_again(pins: frozenset) -> Report:  # the report as it came in, the file exported with more pinned
+        nonlocal tmpdir
+        report.sites[:], report.notes[:], report.validation[:] = entry[0], entry[1], entry[2]
+        report.extra.clear()
+        report.extra.update(entry[3])
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        tmpdir = None
+        again = write_onnx(prepared, original, inputs, reference, out, report, norms, target=target, opset=opset,
+                           dynamic=dynamic, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
+                           repeats=repeats, skip_fusion=skip_fusion, exported=exported, dim_names=dim_names,
+                           fuse_inline=fuse_inline, truth=truth, pinned=pinned | pins)
+        again.extra["dynamic_dims"] = [d.to_json() for d in dims if d.pinned] + again.extra.get("dynamic_dims", [])
+        return again
+
     remove_stale_temps(out)
     tmpdir = None
     try:
@@ -392,7 +406,19 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
 
         if baseline:
             _baseline(original, inputs, opset, dynamic, tmpdir, validate, repeats, report)
-        result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
+        try:
+            result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime refusing the dynamic file: pinned below, else raised
+            if not dims or _no_kernel(exc):
+                raise
+            result, failed = None, f"onnxruntime fails on it ({_one_line(exc)[:160]})"
+        if dims and (result is None or not result.passed):  # at the example's own shapes: every dimension pinned
+            # (torch's exporter fuses differently on symbolic shapes: a tiny Llama's RotaryEmbedding-23 runs at batch
+            # 1 only); the static file is exported and validated as usual, and says why
+            bad = failed if result is None else "it differs from torch beyond tolerance"
+            for d in dims:
+                d.pinned = d.pinned or f"the dynamic file fails at the example's shapes: {bad}"
+            return _export_again(frozenset(p for d in dims for p in d.places))
         for provider, why in result.unavailable.items():
             report.notes.append(f"{provider}: not validated: {why}")
         report.notes.extend(result.notes)
@@ -410,19 +436,10 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                 f"nothing written", report)
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
-        pins = _check_dims(str(tmp), dims, prepared, truth or prepared, inputs, reference, atol, rtol, report)
+        pins = _check_dims(str(tmp), dims, prepared, truth or prepared, inputs, reference, atol, rtol, report,
+                           validate)
         if pins:  # a dimension the file does not really take at another size: pinned, exported again
-            report.sites[:], report.notes[:], report.validation[:] = entry[0], entry[1], entry[2]
-            report.extra.clear()
-            report.extra.update(entry[3])
-            shutil.rmtree(tmpdir, ignore_errors=True)
-            tmpdir = None
-            again = write_onnx(prepared, original, inputs, reference, out, report, norms, target=target, opset=opset,
-                               dynamic=dynamic, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
-                               repeats=repeats, skip_fusion=skip_fusion, exported=exported, dim_names=dim_names,
-                               fuse_inline=fuse_inline, truth=truth, pinned=pinned | pins)
-            again.extra["dynamic_dims"] = [d.to_json() for d in dims if d.pinned] + again.extra["dynamic_dims"]
-            return again
+            return _export_again(pins)
         extra["dynamic_dims"] = [d.to_json() for d in dims]
         from normconv.io.write import replace
 
@@ -436,9 +453,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         raise write_error(out, exc) from None
     except Exception as exc:
         hint = ""
-        from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
-
-        if isinstance(exc, NoKernel):  # e.g. bfloat16 MatMul on the CPU provider
+        if _no_kernel(exc):  # e.g. bfloat16 MatMul on the CPU provider
             hint = (" (onnxruntime has no kernel for that op at this dtype on this provider; validate on another "
                     "provider, or pass --validate none to write it unvalidated)")
         raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}{hint}") from None
@@ -448,16 +463,29 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     return report
 
 
+def _no_kernel(exc: BaseException) -> bool:
+    """onnxruntime has no kernel for an op at this dtype on this provider (bfloat16 MatMul on CPU)."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
+
+    return isinstance(exc, NoKernel)
+
+
 def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, inputs, reference: Any, atol, rtol,
-                report: Report) -> frozenset:
+                report: Report, validate: Sequence[str] = ("cpu",)) -> frozenset:
     """Each dynamic dimension checked in onnxruntime (CPU, default optimizations) at a second size against
     ``truth`` at that size; the checks join the report's validation. Returns the places of the dimensions that
-    failed (to be pinned), empty when every one held."""
+    failed (to be pinned), empty when every one held. Without the CPU provider among ``validate`` (--validate
+    none / cuda) the dimensions are kept unchecked, and the report says so."""
     from normconv.io import dims as io_dims
     from normconv.onnx.validate import _like, available, feeds, session
     from normconv.verify import compare, run
 
-    if not dims or available("cpu") is not None:
+    if not dims:
+        return frozenset()
+    why = "not validated on onnxruntime's CPU provider" if "cpu" not in validate else available("cpu")
+    if why is not None:
+        report.notes.append(f"dynamic dimensions {', '.join(d.name for d in dims)} not checked at a second size "
+                            f"({why}); --static pins them")
         return frozenset()
     sess = session(path, "CPUExecutionProvider", "default")
 
