@@ -81,7 +81,15 @@ def export_shapes(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]]
             return None
         return {axis: auto for axis in range(x.dim()) if (name, axis) not in pinned}
 
-    return {name: spec(name, x) for name, x in _named(inputs, names).items()}
+    shapes = {name: spec(name, x) for name, x in _named(inputs, names).items()}
+    # keyword inputs forward takes through **kwargs go under that parameter's name, as torch.export binds them
+    params = inspect.signature(model.forward).parameters.values()
+    var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    extra = {k: shapes.pop(k) for k in list(inputs.kwargs) if k not in named}
+    if extra and var_kw is not None:
+        shapes[var_kw] = extra
+    return shapes
 
 
 def cycled(t: torch.Tensor, size: list[int]) -> torch.Tensor:

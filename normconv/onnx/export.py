@@ -161,13 +161,15 @@ def _one_line(exc: BaseException) -> str:
 
 
 def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool, exported: Any = None,
-                 pinned: frozenset = frozenset()):
+                 pinned: frozenset = frozenset(), notes: list[str] | None = None):
     """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export.
 
     ``dynamic``: every input dimension the model lets vary stays symbolic (``io.dims``: Dim.AUTO on each, an example
     batch of 1 exported at 2), except the ``pinned`` (input, axis) places. ``exported``: a static torch.export
     ExportedProgram of ``model`` on ``inputs`` already made (normconv's capture): a static export starts from it
-    instead of running torch.export once more; if it fails on it, the module is exported as usual."""
+    instead of running torch.export once more; if it fails on it, the module is exported as usual. A dynamic
+    export torch.export refuses (a **kwargs forward given a non-tensor keyword: "Must provide a tree_name") is made
+    static, said in ``notes``."""
     from normconv.io import dims as io_dims
 
     if exported is not None and not dynamic:
@@ -192,6 +194,15 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
         except Exception as exc:
             if i + 1 < len(tries):
                 continue  # the model takes no batch 2: export at the example as given
+            if kwargs.get("dynamic_shapes") is not None and notes is not None:
+                try:  # torch.export takes the model, not its dynamic shapes: the example's shapes, said
+                    program = torch_export(model, inputs, opset, normconv_ops, False, exported)
+                except NormconvError:
+                    pass
+                else:
+                    notes.append(f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
+                                 f"exported with the example's shapes")
+                    break
             raise NormconvError(f"cannot export {type(model).__name__} to ONNX at opset {opset}: "
                                 f"{_one_line(exc)}") from None
     if program is None or program.model is None:
@@ -322,8 +333,10 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     sites_by_kind = dict(collections.Counter(s.kind for s in norms))
     extra["norm_sites"] = sites_by_kind
 
+    fell_back: list[str] = []
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported,
-                           pinned=pinned)
+                           pinned=pinned, notes=fell_back)
+    report.notes.extend(fell_back)
     onnx_model = program.model
     dims, held = [], {}
     if dynamic and getattr(program, "exported_program", None) is not None:
@@ -368,7 +381,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     extra["renamed"] = name_graph(onnx_model, reference, dim_names,
                                   {**held, **{sym: d.name for d in dims for sym in d.symbols}} or None)
     extra["dynamic_axes"] = _dynamic_axes(onnx_model)
-    if dynamic and not extra["dynamic_axes"] and not pinned:
+    if dynamic and not extra["dynamic_axes"] and not pinned and not fell_back:
         report.notes.append("the model specializes every input dimension (torch.export found none free): the "
                             "graph is static")
 
