@@ -154,16 +154,20 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
 
 
 def export(model: nn.Module, example_inputs: Any, path: str, target: str | None = None, opset: int | None = None, *,
-           dynamic: bool = False, fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",),
+           static: bool = False, dynamic: bool | None = None, fold: bool = True, canonicalize: bool = True,
+           validate: Sequence[str] = ("cpu",),
            atol: float | None = None, rtol: float | None = None, baseline: bool = False, repeats: int = 10,
            skip_fusion: bool | None = None, dim_names: dict[str, str] | None = None, dtype: torch.dtype | None = None,
            keep_fp32: str = "auto", device: str = "cpu", accept_specialized: bool = False) -> Report:
     """ONNX at ``path`` with one fused op per norm, validated in onnxruntime. Returns the report. ``dtype``
     (torch.float16 / bfloat16): exported in it, validated against ``model``; ``keep_fp32``: auto | none | all norm
-    sites in float32 between Casts."""
+    sites in float32 between Casts. Every input dimension the model lets vary stays dynamic unless ``static``
+    (``dynamic=False``, the former default's spelling, means the same; ``dynamic=True`` is the default)."""
+    static = static or dynamic is False
     return export_cmd.export(_loaded(model, example_inputs), Options(atol=atol, rtol=rtol, output=str(path), dtype=dtype,
-                                                                     accept_specialized=accept_specialized), target,
-               opset, dynamic=dynamic, fold=fold, canonicalize=canonicalize, validate=validate, baseline=baseline,
+                                                                     accept_specialized=accept_specialized,
+                                                                     static=static), target,
+               opset, fold=fold, canonicalize=canonicalize, validate=validate, baseline=baseline,
                repeats=repeats, skip_fusion=skip_fusion, dim_names=dim_names, keep_fp32=keep_fp32, device=device)
 
 

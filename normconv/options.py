@@ -29,6 +29,8 @@ class Options:
     # a rewrite of a capture that specialized a branch on tensor values is accepted unproven (verified for inputs that
     # take the same branches only); else it is proven for the other branches or refused (engine.branches)
     accept_specialized: bool = False
+    static: bool = False  # written .onnx / .pt2 files keep every input shape as the example's (else: dynamic dims)
+    overwrite: bool = False  # -o may replace an existing output (a folder too), never one that was read
 
 
 __all__ = ["Options", "METHODS"]

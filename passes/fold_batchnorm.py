@@ -310,7 +310,10 @@ class FoldBatchNorm(Pass):
             for d in done:
                 # bn  =>  identity (keys of the rest unchanged), or the shift a bias-free ConvTranspose keeps out
                 replace_module(model, d.site.target, shifts.get(d.site.target) or nn.Identity())
-        return PassResult(model, bool(done), tuple(d.to_site() for d in decisions))
+        # which layer each folded BN went into: a Hugging Face folder keeps the BN as the shift a bias-free layer
+        # cannot carry (io.hf_output)
+        return PassResult(model, bool(done), tuple(d.to_site() for d in decisions),
+                          extra={"folds": {d.site.target: (d.layer, d.direction) for d in done}})
 
 
 def _keeps_shift(layer: nn.Module | None, site: NormSite, direction: str) -> bool:

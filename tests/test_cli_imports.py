@@ -49,4 +49,4 @@ def test_export_help_lists_its_defaults_without_the_exporter():
         "from normconv.cli import app\n"
         "try:\n    app(['export', '--help'], standalone_mode=False)\nexcept SystemExit:\n    pass")
     assert found == []
-    assert "default 20" in printed  # the opset default comes from normconv.onnx.defaults
+    assert "default 23" in printed  # the opset default comes from normconv.onnx.defaults

@@ -375,11 +375,12 @@ def test_device_cuda_fuses_residual_add_and_norm(cli, tmp_path):
     """Measured on an H100: Skip*LayerNormalization is 1.64x faster than Add + norm (fp16), so --device cuda fuses
     them; --no-skip-fusion overrides; an unknown device is refused before the model loads."""
     out = tmp_path / "m.onnx"
-    code, stdout, stderr = cli("export", "zoo:bert", "-o", out, "--device", "cuda", "--json")
+    # --target ort: the fusion writes onnxruntime's own ops, which the default --target onnx (issue 30) never does
+    code, stdout, stderr = cli("export", "zoo:bert", "-o", out, "--device", "cuda", "--target", "ort", "--json")
     assert code == 0, stderr
     d = json.loads(stdout)
     assert d["after"].get("com.microsoft.SkipLayerNormalization") == 4 and d["after"].get("LayerNormalization") == 1
-    code, stdout, stderr = cli("export", "zoo:bert", "-o", tmp_path / "n.onnx", "--device", "cuda",
+    code, stdout, stderr = cli("export", "zoo:bert", "-o", tmp_path / "n.onnx", "--device", "cuda", "--target", "ort",
                                "--no-skip-fusion", "--json")
     assert code == 0 and json.loads(stdout)["after"].get("LayerNormalization") == 5
     code, stdout, stderr = cli("export", "zoo:nope", "-o", tmp_path / "x.onnx", "--device", "tpu")
@@ -451,13 +452,18 @@ def test_external_data_sidecar_over_the_size_limit(tmp_path, monkeypatch):
 
 def test_export_runs_the_original_once_and_reuses_it_for_the_trust_check(tmp_path):
     # the original's output feeds the trace's trust check and the torch check after the passes: the model runs 4
-    # times (the original, the traced graph's shape propagation, the folded model, the ONNX exporter's trace); was 6
+    # times (the original, the traced graph's shape propagation, the folded model, the ONNX exporter's trace); was 6.
+    # Dynamic dimensions (the default since issue 30) add one run of the original per dimension, at its second size
     from fold_helpers import randomize_bn
 
     model = randomize_bn(nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
                                          for _ in range(3)]))
     calls = [0]
     model[0][0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    report = export_onnx(model, torch.randn(2, 4, 6, 6), str(tmp_path / "chain.onnx"))
+    report = export_onnx(model, torch.randn(2, 4, 6, 6), str(tmp_path / "chain.onnx"), static=True)
     assert calls[0] == 4 and report.passed and not report.extra["fused_norm_ops"]  # every BN folded
     assert [v.label for v in report.validation][0] == "torch, after canonicalize + fold"
+    calls[0] = 0
+    report = export_onnx(model, torch.randn(2, 4, 6, 6), str(tmp_path / "dyn.onnx"))
+    dims = [d["name"] for d in report.extra["dynamic_dims"] if not d.get("pinned")]
+    assert sorted(dims) == ["batch", "height", "width"] and calls[0] == 4 + len(dims) and report.passed

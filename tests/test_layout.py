@@ -34,12 +34,14 @@ LAYERS = {
     "normconv.io.load": 0.4,  # every model format -> Loaded
     "normconv.io.write": 0.36,  # output paths, temp files, atomic save
     "normconv.io.hf_folder": 0.35,  # what a Hugging Face folder means: its weights, paths inside it, valid headers
+    "normconv.io.hf_output": 0.35,  # a rewrite in the architecture a Hugging Face config describes, as a folder
     "normconv.io.hf_inputs": 0.34,  # inputs made from a Hugging Face config
     "normconv.io.inputs": 0.33,  # example inputs: -i, calibration, masks, caches
     "normconv.io.pickles": 0.31,  # reading files without running their code
     "normconv.io.archive": 0.305,  # zip archives checked from their directory before any member is inflated
     "normconv.io.ledger": 0.302,  # every file the run read, checked by every write
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
+    "normconv.io.dims": 0.29,  # dynamic dimensions of written models: found, named, checked
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
     "normconv.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds, which read calls with it)
     "normconv.verify": 0.2,  # guarded forwards, comparisons

@@ -48,5 +48,5 @@ def test_user_named_dynamic_dimensions(cli, tmp_path, hf_folders):
     assert code == 0, err
     ins, outs = _io(out)
     assert ins == {"input_ids": ["N", "T"], "attention_mask": ["N", "T"]} and outs == {"logits": ["N", "T", 100]}
-    code, _, err = cli("export", hf_folders["gpt2"], "-o", tmp_path / "x.onnx", "--dim-name", "width=W")
+    code, _, err = cli("export", hf_folders["gpt2"], "-o", tmp_path / "x.onnx", "--dim-name", "hidden=H")
     assert code == 2 and "bad --dim-name" in err and not (tmp_path / "x.onnx").exists()

@@ -184,14 +184,20 @@ def test_hf_folder_output_loads_with_from_pretrained(cli, hf_folders, tmp_path):
         torch.testing.assert_close(written(ids).last_hidden_state, original(ids).last_hidden_state)
 
 
-def test_hf_folder_output_refused_where_the_config_cannot_express_the_rewrite(cli, hf_folders, tmp_path):
-    """swap turns LayerNorm into RMSNorm: GPT-2's config cannot say so, so no folder; the message says what to write."""
+def test_hf_folder_output_carries_a_swap_in_the_config_architecture(cli, hf_folders, tmp_path):
+    """swap turns LayerNorm into RMSNorm in memory; GPT-2's config cannot say RMSNorm, so the folder keeps its
+    LayerNorms carrying the swap's weights (issue 30: folder in, folder out, as --stream writes it), and says so."""
+    import transformers
+
     out = tmp_path / "gpt2_rms"
     code, stdout, stderr = cli("swap", hf_folders["gpt2"], "-o", out)
-    assert code == 2
-    lines = [line for line in stderr.strip().splitlines() if line]
-    assert len(lines) == 1 and "Hugging Face folder" in lines[0] and ".pt2" in lines[0] and "RMSNorm" in lines[0]
-    assert list(tmp_path.iterdir()) == []
+    assert code == 0, stderr
+    ids = torch.randint(0, 100, (2, 8))
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["gpt2"]).eval()
+    written = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(written.transformer.h[0].ln_1) is torch.nn.LayerNorm
+    with torch.no_grad():
+        torch.testing.assert_close(written(ids).logits, original(ids).logits, atol=1e-4, rtol=1e-4)
     code, stdout, stderr = cli("swap", hf_folders["gpt2"], "-o", tmp_path / "gpt2_rms.pt2")
     assert code == 0, stderr
 

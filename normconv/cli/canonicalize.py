@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, emit, load_half_target, options_from_flags, user_errors)
 
 
@@ -22,6 +22,8 @@ def register(app: typer.Typer) -> None:
         trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
+        overwrite: OverwriteOpt = False,
+        static: StaticOpt = False,
         bench: BenchOpt = False,
         normconv_modules: KeepNormconvOpt = False,
         accept_specialized: AcceptSpecializedOpt = False,
@@ -33,5 +35,6 @@ def register(app: typer.Typer) -> None:
         # a half --dtype: canonicalized in it, verified against the half model and the float32 model as loaded
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules, dtype=half,
-                                                   accept_specialized=accept_specialized))
+                                                   accept_specialized=accept_specialized, static=static,
+                                                   overwrite=overwrite))
         emit(report, as_json)

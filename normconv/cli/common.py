@@ -55,6 +55,11 @@ KeepNormconvOpt = Annotated[bool, typer.Option(
     "--normconv-modules", help="keep normconv's faster eager modules in the written model (loading it then needs "
                                "normconv; default: torch's own modules, loads with torch alone)")]
 InPlaceOpt = Annotated[bool, typer.Option("--in-place", help="allow -o to overwrite the input file")]
+OverwriteOpt = Annotated[bool, typer.Option(
+    "--overwrite", help="replace an existing output (a file or a folder), atomically; never one the command read")]
+StaticOpt = Annotated[bool, typer.Option(
+    "--static", help="a written .pt2 takes the example's shapes only (default: every input dimension the model lets "
+                     "vary stays dynamic, each checked at a second size)")]
 AtolOpt = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="absolute tolerance (default by dtype: fp32 1e-4)")]
 AcceptSpecializedOpt = Annotated[bool, typer.Option(
     "--accept-specialized", help="accept a rewrite whose capture took a branch on tensor values as the example "
@@ -94,13 +99,14 @@ def load_half_target(model: str, weights: Optional[str], input_shape: Optional[l
 
 def options_from_flags(output: Optional[str] = None, atol: Optional[float] = None, rtol: Optional[float] = None,
                        in_place: bool = False, bench: bool = False, normconv_modules: bool = False,
-                       eval_mode: bool = False, dtype: Optional[torch.dtype] = None, accept_specialized: bool = False):
+                       eval_mode: bool = False, dtype: Optional[torch.dtype] = None, accept_specialized: bool = False,
+                       static: bool = False, overwrite: bool = False):
     """The shared options of one command run, from its flags (``normconv.options.Options``)."""
     from normconv.options import Options
 
     return Options(atol=atol, rtol=rtol, output=output, in_place=in_place, bench=bench,
                    keep_normconv=normconv_modules, eval_mode=eval_mode, dtype=dtype,
-                   accept_specialized=accept_specialized)
+                   accept_specialized=accept_specialized, static=static, overwrite=overwrite)
 
 
 def check_stream_flags(what: str, flags: list[tuple[str, bool]], output: Optional[str]) -> None:
@@ -230,6 +236,6 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags",
-           "load_half_target", "fail", "options_from_flags", "is_onnx",
+__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt", "EXIT_INTERNAL", "user_errors", "emit",
+           "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx",
            "show_progress", "progress_wanted"]

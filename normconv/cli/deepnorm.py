@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt, TrustOpt,
                          WeightsOpt, emit, load_from_flags, options_from_flags, user_errors)
 from normconv.errors import NormconvError
 
@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         rtol: RtolOpt = None,
         normconv_modules: KeepNormconvOpt = False,
         accept_specialized: AcceptSpecializedOpt = False,
+        overwrite: OverwriteOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Make a post-LN transformer DeepNorm: LN(alpha*x + f(x)) at every post-LN sublayer, beta on FFN/v/out.
@@ -61,7 +62,8 @@ def register(app: typer.Typer) -> None:
             raise NormconvError("--beta has no effect with --no-beta")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = run(loaded, options_from_flags(output, atol, rtol, normconv_modules=normconv_modules,
-                                                   accept_specialized=accept_specialized), arch=arch,
+                                                   accept_specialized=accept_specialized, overwrite=overwrite),
+                        arch=arch,
                         alpha=alpha, beta=beta, beta_mode=beta_mode, n_layers=layers, m_layers=decoder_layers,
                         seed=seed, value_proj=value_proj or (), out_proj=out_proj or ())
         emit(report, as_json)

@@ -6,13 +6,15 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, is_onnx, load_half_target, options_from_flags, user_errors)
 from normconv.errors import NormconvError
 from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET
 
 if TYPE_CHECKING:
     from normconv.report import Report
+
+DIM_KINDS = ("batch", "sequence", "decoder_sequence", "height", "width", "depth", "length")  # --dim-name KIND=NAME
 
 
 def register(app: typer.Typer) -> None:
@@ -21,14 +23,18 @@ def register(app: typer.Typer) -> None:
     def export(
         model: ModelArg,
         output: Annotated[str, typer.Option("--output", "-o", help="the .onnx file to write")],
-        target: Annotated[str, typer.Option(help="ort (default): onnxruntime's fused ops (SimplifiedLayerNormalization "
-                                                 "for RMSNorm, the fastest measured there); onnx: standard ops only "
-                                                 "(RMSNormalization at opset 23, a portable function op below)")] = DEFAULT_TARGET,
+        target: Annotated[str, typer.Option(help="onnx (default): standard ops only, passes onnx.checker and loads "
+                                                 "in every runtime (RMSNormalization at opset 23, a function op "
+                                                 "onnxruntime fuses below); ort: onnxruntime's own ops "
+                                                 "(SimplifiedLayerNormalization, Skip*LayerNormalization)")] = DEFAULT_TARGET,
         opset: Annotated[Optional[int], typer.Option(
             help=f"ONNX opset, 17 to 23 (default {DEFAULT_OPSET}; an .onnx input keeps its own, raised to 17 "
                  f"where a LayerNormalization needs it)")] = None,
-        dynamic: Annotated[bool, typer.Option("--dynamic", help="dynamic batch and sequence axes where the "
-                                                                "model allows them")] = False,
+        static: Annotated[bool, typer.Option("--static", help="pin every input dimension to the example's size "
+                                                              "(default: each dimension the model lets vary stays "
+                                                              "dynamic, checked at a second size)")] = False,
+        dynamic: Annotated[bool, typer.Option("--dynamic", hidden=True,
+                                              help="the default now (kept so that older command lines run)")] = False,
         no_fold: Annotated[bool, typer.Option("--no-fold", help="do not fold BatchNorm before export")] = False,
         no_canonicalize: Annotated[bool, typer.Option("--no-canonicalize",
                                                       help="do not canonicalize hand-written norms")] = False,
@@ -45,8 +51,9 @@ def register(app: typer.Typer) -> None:
                                                    "Skip*LayerNormalization, or not (default: what --device says; "
                                                    "measured faster on CUDA, slower on onnxruntime CPU)")] = None,
         dim_name: Annotated[Optional[list[str]], typer.Option(
-            "--dim-name", help="with --dynamic: your name for a dynamic dimension, e.g. batch=N or sequence=T "
-                               "(repeatable; defaults batch, sequence, decoder_sequence)")] = None,
+            "--dim-name", help="your name for a dynamic dimension, e.g. batch=N or sequence=T (repeatable; "
+                               "defaults batch, sequence, decoder_sequence, height, width, depth, length)")] = None,
+        overwrite: OverwriteOpt = False,
         keep_fp32: Annotated[str, typer.Option(
             "--keep-fp32", help="with --dtype float16/bfloat16: which norm sites run in float32 between Casts: auto "
                                 "(those whose measured headroom needs it, e.g. a running var beyond float16's "
@@ -70,22 +77,26 @@ def register(app: typer.Typer) -> None:
             from normconv.onnx import onnx_in
 
             emit(onnx_in.run(model, "export", output, target, opset, input_shape=input_shape, atol=atol, rtol=rtol,
-                             dtype=dtype, keep_fp32=keep_fp32), as_json)
+                             dtype=dtype, keep_fp32=keep_fp32, overwrite=overwrite), as_json)
             return
         opset = DEFAULT_OPSET if opset is None else opset
 
         providers = parse_providers(validate)
+        if static and dynamic:
+            raise NormconvError("--static and --dynamic contradict each other (dynamic is the default: drop --dynamic)")
         dim_names = {}
         for item in dim_name or []:
             key, sep, value = item.partition("=")
-            if not sep or key not in ("batch", "sequence", "decoder_sequence") or not value.isidentifier():
-                raise NormconvError(f"bad --dim-name {item!r}: expected batch=NAME, sequence=NAME or "
-                                    f"decoder_sequence=NAME with NAME an identifier")
+            if not sep or key not in DIM_KINDS or not value.isidentifier():
+                raise NormconvError(f"bad --dim-name {item!r}: expected KIND=NAME with KIND one of "
+                                    f"{', '.join(DIM_KINDS)} and NAME an identifier")
             dim_names[key] = value
-        check_args(output, target, opset, device)  # bad flags fail before loading the model
+        check_args(output, target, opset, device, overwrite)  # bad flags fail before loading the model
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        report = run(loaded, options_from_flags(output, atol, rtol, dtype=half, accept_specialized=accept_specialized), target, opset, dynamic=dynamic,
-                     fold=not no_fold, canonicalize=not no_canonicalize, validate=providers, baseline=baseline,
+        opts = options_from_flags(output, atol, rtol, dtype=half, accept_specialized=accept_specialized, static=static,
+                                  overwrite=overwrite)
+        report = run(loaded, opts, target, opset, fold=not no_fold, canonicalize=not no_canonicalize, validate=providers,
+                     baseline=baseline,
                      repeats=repeats, skip_fusion=skip_fusion, device=device, dim_names=dim_names, keep_fp32=keep_fp32)
         emit(report, as_json, print_export)
 
@@ -97,8 +108,12 @@ def print_export(report: Report) -> None:
     c = console()
     ex = report.extra
     keys = list(dict.fromkeys([*report.after, *report.before]))
-    c.print(table(f"op types: normconv ({ex.get('target')}, opset {ex.get('opset')}) vs plain torch.onnx.export",
-                  ["op", "normconv", "plain"], [[k, report.after.get(k, 0), report.before.get(k, 0)] for k in keys]))
+    if report.before:  # the plain export ran (--baseline): side by side
+        c.print(table(f"op types: normconv ({ex.get('target')}, opset {ex.get('opset')}) vs plain torch.onnx.export",
+                      ["op", "normconv", "plain"], [[k, report.after.get(k, 0), report.before.get(k, 0)] for k in keys]))
+    else:
+        c.print(table(f"op types: normconv ({ex.get('target')}, opset {ex.get('opset')}; --baseline adds plain "
+                      f"torch.onnx.export's)", ["op", "normconv"], [[k, report.after.get(k, 0)] for k in keys]))
     if report.sites:
         c.print(render_sites(report.sites, "export plan and passes"))
     fused = sum(ex.get("fused_norm_ops", {}).values())
@@ -109,15 +124,26 @@ def print_export(report: Report) -> None:
             f"{ex.get('leftover_decomposed_ops') or 'none'}")
     for v in report.validation:
         c.print(render_validation(v))
-    rows = [[r["provider"], r["optimizations"], r["max_abs_error"], r["min_atol"], r["min_rtol"],
-             r["latency_ms"], ex.get("baseline_latency_ms", {}).get(r["provider"]) if r["latency_ms"] else None]
+    plain = "baseline_latency_ms" in ex
+    rows = [[r["provider"], r["optimizations"], r["max_abs_error"], r["min_atol"], r["min_rtol"], r["latency_ms"]]
+            + ([ex["baseline_latency_ms"].get(r["provider"]) if r["latency_ms"] else None] if plain else [])
             for r in ex.get("ort", [])]
     if rows:
         c.print(table("onnxruntime", ["provider", "optimizations", "max abs err", "smallest atol", "smallest rtol",
-                                      "latency ms", "plain export ms"], rows))
+                                      "latency ms"] + (["plain export ms"] if plain else []), rows))
     if ex.get("headroom"):
         c.print(render_headroom(ex["headroom"]))
-    c.print(f"checker: {ex.get('checker')}; dynamic axes: {ex.get('dynamic_axes') or 'none'}")
+    dims = ex.get("dynamic_dims") or []
+    if dims:
+        c.print(table("dynamic dimensions (--static pins them)", ["dimension", "inputs", "example", "range", "checked at",
+                                                                  "pinned"],
+                      [[d["name"], ", ".join(d["inputs"]), d["example"],
+                        f"{d['min'] if d['min'] is not None else '?'}..{d['max'] if d['max'] is not None else 'inf'}",
+                        ", ".join(map(str, d["checked"])), d.get("pinned", "")] for d in dims]))
+    c.print(f"checker: {ex.get('checker')}; input shapes: "
+            f"{ex.get('dynamic_axes') or 'all static' + (' (--static)' if ex.get('static') else '')}")
+    if ex.get("runtimes"):
+        c.print("loads in: " + "; ".join(ex["runtimes"]))
     for n in report.notes:
         c.print(f"note: {n}")
     if report.output:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, check_stream_flags, emit, is_onnx, load_half_target, options_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
@@ -28,6 +28,8 @@ def register(app: typer.Typer) -> None:
         trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         in_place: InPlaceOpt = False,
+        overwrite: OverwriteOpt = False,
+        static: StaticOpt = False,
         bench: BenchOpt = False,
         normconv_modules: KeepNormconvOpt = False,
         stream: Annotated[bool, typer.Option(
@@ -43,7 +45,8 @@ def register(app: typer.Typer) -> None:
         if is_onnx(model):  # an ONNX file in, an ONNX file out, validated in onnxruntime
             from normconv.onnx import onnx_in
 
-            emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol), as_json)
+            emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol, overwrite=overwrite),
+                 as_json)
             return
         if stream:
             from normconv.stream import fold as streaming
@@ -53,12 +56,13 @@ def register(app: typer.Typer) -> None:
                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
                                 ("--in-place", in_place), ("--bench", bench), ("--normconv-modules", normconv_modules),
                                 ("--trust-pickle", trust_pickle), ("--trust-remote-code", trust_remote_code),
-                                ("--accept-specialized", accept_specialized)], output)
-            emit(streaming.fold(model, output, atol=atol, rtol=rtol), as_json)
+                                ("--accept-specialized", accept_specialized), ("--static", static)], output)
+            emit(streaming.fold(model, output, atol=atol, rtol=rtol, overwrite=overwrite), as_json)
             return
 
         # a half --dtype: headroom is measured on the model as loaded (float32), then it is cast and folded
         loaded, half = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules, eval_mode,
-                                                   half, accept_specialized))
+                                                   half, accept_specialized, static=static,
+                                                   overwrite=overwrite))
         emit(report, as_json)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt,
                                  RtolOpt, TrustOpt, WeightsOpt, emit, load_from_flags, options_from_flags, user_errors)
 
 
@@ -28,6 +28,8 @@ def register(app: typer.Typer) -> None:
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
         in_place: InPlaceOpt = False,
+        overwrite: OverwriteOpt = False,
+        static: StaticOpt = False,
         bench: BenchOpt = False,
         accept_specialized: AcceptSpecializedOpt = False,
         as_json: JsonOpt = False,
@@ -42,5 +44,6 @@ def register(app: typer.Typer) -> None:
             raise NormconvError(f"unknown --rotation {rotation!r}: choose {', '.join(ROTATIONS)}")
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench,
-                                                   accept_specialized=accept_specialized), rotation, seed)
+                                                   accept_specialized=accept_specialized, static=static,
+                                                   overwrite=overwrite), rotation, seed)
         emit(report, as_json)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, check_stream_flags, emit, load_from_flags, options_from_flags, user_errors)
 
 
@@ -44,6 +44,8 @@ def register(app: typer.Typer) -> None:
         atol: AtolOpt = None,
         rtol: RtolOpt = None,
         in_place: InPlaceOpt = False,
+        overwrite: OverwriteOpt = False,
+        static: StaticOpt = False,
         bench: BenchOpt = False,
         normconv_modules: KeepNormconvOpt = False,
         accept_specialized: AcceptSpecializedOpt = False,
@@ -78,13 +80,14 @@ def register(app: typer.Typer) -> None:
                                 ("--input-shape", bool(input_shape)), ("--dtype", dtype is not None),
                                 ("--in-place", in_place), ("--bench", bench), ("--no-canonicalize", no_canonicalize),
                                 ("--normconv-modules", normconv_modules), ("--trust-pickle", trust_pickle),
-                                ("--trust-remote-code", trust_remote_code),
+                                ("--trust-remote-code", trust_remote_code), ("--static", static),
                                 ("--accept-specialized", accept_specialized)], output)
-            emit(streaming.swap(model, output, atol=atol, rtol=rtol), as_json)
+            emit(streaming.swap(model, output, atol=atol, rtol=rtol, overwrite=overwrite), as_json)
             return
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
         report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules,
-                                                   accept_specialized=accept_specialized), to,
+                                                   accept_specialized=accept_specialized, static=static,
+                                                   overwrite=overwrite), to,
                         approximate, canonicalize=not no_canonicalize, fold_scales_=fold_scales, partial=partial)
         emit(report, as_json)
 

@@ -45,7 +45,7 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, opts: Options) -> tupl
     its native replacement then matches the float32 model, not the overflowing one). Both errors are reported."""
     inputs = loaded.require_inputs()
     if opts.output is not None:
-        check_output_path(loaded, opts.output, opts.in_place)
+        check_output_path(loaded, opts.output, opts.in_place, opts.overwrite)
     if half_dtype(loaded.model) is None:  # --dtype: the float32 model as given is the reference, its cast is run
         model32, inputs32 = loaded.model, inputs
         loaded = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).to(half), inputs=inputs.to(half))

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch.nn as nn
 
-from normconv.engine.door import rewrite, write_model
+from normconv.engine.door import refuse_folder, rewrite, write_model
 from normconv.errors import NormconvError
 from normconv.io.load import Loaded
 from normconv.io.write import check_output_path
@@ -26,10 +26,12 @@ def deepnorm(loaded: Loaded, opts: Options = Options(), *, arch: str | None = No
     literally on the same weights, then written. Raises NormconvError on refusal."""
     loaded.require_inputs()
     if opts.output is not None:
-        check_output_path(loaded, opts.output, opts.in_place)
+        check_output_path(loaded, opts.output, opts.in_place, opts.overwrite)
         if Path(opts.output).suffix == ".safetensors":
             raise NormconvError(f"{opts.output}: a .safetensors file holds weights only and would drop the residual "
                                 f"scaling; write a .pt (the module) instead")
+    refuse_folder(loaded, opts, "DeepNorm's residual scaling (hooks, eps / alpha^2 on each norm) is no weight a "
+                                "config.json can carry", ".pt")
     why = deepnorm_pass.already_applied(loaded.model)
     if why:
         raise NormconvError(why)

@@ -41,7 +41,7 @@ from normconv.verify import Inputs, compare, default_tolerance, run, with_select
 from .fold import lifted
 
 
-def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int | None = None, *, dynamic: bool = False,
+def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int | None = None, *,
            fold: bool = True, canonicalize: bool = True, validate: Sequence[str] = ("cpu",), baseline: bool = False,
            repeats: int = 10, skip_fusion: bool | None = None, dim_names: dict[str, str] | None = None,
            keep_fp32: str = "auto", device: str = "cpu") -> Report:
@@ -54,10 +54,10 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     check_keep_fp32(keep_fp32, torch.float16)  # the name first; whether a half export asks for it, below
     opset = onnx_export.DEFAULT_OPSET if opset is None else opset  # the defaults live in normconv.onnx.export
     target = onnx_export.DEFAULT_TARGET if target is None else target
-    out = onnx_export.check_args(opts.output, target, opset, device)
+    out = onnx_export.check_args(opts.output, target, opset, device, opts.overwrite)
     if skip_fusion is None:  # measured: fused residual add + norm is faster on CUDA, slower on CPU (BENCHMARKS.md)
         skip_fusion = device == "cuda"
-    check_output_path(loaded, out, model=False)
+    check_output_path(loaded, out, overwrite=opts.overwrite, model=False)
     check_output_path(loaded, out.with_name(out.name + ".data"), model=False)  # the external-data file a large model writes beside
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, loaded.require_inputs(), report)
@@ -132,10 +132,11 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
         for m in original.modules():
             m.training = False
     return onnx_export.write_onnx(release(prepared), original and release(original), inputs, reference, out, report,
-                                  norms, target=target, opset=opset, dynamic=dynamic, validate=validate, atol=atol,
+                                  norms, target=target, opset=opset, dynamic=not opts.static, validate=validate, atol=atol,
                                   rtol=rtol, baseline=baseline, repeats=repeats, skip_fusion=skip_fusion,
                                   exported=last.exported if last is not None and not last.specialized else None,
-                                  dim_names=dim_names, fuse_inline=canonicalize)
+                                  dim_names=dim_names, fuse_inline=canonicalize,
+                                  truth=loaded.model if half is None else None)
 
 
 def _half_model(prepared32: torch.nn.Module, wide: dict[str, str], half: torch.dtype, inputs: Inputs,

@@ -8,7 +8,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.engine.door import rewrite, write_model
+from normconv.engine.door import refuse_folder, rewrite, write_model
 from normconv.errors import Code, NormconvError
 from normconv.io.load import Loaded
 from normconv.io.write import check_output_path
@@ -27,7 +27,10 @@ def swap(loaded: Loaded, opts: Options = Options(), to: str = "rmsnorm", approxi
     the others kept (still exact)."""
     loaded.require_inputs()
     if opts.output is not None:
-        check_output_path(loaded, opts.output, opts.in_place)  # fail before the work, not after
+        check_output_path(loaded, opts.output, opts.in_place, opts.overwrite)  # fail before the work, not after
+    if approximate:
+        refuse_folder(loaded, opts, "the approximate swap changes what the norms compute, and config.json still says "
+                                    "LayerNorm")
     if fold_scales_ and to != "rmsnorm":
         raise NormconvError("--fold-scales folds RMSNorm scales: it goes with --to rmsnorm")
     swap_pass = swap_norm.SwapPass(to, approximate, require=not fold_scales_, partial=partial)
@@ -72,7 +75,10 @@ def rotate(loaded: Loaded, opts: Options = Options(), rotation: str = "hadamard"
         raise NormconvError(f"unknown --rotation {rotation!r}: choose {', '.join(rotate_pass.ROTATIONS)}")
     loaded.require_inputs()
     if opts.output is not None:
-        check_output_path(loaded, opts.output, opts.in_place)  # fail before the work, not after
+        check_output_path(loaded, opts.output, opts.in_place, opts.overwrite)  # fail before the work, not after
+    if any(isinstance(m, nn.LayerNorm) for m in loaded.model.modules()):
+        refuse_folder(loaded, opts, "rotate makes each LayerNorm an RMSNorm of a rotated stream, whose mean is no "
+                                    "longer 0, so the LayerNorm config.json names would compute something else")
     swap_pass = swap_norm.SwapPass("rmsnorm", require=False)
     fold_pass = fold_scales.FoldScales(strict=True)
     rot = rotate_pass.Rotate(rotation, seed)

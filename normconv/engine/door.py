@@ -30,7 +30,7 @@ from normconv.io import outputs
 from normconv.clone import clone_sharing_tensors
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.io.load import Loaded
-from normconv.io.write import check_output_path, save
+from normconv.io.write import check_output_path, output_format, save
 from normconv.kinds import KINDS
 from normconv.options import Options
 from normconv.passes.base import Check, Pass
@@ -77,7 +77,7 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     captures whole is rewritten part by part when every pass allows it."""
     inputs = loaded.require_inputs()
     if opts.output is not None:
-        check_output_path(loaded, opts.output, opts.in_place)  # fail before the work, not after
+        check_output_path(loaded, opts.output, opts.in_place, opts.overwrite)  # fail before the work, not after
     # everything the original has to say is taken before the passes (a disposable model is then written in place)
     reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
     reference = with_selections(loaded.model, inputs, reference)  # traced where it selects (labels, indices)
@@ -114,7 +114,7 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     # a capture that decided a branch on a value: proven for the other branches, accepted, or refused (exit 2)
     judge_specialized(loaded.model, done, inputs, opts, report, command)
     if write:
-        write_model(loaded, done.model, opts, inputs, report)
+        write_model(loaded, done.model, opts, inputs, report, done, [(inputs, reference)] + ([alt] if alt else []))
     return report, done
 
 
@@ -138,14 +138,23 @@ def second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: flo
     return [compare(expected, candidate, atol, rtol, label=label)]
 
 
-def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs, report: Report) -> None:
+def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs, report: Report,
+                done: Run | None = None, expected: list[tuple[Inputs, Any]] | None = None) -> None:
     """Write ``model`` to ``opts.output`` in a form that loads with torch alone (unless ``opts.keep_normconv``), and
-    say in the report what was written and what loading it needs; without an output say that nothing was written."""
+    say in the report what was written and what loading it needs; without an output say that nothing was written.
+
+    A Hugging Face folder out (``io.hf_output``): the rewrite in the architecture config.json describes, loaded back
+    with ``from_pretrained`` and compared with the original at ``expected`` ((inputs, original's outputs) at the
+    example and the second shape; computed when not given) before it is renamed into place. ``done``: the passes'
+    results (which layer each folded BatchNorm went into)."""
     output = opts.output
     if output is None:
         report.notes.append("nothing was written (no -o given)")
         return
     phase("write", detail=output)
+    if output_format(loaded, Path(output)) == "hf":
+        _write_folder(loaded, model, opts, inputs, report, done, expected)
+        return
     parts = outputs.normconv_parts(model)
     if opts.keep_normconv and parts:
         to_write = model
@@ -157,15 +166,76 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
         except Exception as exc:
             raise NormconvError(f"cannot write {output} in torch-only form: {type(exc).__name__}: {exc}",
                                 Code.WRITE_FAILED) from None
+        pickle = output_format(loaded, Path(output)) == "pickle"
+        needs = outputs.load_needs(to_write) if pickle else []  # what torch.load will import besides torch
         if parts:
             report.notes.append(
                 "written with torch's own modules (" + ", ".join(p.rpartition(".")[2] for p in parts) + " replaced): "
-                "it loads with torch alone" + (
+                + (f"loading it needs torch and {', '.join(needs)} importable (the pickle holds the model's own "
+                   f"classes)" if needs else "it loads with torch alone") + (
                     "; the replacements include torch.fx code (GraphModules), so reading it back into normconv needs "
                     "--trust-pickle (--normconv-modules keeps normconv's modules instead)"
-                    if outputs.holds_graph_modules(to_write) and not Path(output).suffix in (".pt2", ".safetensors")
-                    else ""))
-    report.output = str(save(loaded, to_write, output, opts.in_place, inputs))
+                    if outputs.holds_graph_modules(to_write) and pickle else ""))
+        elif needs:
+            report.notes.append(f"loading it (torch.load) needs {', '.join(needs)} importable: the pickle holds the "
+                                f"model's own classes (-o OUT.pt2 loads with torch alone)")
+    info: dict[str, Any] = {}
+    report.output = str(save(loaded, to_write, output, opts.in_place, inputs, static=opts.static,
+                             overwrite=opts.overwrite, info=info))
+    if "dynamic_dims" in info:  # a .pt2: the dimensions it keeps free, each checked at a second size
+        report.extra["dynamic_dims"] = info["dynamic_dims"]
+        report.notes.append(_dims_note(info["dynamic_dims"], opts.static))
+    report.notes.extend(info.get("notes", []))
+
+
+def refuse_folder(loaded: Loaded, opts: Options, why: str, instead: str = ".pt2") -> None:
+    """Before any work: a Hugging Face folder out that this rewrite cannot be, refused in one line naming the file
+    to ask for instead (``instead``: .pt2, torch alone; .pt, needs the model's own classes)."""
+    if opts.output is not None and output_format(loaded, Path(opts.output)) == "hf":
+        how = "torch.export.load, torch alone" if instead == ".pt2" else "torch.load, needs transformers"
+        raise NormconvError(f"cannot write {opts.output} as a Hugging Face folder: {why}; write -o "
+                            f"{Path(opts.output).name}{instead} ({how}) instead", Code.REFUSED)
+
+
+def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs, report: Report, done: Run | None,
+                  expected: list[tuple[Inputs, Any]] | None) -> None:
+    """The rewrite as a Hugging Face folder (same architecture, rewritten weights), proven by from_pretrained."""
+    from normconv.io import hf_output
+
+    folds = {bn: how for _, r in (done.results if done is not None else []) for bn, how in r.extra.get("folds", {}).items()}
+    try:
+        form, notes = hf_output.folder_form(loaded.model, model, folds)
+    except NormconvError as exc:
+        raise NormconvError(f"cannot write {opts.output} as a Hugging Face folder: {exc.message}; write -o "
+                            f"{Path(opts.output).name}.pt2 (torch.export.load, torch alone) instead",
+                            Code.WRITE_FAILED) from None
+    if expected is None:
+        alt = other_shape(loaded.model, inputs)
+        expected = [(inputs, loaded.checked_output())] + ([alt] if alt else [])
+
+    def proven(tmp: str) -> None:  # before the folder is renamed into place
+        checks = hf_output.check(tmp, type(loaded.model), expected, opts.atol, opts.rtol)
+        report.validation.extend(checks)
+        failed = next((v for v in checks if not v.passed), None)
+        if failed is not None and not failed.drift:
+            raise not_verified(report.command, failed, report, "the written folder differs from the original")
+
+    report.notes.extend(notes)
+    report.notes.append("written as a Hugging Face folder (the same architecture, rewritten weights), loaded back "
+                        "with from_pretrained and compared with the original before it was put in place")
+    report.output = str(save(loaded, form, opts.output, opts.in_place, inputs, overwrite=opts.overwrite,
+                             before_rename=proven))
+
+
+def _dims_note(dims: list[dict[str, Any]], static: bool) -> str:
+    """What a written .pt2 takes: its dynamic dimensions with their ranges, or that it is static."""
+    free = [d for d in dims if not d.get("pinned")]
+    if not free:
+        return "the .pt2 takes the example's shapes only" + (" (--static)" if static else
+                                                              " (the model lets no input dimension vary)")
+    return "the .pt2 keeps dynamic dimensions (--static pins them): " + ", ".join(
+        f"{d['name']} ({', '.join(d['inputs'])}: {d['min'] or 1}..{d['max'] or 'inf'}, checked at "
+        f"{', '.join(map(str, d['checked']))})" for d in free)
 
 
 def not_verified(command: str, failed: Validation, report: Report,
@@ -184,4 +254,4 @@ def looked(passes: Sequence[Pass], sites: Sequence[Any]) -> list[str]:
     return [p.name for p in passes if p.name in named] or [p.name for p in passes]
 
 
-__all__ = ["rewrite", "second_shape", "write_model", "model_stats", "not_verified", "looked"]
+__all__ = ["rewrite", "second_shape", "write_model", "refuse_folder", "model_stats", "not_verified", "looked"]

@@ -340,6 +340,24 @@ def _check_draft(model: nn.Module, ep: Any, inputs: Inputs, reference: Any = Non
                             f"(a branch on data-dependent sizes taken otherwise than eager: {why})")
 
 
+def _inherit_module_stacks(source: fx.Graph, traced: fx.Graph) -> None:
+    """A graph traced from a GraphModule (an exported program's module, loaded from a .pt2) calls the same functions
+    in the same order; each call takes its source node's ``nn_module_stack``, the module tree of the model that was
+    exported, so that sites are named after the modules (blocks.0.ln_1) as in the model itself, not layer_norm_3."""
+    def ops(graph: fx.Graph) -> list[fx.Node]:
+        # the aten calls on graph values (shape checks the tracer adds are not; a call on constants only, such as a
+        # static arange, the tracer runs at once and keeps as a constant)
+        return [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                and n.all_input_nodes]
+
+    src, dst = ops(source), ops(traced)
+    if len(src) != len(dst) or any(a.target is not b.target for a, b in zip(src, dst)):
+        return  # not one to one: leave the traced graph as it is
+    for a, b in zip(src, dst):
+        if a.meta.get("nn_module_stack") and not b.meta.get("nn_module_stack"):
+            b.meta["nn_module_stack"] = a.meta["nn_module_stack"]
+
+
 def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, str],
                   reference: Any = None) -> Captured:
     if m == "symbolic_trace":
@@ -348,6 +366,8 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
         tracer = NormLeafTracer()
         with _ValueReads(tracer) as reads:  # a concrete tensor's value read while tracing: a branch baked in
             graph = tracer.trace(model)
+        if isinstance(model, fx.GraphModule):
+            _inherit_module_stacks(model.graph, graph)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         with torch.no_grad():  # on a copy of the inputs: a graph that writes into its input leaves the example alone
             traced = ShapeProp(gm).propagate(*copy.deepcopy(inputs.args))

@@ -20,6 +20,8 @@ Placement says what feeds the norm and where it sits in a residual stream:
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import replace
 from typing import Any
 
@@ -133,6 +135,19 @@ def _raw_sites(cap: Captured) -> list[NormSite]:
 # native modules and functional calls: what each kind reads off them
 
 
+def _exported_norm_module(node: fx.Node, kind: kinds.NormKind) -> bool:
+    """The call's innermost ``nn_module_stack`` entry is a native norm module of its kind (the module a .pt2 program
+    flattened into this call)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack or not stack[-1][0]:
+        return False
+    cls = stack[-1][1]
+    if isinstance(cls, str):  # a class name as the program recorded it: torch's own norm classes only
+        module, _, name = cls.rpartition(".")
+        cls = getattr(sys.modules.get(module), name, None) if module.startswith("torch.nn.") else None
+    return isinstance(cls, type) and issubclass(cls, kind.modules)
+
+
 def _native_site(cap: Captured, node: fx.Node, kind: kinds.NormKind) -> NormSite | None:
     x = node.args[0] if node.args else node.kwargs.get("input")
     if not isinstance(x, fx.Node):
@@ -144,8 +159,9 @@ def _native_site(cap: Captured, node: fx.Node, kind: kinds.NormKind) -> NormSite
         return NormSite(target=owner, kind=kind.name, source="module", node=node.name, input=x.name, owner=owner,
                         module_type=type(mod).__name__, nodes=(node.name,),
                         **kind.from_module(mod, owner, cap.dtype(x) or torch.float32))
-    # F.layer_norm / aten.native_layer_norm ...  =>  its fields read off the call
-    return NormSite(target=node.name, kind=kind.name, source="functional", node=node.name, input=x.name, owner=owner,
+    # F.layer_norm / aten.native_layer_norm ...  =>  its fields read off the call; a call that was the whole forward
+    # of a native norm module in the model that was exported (a .pt2) is named after that module
+    return NormSite(target=owner if _exported_norm_module(node, kind) else node.name, kind=kind.name, source="functional", node=node.name, input=x.name, owner=owner,
                     module_type=type(mod).__name__ if mod is not None and owner else None, nodes=(node.name,),
                     **kind.from_call(cap, node, x))
 

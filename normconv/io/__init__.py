@@ -11,10 +11,14 @@ re-exported here.
               defaults (HF_SEQ_LEN, HF_BATCH), use_cache=False and an all-ones attention_mask where forward takes them
   hf_inputs   example inputs made from a Hugging Face config (text, pixels, audio, video, VLM image tokens)
   outputs     what is written: torch-only forms of normconv's modules, one writer per format
+  dims        the dynamic dimensions of a written .onnx / .pt2: found (torch.export Dim.AUTO), named like the
+              inputs, each checked at a second size (pinned where it fails)
+  hf_output   a Hugging Face folder back as a folder: the original architecture carrying the rewritten weights,
+              proven by from_pretrained (engine.door writes it)
   write       atomic writing: output paths checked before the work, temp file + rename, stale temps removed
   load        ``Loaded`` and ``load``: zoo, Hugging Face folder, .pt2, pickle, factory (+ --weights)
 
 Imports run one way, lowest first: ledger, archive <- pickles <- inputs <- hf_inputs; ledger <- hf_folder;
-outputs <- write (write also reads pickles and ledger); load over all of them. graph.capture uses io.inputs, onnx.export io.write; nothing in io imports graph, passes or
+dims <- outputs <- write (write also reads pickles and ledger); hf_output reads kinds, verify, clone only; load over all of them. graph.capture uses io.inputs, onnx.export io.write; nothing in io imports graph, passes or
 anything above them.
 """

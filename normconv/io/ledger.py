@@ -81,12 +81,14 @@ class Ledger:
             with _LOCK:
                 _WATCHING.remove(self)
 
-    def check_write(self, out: str | os.PathLike, in_place: bool = False, folder: bool = False) -> Path:
+    def check_write(self, out: str | os.PathLike, in_place: bool = False, folder: bool = False,
+                    overwrite: bool = False) -> Path:
         """Refuse to write ``out`` where it is, or lies inside, anything this run read (the same real path, or the
         same inode through a hard link), or where it is not a regular file (it exists as a FIFO, a device node, a
         folder, a socket or a symlink). ``in_place`` allows writing over the model itself (never over its weights,
         config, code or data). ``folder``: ``out`` is a new folder to be renamed into place (the caller refuses one
-        that exists), so only the ledger is checked."""
+        that exists), so only the ledger is checked. ``overwrite``: an existing folder may be replaced whole, unless
+        anything this run read lies inside it (replacing it would delete what was read)."""
         path = Path(out)
         try:
             st = os.lstat(path)
@@ -106,9 +108,15 @@ class Ledger:
                                         f"--in-place")
                 hint = " (--in-place writes over the model itself only)" if in_place else ""
                 raise NormconvError(f"refusing to overwrite {out}: this run read it{via}; choose another -o{hint}")
+            if overwrite and real in e.real.parents:  # replacing the folder would delete what was read
+                raise NormconvError(f"refusing to overwrite {out}: the input {e.real} is inside it")
+        if st is not None and overwrite and stat.S_ISDIR(st.st_mode):
+            return path  # a real folder (not a symlink to one), replaced whole with --overwrite
         if st is not None and not stat.S_ISREG(st.st_mode) and not folder:
+            how = "choose a new path, or pass --overwrite to replace the folder whole" if stat.S_ISDIR(st.st_mode) \
+                else "choose a new path"
             raise NormconvError(f"refusing to write {out}: it is {_kind(st.st_mode)}; an output only ever replaces a "
-                                f"regular file (choose a new path)")
+                                f"regular file ({how})")
         return path
 
 

@@ -160,6 +160,18 @@ def normconv_parts(model: nn.Module) -> list[str]:
     return sorted(found)
 
 
+def load_needs(model: nn.Module) -> list[str]:
+    """The packages besides torch that ``torch.load`` of a pickle of ``model`` imports: the top-level package of
+    every module and hook class it holds (a GraphModule's generated code is torch's)."""
+    found = set()
+    for m in model.modules():
+        for x in [m, *m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
+            if isinstance(x, fx.GraphModule):
+                continue
+            found.add(type(x).__module__.split(".")[0])
+    return sorted(found - {"torch", "builtins"})
+
+
 def holds_graph_modules(model: nn.Module) -> bool:
     """A GraphModule among the modules or hooks: its pickle carries code (normconv's safe loader refuses it)."""
     return any(isinstance(x, fx.GraphModule) for m in model.modules()
@@ -342,19 +354,90 @@ def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     _follow_umask(path)
 
 
-def write_pt2(model: nn.Module, path: str, inputs: Inputs | None) -> None:
-    """torch.export program (loads with torch.export.load alone)."""
+def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool = False,
+              info: dict | None = None) -> None:
+    """torch.export program (loads with torch.export.load alone). Every input dimension the model lets vary stays
+    dynamic (``io.dims``, unless ``static``), each checked at a second size against ``model``; one that fails its
+    check is pinned. Keyword inputs that are no tensors (``use_cache=False``) are left out of the program's inputs
+    where the model computes the same without them (its config already says so), so the program runs on the
+    tensors the model takes. ``info`` receives ``dynamic_dims`` and ``notes``."""
+    from normconv.io import dims as io_dims
+    from normconv.quiet import quiet
+    from normconv.verify import compare
+
     if inputs is None:
         raise ValueError("example inputs are needed to write a .pt2")
-    from normconv.quiet import quiet
-
-    with quiet(("torch",), stderr=True):  # a failing export logs the whole graph
-        ep = torch.export.export(model, tuple(inputs.args), dict(inputs.kwargs), strict=False)
-
+    info = {} if info is None else info
+    inputs = _tensor_kwargs_only(model, inputs)
+    pinned: set[tuple[str, int]] = set()
+    while True:
+        shapes = None if static else io_dims.export_shapes(model, inputs, pinned)
+        ep = _export(model, inputs, shapes)
+        dims = [] if shapes is None else io_dims.name_dims(io_dims.found(ep, io_dims.input_names(model, inputs)),
+                                                           io_dims.input_shapes(model, inputs))
+        program = ep.module()
+        io_dims.check(dims, model, inputs, lambda alt: run(model, alt), lambda alt: run(program, alt),
+                      lambda a, b, label: compare(a, b, label=label))
+        failed = [d for d in dims if d.pinned]
+        if not failed:
+            break
+        pinned |= {p for d in failed for p in d.places}
+        info.setdefault("notes", []).extend(f"dimension {d.name} pinned to {d.size}: {d.pinned}" for d in failed)
+    info["dynamic_dims"] = [d.to_json() for d in dims]
+    if _plain_outputs(ep):
+        info.setdefault("notes", []).append(
+            f"the .pt2 returns its outputs as a dict ({', '.join(ep.call_spec.out_spec.context)}): the model's "
+            f"{type(run(model, inputs)).__name__} would need transformers to load")
     # torch's logger warns about the temp file's name (not a .pt2 suffix)
     with quiet(("torch", "torch.export", "torch.export.pt2_archive._package")), latched(path) as f:
         torch.export.save(ep, f)
     _follow_umask(path)
+
+
+def _export(model: nn.Module, inputs: Inputs, shapes: dict | None):
+    """torch.export.export with ``shapes`` (an example batch of 1 traced at 2, where the model takes it)."""
+    from normconv.io import dims as io_dims
+    from normconv.quiet import quiet
+
+    wide = io_dims.widened(model, inputs) if shapes is not None else None
+    for example in ([wide] if wide is not None else []) + [inputs]:
+        try:
+            with quiet(("torch",), stderr=True):  # a failing export logs the whole graph
+                return torch.export.export(model, tuple(example.args), dict(example.kwargs), dynamic_shapes=shapes,
+                                           strict=False)
+        except Exception:
+            if example is inputs:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _plain_outputs(ep) -> bool:
+    """A program returning a dict subclass of a library's own (a Hugging Face ModelOutput) returns a plain dict of
+    the same keys instead: torch.export.load would need that library imported to rebuild the class. True if
+    changed."""
+    from torch.utils._pytree import TreeSpec
+
+    spec = ep.call_spec.out_spec
+    if spec is None or spec.type is dict or not isinstance(spec.type, type) or not issubclass(spec.type, dict):
+        return False
+    ep._module_call_graph[0].signature.out_spec = TreeSpec(dict, list(spec.context), list(spec.children()))
+    return True
+
+
+def _tensor_kwargs_only(model: nn.Module, inputs: Inputs) -> Inputs:
+    """``inputs`` without keyword arguments that are no tensors (a Hugging Face ``use_cache=False``) where the
+    model's outputs are the same without them; else ``inputs`` as they are."""
+    constant = [k for k, v in inputs.kwargs.items() if not isinstance(v, torch.Tensor)]
+    if not constant:
+        return inputs
+    from normconv.verify import compare
+
+    lean = Inputs(inputs.args, {k: v for k, v in inputs.kwargs.items() if k not in constant})
+    try:
+        same = compare(run(model, inputs), run(model, lean), 0.0, 0.0).passed
+    except Exception:  # noqa: BLE001 - the model needs them (or returns something else without them)
+        return inputs
+    return lean if same else inputs
 
 
 def write_safetensors(model: nn.Module, path: str, inputs: Inputs | None) -> None:
@@ -418,7 +501,15 @@ def config_mismatch(original: nn.Module, rewritten: nn.Module) -> str | None:
 
 def write_hf_folder(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     """save_pretrained into ``path`` (a new folder): config.json + safetensors, loadable with from_pretrained."""
-    model.save_pretrained(path, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar on stderr: normconv's output is its own
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o777 & ~mask)
@@ -428,4 +519,5 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
     "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "holds_graph_modules", "unpicklable", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "load_needs", "holds_graph_modules", "unpicklable", "write_pickle",
+           "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]

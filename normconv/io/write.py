@@ -15,7 +15,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch.nn as nn
 
@@ -54,15 +54,16 @@ def output_format(loaded: Source, out: Path) -> str:
     return "pt2" if loaded.fmt == "pt2" else "pickle"  # no telling suffix: the input's own format
 
 
-def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = False, model: bool = True) -> Path:
+def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = False, overwrite: bool = False,
+                      model: bool = True) -> Path:
     """Refuse to write over anything the run read (the model, its --weights, the factory's code, its config,
     shards, calibration data, anything inside its Hugging Face folder; through symlinks and hard links), over
-    anything but a regular file, or where no file can be created. ``in_place`` allows the model itself.
-    ``model``: ``out`` will hold the rewritten torch model (a pickle is then checked to pickle, before the work);
-    False for the ONNX writer's files."""
+    anything but a regular file (an existing folder only with ``overwrite``, and never one holding what was read),
+    or where no file can be created. ``in_place`` allows the model itself. ``model``: ``out`` will hold the rewritten
+    torch model (a pickle is then checked to pickle, before the work); False for the ONNX writer's files."""
     path = Path(out)
-    loaded.ledger.check_write(path, in_place)
-    path = check_writable(path)
+    loaded.ledger.check_write(path, in_place, overwrite=overwrite)
+    path = check_writable(path, overwrite)
     if model and output_format(loaded, path) == "pickle":
         why = unpicklable(loaded.model)
         if why is not None:  # torch.save would fail at the end: said before the work
@@ -76,15 +77,16 @@ def _other_formats(path: Path) -> str:
            f"(the weights)"
 
 
-def check_writable(path: Path) -> Path:
-    """A file can be created at ``path``: its folder exists, is a folder and is writable; it is not a folder."""
+def check_writable(path: Path, overwrite: bool = False) -> Path:
+    """A file can be created at ``path``: its folder exists, is a folder and is writable; it is not a folder (unless
+    ``overwrite``: the folder is then replaced whole, atomically)."""
     parent = path.parent
     if not parent.exists():
         raise NormconvError(f"cannot write {path}: folder {parent} does not exist")
     if not parent.is_dir():
         raise NormconvError(f"cannot write {path}: {parent} is a file, not a folder")
-    if path.is_dir():
-        raise NormconvError(f"cannot write {path}: it is a folder")
+    if path.is_dir() and not overwrite:
+        raise NormconvError(f"cannot write {path}: it is a folder (--overwrite replaces it)")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise NormconvError(f"cannot write {path}: folder {parent} is not writable")
     return path
@@ -193,25 +195,68 @@ def write_error(out: Any, exc: BaseException) -> NormconvError:
     return NormconvError(f"cannot write {out}: {why}; nothing was written")
 
 
+def replace(tmp: str | os.PathLike, path: Path) -> None:
+    """Put ``tmp`` (a file or a folder) at ``path``, atomically: a plain rename where nothing or a file is there; over
+    an existing folder (``--overwrite``), the two are exchanged in one step (Linux renameat2 RENAME_EXCHANGE; else
+    two renames) and the old one, now under the temp name, is deleted: no reader ever sees a half-written output."""
+    import shutil
+
+    tmp = str(tmp)
+    if not (path.is_dir() or os.path.isdir(tmp) and path.exists()):
+        os.replace(tmp, path)
+        return
+    if not _exchange(tmp, str(path)):
+        old = tmp + ".old" + TEMP_SUFFIX
+        os.rename(path, old)
+        os.rename(tmp, path)
+        tmp = old
+    shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (renameat2 with RENAME_EXCHANGE); False where the system has no such call."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: bool = False,
-         inputs: Inputs | None = None) -> Path:
+         inputs: Inputs | None = None, *, static: bool = False, overwrite: bool = False,
+         info: dict | None = None, before_rename: Callable[[str], None] | None = None) -> Path:
     """Write ``model`` atomically (temp file + rename): any failure or interrupt (Ctrl-C, SIGTERM) leaves no
-    file under ``out`` and no temp file beside it."""
-    path = check_output_path(loaded, out, in_place, model=False)  # the rename's check: the pickling is tried
+    file under ``out`` and no temp file beside it. ``static``: a .pt2 keeps the example's shapes (else its dynamic
+    dimensions, see ``io.dims``); ``overwrite``: an existing output (a folder too) is replaced; ``info`` receives
+    what a writer found (a .pt2's ``dynamic_dims``); ``before_rename(temp path)``: a last check of what was written
+    (a Hugging Face folder loaded back), whose exception leaves nothing."""
+    path = check_output_path(loaded, out, in_place, overwrite, model=False)  # the rename's check: pickling is tried
     fmt = output_format(loaded, path)
     if fmt == "hf":
-        _check_hf_folder_output(loaded, model, path)
+        _check_hf_folder_output(loaded, model, path, overwrite)
     remove_stale_temps(path)
     tmp = None
     try:
         with signals_held():
             tmp = temp_file(path, folder=fmt == "hf")
-        WRITERS[fmt](model, tmp, inputs or (loaded.require_inputs() if fmt == "pt2" else loaded.inputs))
-        loaded.ledger.check_write(path, in_place)  # again just before the rename: nothing read was put there since
+        given = inputs or (loaded.require_inputs() if fmt == "pt2" else loaded.inputs)
+        if fmt == "pt2":
+            WRITERS[fmt](model, tmp, given, static=static, info=info)
+        else:
+            WRITERS[fmt](model, tmp, given)
+        if before_rename is not None:
+            before_rename(tmp)
+        # again just before the rename: nothing read was put there since
+        loaded.ledger.check_write(path, in_place, overwrite=overwrite)
         with signals_held():
-            os.replace(tmp, path)
+            replace(tmp, path)
             tmp = None
-    except NormconvError:
+    except NormconvError:  # a VerificationError of ``before_rename`` too
         raise
     except OSError as exc:
         raise write_error(out, exc) from None
@@ -228,12 +273,12 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
     return path
 
 
-def _check_hf_folder_output(loaded: Source, model: nn.Module, path: Path) -> None:
+def _check_hf_folder_output(loaded: Source, model: nn.Module, path: Path, overwrite: bool = False) -> None:
     """A folder is written only where its config.json still describes the rewritten model, and only as a new
-    folder (a folder is renamed into place whole)."""
-    if path.exists():
-        raise NormconvError(f"cannot write the Hugging Face folder {path}: it exists; choose a new folder, or a file "
-                            f"with a suffix (.pt2, .pt, .safetensors)")
+    folder or with ``overwrite`` (a folder is renamed into place whole)."""
+    if path.exists() and not overwrite:
+        raise NormconvError(f"cannot write the Hugging Face folder {path}: it exists; pass --overwrite to replace it, "
+                            f"or choose a new folder")
     why = config_mismatch(loaded.model, model) if hasattr(model, "save_pretrained") else "it is no longer a " \
         "Hugging Face model class"
     if why:

@@ -148,38 +148,18 @@ def _one_line(exc: BaseException) -> str:
     return first(exc, 240) + (f" (cause: {first(root, 240)})" if root is not exc else "")
 
 
-def dynamic_shapes(model: nn.Module, inputs) -> dict[str, Any] | None:
-    """Batch (dim 0) and sequence (dim 1 of token ids / (B, L, C) activations) as Dim.AUTO: export keeps them
-    dynamic where the model allows and specializes the rest without failing."""
-    import inspect
-
-    auto = torch.export.Dim.AUTO
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and inputs.args:
-        return None
-
-    def spec(x):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return None
-        dims = {0: auto}
-        if x.dim() >= 2 and (not x.is_floating_point() and x.dim() == 2 or x.is_floating_point() and x.dim() == 3):
-            dims[1] = auto
-        return dims
-
-    shapes = {params[i].name: spec(a) for i, a in enumerate(inputs.args)}
-    shapes.update({k: spec(v) for k, v in inputs.kwargs.items()})
-    return shapes
-
-
-def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool, exported: Any = None):
+def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool, exported: Any = None,
+                 pinned: frozenset = frozenset(), notes: list[str] | None = None):
     """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export.
 
-    ``exported``: a torch.export ExportedProgram of ``model`` on ``inputs`` already made (normconv's capture, with
-    static shapes): the exporter starts from it instead of running torch.export once more; if it fails on it, the
-    module is exported as usual."""
+    ``dynamic``: every input dimension the model lets vary stays symbolic (``io.dims``: Dim.AUTO on each, an example
+    batch of 1 exported at 2), except the ``pinned`` (input, axis) places. ``exported``: a static torch.export
+    ExportedProgram of ``model`` on ``inputs`` already made (normconv's capture): a static export starts from it
+    instead of running torch.export once more; if it fails on it, the module is exported as usual. A dynamic
+    export torch.export refuses (a **kwargs forward given a non-tensor keyword: "Must provide a tree_name") is made
+    static, said in ``notes``."""
+    from normconv.io import dims as io_dims
+
     if exported is not None and not dynamic:
         try:
             return torch_export(exported, inputs, opset, normconv_ops, dynamic)
@@ -189,14 +169,30 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
 
     kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False)
     kwargs["custom_translation_table"] = translation_table() if normconv_ops else missing_translations()
+    tries = [inputs]
     if dynamic:
-        kwargs["dynamic_shapes"] = dynamic_shapes(model, inputs)
-    try:
-        with _quiet(), torch.no_grad():
-            program = torch.onnx.export(model, tuple(inputs.args), kwargs=dict(inputs.kwargs) or None, **kwargs)
-    except Exception as exc:
-        raise NormconvError(f"cannot export {type(model).__name__} to ONNX at opset {opset}: {_one_line(exc)}") \
-            from None
+        kwargs["dynamic_shapes"] = io_dims.export_shapes(model, inputs, pinned)
+        wide = io_dims.widened(model, inputs)  # batch 1 is specialized by torch.export: trace at batch 2
+        tries = [wide, inputs] if wide is not None and kwargs["dynamic_shapes"] is not None else tries
+    for i, example in enumerate(tries):
+        try:
+            with _quiet(), torch.no_grad():
+                program = torch.onnx.export(model, tuple(example.args), kwargs=dict(example.kwargs) or None, **kwargs)
+            break
+        except Exception as exc:
+            if i + 1 < len(tries):
+                continue  # the model takes no batch 2: export at the example as given
+            if kwargs.get("dynamic_shapes") is not None and notes is not None:
+                try:  # torch.export takes the model, not its dynamic shapes: the example's shapes, said
+                    program = torch_export(model, inputs, opset, normconv_ops, False, exported)
+                except NormconvError:
+                    pass
+                else:
+                    notes.append(f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
+                                 f"exported with the example's shapes")
+                    break
+            raise NormconvError(f"cannot export {type(model).__name__} to ONNX at opset {opset}: "
+                                f"{_one_line(exc)}") from None
     if program is None or program.model is None:
         raise NormconvError(f"cannot export {type(model).__name__} to ONNX: the exporter returned no model")
     return program
@@ -230,19 +226,47 @@ def _nbytes(model) -> int:
 
 
 def _check(path: Path, model) -> str:
-    """onnx.checker where the ops allow it: SimplifiedLayerNormalization sits in the default domain unregistered."""
+    """onnx.checker with full_check (shape inference too) where the ops allow it: SimplifiedLayerNormalization
+    (--target ort) sits in the default domain unregistered, which the checker rejects."""
     import onnx
 
     if any(n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx") for n in model.graph):
-        return "skipped: SimplifiedLayerNormalization is an onnxruntime op in the default domain (checker rejects it)"
+        return ("skipped: --target ort writes SimplifiedLayerNormalization, an onnxruntime op in the default domain "
+                "that onnx.checker rejects (the default --target onnx passes it)")
     try:
-        onnx.checker.check_model(str(path))
+        onnx.checker.check_model(str(path), full_check=True)
     except Exception as exc:
         return f"failed: {_one_line(exc)}"
-    return "passed"
+    return "passed (full_check)"
 
 
-def check_args(path: str | os.PathLike, target: str, opset: int, device: str = "cpu") -> Path:
+def runtimes(model, opset: int) -> list[str]:
+    """Which runtimes can load the written file, read off its ops: onnxruntime (its version, which validated it),
+    TensorRT (RMSNormalization from 10.15; onnxruntime-only ops never), OpenVINO (standard ops and model-local
+    functions)."""
+    import onnxruntime
+
+    domains = {n.domain for n in model.graph if n.domain not in ("", "ai.onnx")}
+    ort_only = {n.op_type for n in model.graph if n.op_type in ORT_ONLY_OPS}
+    out = [f"onnxruntime {onnxruntime.__version__} (validated here)"]
+    if ort_only:
+        out.append(f"not TensorRT / OpenVINO / other runtimes: {', '.join(sorted(ort_only))} are onnxruntime's own "
+                   f"ops (--target onnx writes standard ones)")
+        return out
+    rms = any(n.op_type == "RMSNormalization" for n in model.graph)
+    out.append("TensorRT " + ("10.15 or later (RMSNormalization, opset 23)" if rms else
+                              f"(standard opset {opset} ops" + (", model-local functions inlined by its parser)"
+                                                               if domains else ")")))
+    out.append("OpenVINO (standard ops" + (", model-local functions" if domains else "") +
+               "; the test suite loads the default file in OpenVINO's CPU runtime)")
+    return out
+
+
+# onnxruntime's own ops normconv may write (--target ort): no other runtime has them
+ORT_ONLY_OPS = ("SimplifiedLayerNormalization", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def check_args(path: str | os.PathLike, target: str, opset: int, device: str = "cpu", overwrite: bool = False) -> Path:
     if device not in DEVICES:
         raise NormconvError(f"unknown --device {device!r}; choose {' or '.join(DEVICES)}")
     if target not in TARGETS:
@@ -252,18 +276,23 @@ def check_args(path: str | os.PathLike, target: str, opset: int, device: str = "
     out = Path(path)
     if out.suffix != ".onnx":
         raise NormconvError(f"output {path} must end with .onnx")
-    return check_writable(out)
+    return check_writable(out, overwrite)
 
 
 def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any, out: Path, report: Report,
-               norms: Sequence[NormSite], *, target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET, dynamic: bool = False,
+               norms: Sequence[NormSite], *, target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET, dynamic: bool = True,
                validate: Sequence[str] = ("cpu",), atol: float | None = None, rtol: float | None = None,
                baseline: bool = True, repeats: int = 10, skip_fusion: bool = False, exported: Any = None,
-               dim_names: dict[str, str] | None = None, fuse_inline: bool = True) -> Report:
+               dim_names: dict[str, str] | None = None, fuse_inline: bool = True, truth: nn.Module | None = None,
+               pinned: frozenset = frozenset()) -> Report:
     """Export ``prepared`` (the passes already applied and verified, in eval mode) to ``out`` with one fused op
     per norm, validate it in onnxruntime against ``reference`` (the original's outputs), and rename it into
     place. ``original`` is exported plainly for the baseline op counts and latency (None: no baseline).
-    ``exported``: normconv's capture of ``prepared`` (an ExportedProgram), reused by the exporter.
+    ``exported``: normconv's capture of ``prepared`` (an ExportedProgram), reused by a static export.
+
+    ``dynamic`` (the default): every input dimension the model lets vary stays dynamic (``io.dims``), each checked in
+    onnxruntime at a second size against ``truth`` (the original model; default ``prepared``); a dimension that fails
+    its check is pinned and the file exported again without it (``pinned``: the (input, axis) places already static).
 
     Raises NormconvError (unexportable model) or VerificationError (outputs beyond tolerance, checker failure);
     in both cases nothing is left under ``out``.
@@ -284,14 +313,25 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     from normconv.onnx.rules.base import SiteLog
     from normconv.onnx.validate import validate as ort_validate
 
+    from normconv.io import dims as io_dims
+
     extra = report.extra
-    extra.update({"target": target, "opset": opset})
+    entry = (list(report.sites), list(report.notes), list(report.validation), dict(extra))  # for a re-export
+    extra.update({"target": target, "opset": opset, "static": not dynamic})
     sites_by_kind = dict(collections.Counter(s.kind for s in norms))
     extra["norm_sites"] = sites_by_kind
 
+    fell_back: list[str] = []
     phase("export", detail=f"ONNX opset {opset}")
-    program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported)
+    program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported,
+                           pinned=pinned, notes=fell_back)
+    report.notes.extend(fell_back)
     onnx_model = program.model
+    dims, held = [], {}
+    if dynamic and getattr(program, "exported_program", None) is not None:
+        held = io_dims.held(program.exported_program)  # written as the number it is held to
+        dims = io_dims.found(program.exported_program, io_dims.input_names(prepared, inputs))
+        dims = io_dims.name_dims(dims, io_dims.input_shapes(prepared, inputs), dim_names)
     # the ONNX half, one pass set with ONNX files in: repair the down-conversion, match the norms written inside
     # bigger modules (not replaced in torch) in the ONNX graph, lower normconv's placeholders for the target
     log, lower = SiteLog(), LowerNorms(target)
@@ -326,12 +366,29 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                             f"differ from norm sites ({non_bn_sites} + {sites_by_kind.get('batchnorm', 0)} batchnorm)")
     from normconv.onnx.names import name_graph
 
-    extra["renamed"] = name_graph(onnx_model, reference, dim_names)  # logits / batch / sequence, not linear / s72
+    # logits / batch / sequence, not linear / s72
+    extra["renamed"] = name_graph(onnx_model, reference, dim_names,
+                                  {**held, **{sym: d.name for d in dims for sym in d.symbols}} or None)
     extra["dynamic_axes"] = _dynamic_axes(onnx_model)
-    if dynamic and not extra["dynamic_axes"]:
-        report.notes.append("--dynamic: the model specializes every input dimension; the graph is static")
+    if dynamic and not extra["dynamic_axes"] and not pinned and not fell_back:
+        report.notes.append("the model specializes every input dimension (torch.export found none free): the "
+                            "graph is static")
 
     from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
+
+    def _export_again(pins: frozenset) -> Report:  # the report as it came in, the file exported with more pinned
+        nonlocal tmpdir
+        report.sites[:], report.notes[:], report.validation[:] = entry[0], entry[1], entry[2]
+        report.extra.clear()
+        report.extra.update(entry[3])
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        tmpdir = None
+        again = write_onnx(prepared, original, inputs, reference, out, report, norms, target=target, opset=opset,
+                           dynamic=dynamic, validate=validate, atol=atol, rtol=rtol, baseline=baseline,
+                           repeats=repeats, skip_fusion=skip_fusion, exported=exported, dim_names=dim_names,
+                           fuse_inline=fuse_inline, truth=truth, pinned=pinned | pins)
+        again.extra["dynamic_dims"] = [d.to_json() for d in dims if d.pinned] + again.extra.get("dynamic_dims", [])
+        return again
 
     remove_stale_temps(out)
     tmpdir = None
@@ -344,6 +401,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
             ir.save(onnx_model, str(tmp), external_data=(out.name + ".data") if external else None)
         extra["external_data"] = (out.name + ".data") if external else None
         extra["checker"] = _check(tmp, onnx_model)
+        extra["runtimes"] = runtimes(onnx_model, opset)
         extra["bytes"] = sum(f.stat().st_size for f in tmpdir.iterdir())
         if extra["checker"].startswith("failed"):
             raise VerificationError(f"export: onnx.checker rejects the exported model ({extra['checker']}); "
@@ -352,7 +410,19 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if baseline:
             _baseline(original, inputs, opset, dynamic, tmpdir, validate, repeats, report)
         phase("validate", detail="onnxruntime " + ", ".join(validate))
-        result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
+        try:
+            result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime refusing the dynamic file: pinned below, else raised
+            if not dims or _no_kernel(exc):
+                raise
+            result, failed = None, f"onnxruntime fails on it ({_one_line(exc)[:160]})"
+        if dims and (result is None or not result.passed):  # at the example's own shapes: every dimension pinned
+            # (torch's exporter fuses differently on symbolic shapes: a tiny Llama's RotaryEmbedding-23 runs at batch
+            # 1 only); the static file is exported and validated as usual, and says why
+            bad = failed if result is None else "it differs from torch beyond tolerance"
+            for d in dims:
+                d.pinned = d.pinned or f"the dynamic file fails at the example's shapes: {bad}"
+            return _export_again(frozenset(p for d in dims for p in d.places))
         for provider, why in result.unavailable.items():
             report.notes.append(f"{provider}: not validated: {why}")
         report.notes.extend(result.notes)
@@ -370,9 +440,16 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                 f"nothing written", report)
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
+        pins = _check_dims(str(tmp), dims, prepared, truth or prepared, inputs, reference, atol, rtol, report,
+                           validate)
+        if pins:  # a dimension the file does not really take at another size: pinned, exported again
+            return _export_again(pins)
+        extra["dynamic_dims"] = [d.to_json() for d in dims]
+        from normconv.io.write import replace
+
         for f in tmpdir.iterdir():
             if f.is_file() and f.name != "baseline.onnx":
-                os.replace(f, out.parent / f.name)
+                replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite (checked first)
         report.output = str(out)
     except (VerificationError, NormconvError):
         raise
@@ -380,9 +457,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         raise write_error(out, exc) from None
     except Exception as exc:
         hint = ""
-        from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
-
-        if isinstance(exc, NoKernel):  # e.g. bfloat16 MatMul on the CPU provider
+        if _no_kernel(exc):  # e.g. bfloat16 MatMul on the CPU provider
             hint = (" (onnxruntime has no kernel for that op at this dtype on this provider; validate on another "
                     "provider, or pass --validate none to write it unvalidated)")
         raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}{hint}") from None
@@ -390,6 +465,46 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
     return report
+
+
+def _no_kernel(exc: BaseException) -> bool:
+    """onnxruntime has no kernel for an op at this dtype on this provider (bfloat16 MatMul on CPU)."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
+
+    return isinstance(exc, NoKernel)
+
+
+def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, inputs, reference: Any, atol, rtol,
+                report: Report, validate: Sequence[str] = ("cpu",)) -> frozenset:
+    """Each dynamic dimension checked in onnxruntime (CPU, default optimizations) at a second size against
+    ``truth`` at that size; the checks join the report's validation. Returns the places of the dimensions that
+    failed (to be pinned), empty when every one held. Without the CPU provider among ``validate`` (--validate
+    none / cuda) the dimensions are kept unchecked, and the report says so."""
+    from normconv.io import dims as io_dims
+    from normconv.onnx.validate import _like, available, feeds, session
+    from normconv.verify import compare, run
+
+    if not dims:
+        return frozenset()
+    why = "not validated on onnxruntime's CPU provider" if "cpu" not in validate else available("cpu")
+    if why is not None:
+        report.notes.append(f"dynamic dimensions {', '.join(d.name for d in dims)} not checked at a second size "
+                            f"({why}); --static pins them")
+        return frozenset()
+    sess = session(path, "CPUExecutionProvider", "default")
+
+    def candidate(alt):  # onnxruntime's outputs in the structure of torch's
+        return _like(reference, sess.run(None, feeds(sess, prepared, alt)))
+
+    checks = io_dims.check(dims, prepared, inputs, lambda alt: run(truth, alt), candidate,
+                           lambda a, b, label: compare(a, b, atol, rtol,
+                                                       label=f"onnxruntime cpu, second shape ({label})"))
+    report.validation.extend(v for _, v in checks if v.passed)
+    pinned = [d for d in dims if d.pinned]
+    for d in pinned:
+        report.notes.append(f"dimension {d.name} ({', '.join(f'{i}[{a}]' for i, a in d.places)}) pinned to "
+                            f"{d.size}: {d.pinned}")
+    return frozenset(p for d in pinned for p in d.places)
 
 
 def _traced_differs(exported: Any, inputs, reference: Any) -> str:

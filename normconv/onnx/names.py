@@ -1,6 +1,7 @@
 """The exported graph named like the model: outputs after dict keys / ModelOutput fields (``logits``,
-``last_hidden_state``, ``pooler_output``), dynamic dimensions ``batch`` / ``sequence`` (``decoder_sequence`` for a
-decoder's inputs) instead of the exporter's ``s72``. Inputs already carry the forward's argument names."""
+``last_hidden_state``, ``pooler_output``), dynamic dimensions ``batch`` / ``sequence`` / ``height`` / ``width``
+(``io.dims.dim_name``; ``decoder_sequence`` for a decoder's inputs) instead of the exporter's ``s72``. Inputs already
+carry the forward's argument names."""
 
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def _all_values(graph):
 
 
 def _dim_names(graph, chosen: dict[str, str] | None = None) -> dict[str, str]:
-    """exporter symbol -> batch / sequence, read off the inputs: dim 0 is the batch; dim 1 of token ids (2-D
-    integer) or of (B, L, C) activations is the sequence. ``chosen`` renames those (the user's --dim-name)."""
+    """exporter symbol -> batch / sequence / height / width ... read off the inputs (``io.dims.dim_name``); a name
+    two symbols would share is prefixed with the input's name. ``chosen`` renames those (the user's --dim-name)."""
     import onnx_ir as ir
+
+    from normconv.io.dims import dim_name
 
     names: dict[str, str] = {}
     for v in graph.inputs:
@@ -56,21 +59,19 @@ def _dim_names(graph, chosen: dict[str, str] | None = None) -> dict[str, str]:
             continue
         floating = v.dtype is not None and v.dtype.is_floating_point()
         for axis, d in enumerate(v.shape):
-            if not isinstance(d, ir.SymbolicDim) or d.value is None:
+            if not isinstance(d, ir.SymbolicDim) or d.value is None or d.value in names:
                 continue
-            if axis == 0:
-                want = "batch"
-            elif axis == 1 and ((not floating and len(v.shape) == 2) or (floating and len(v.shape) == 3)):
-                want = "decoder_sequence" if v.name.startswith("decoder_") else "sequence"
-            else:
-                want = f"{v.name}_dim{axis}"
-            names.setdefault(d.value, (chosen or {}).get(want, want))
+            want = dim_name(v.name, len(v.shape), axis, floating)
+            name = (chosen or {}).get(want, want)
+            names[d.value] = f"{v.name}_{want}" if name in names.values() else name
     return names
 
 
-def name_graph(model, reference: Any, dim_names: dict[str, str] | None = None) -> dict[str, Any]:
+def name_graph(model, reference: Any, dim_names: dict[str, str] | None = None,
+               dims: dict[str, str | int] | None = None) -> dict[str, Any]:
     """Rename the outputs and the dynamic dimensions of an onnx_ir model in place; returns what was renamed.
-    ``dim_names``: the user's names for batch / sequence / decoder_sequence."""
+    ``dim_names``: the user's names for batch / sequence / height ...; ``dims``: exporter symbol -> name already
+    chosen (``io.dims.name_dims``), else they are read off the graph's inputs."""
     import onnx_ir as ir
 
     graph = model.graph
@@ -83,7 +84,14 @@ def name_graph(model, reference: Any, dim_names: dict[str, str] | None = None) -
             if v.name != name and v not in list(graph.inputs):
                 done["outputs"][v.name] = name
                 _rename(graph, v, name, taken)
-    dims = _dim_names(graph, dim_names)
+    dims = dims or _dim_names(graph, dim_names)
+    fixed = {k: v for k, v in dims.items() if isinstance(v, int)}  # symbols held to one value: that number
+    dims = {k: v for k, v in dims.items() if not isinstance(v, int)}
+    if fixed:
+        for v in _all_values(graph):
+            if v.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in fixed for d in v.shape):
+                v.shape = ir.Shape([fixed[d.value] if isinstance(d, ir.SymbolicDim) and d.value in fixed else d
+                                    for d in v.shape])
     if dims:
         pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(dims, key=len, reverse=True))) + r")\b")
         for v in _all_values(graph):

@@ -37,7 +37,7 @@ from normconv.onnx.rules.nearmiss import list_near_misses
 from normconv.report import Report
 
 EXTERNAL_DATA_BYTES = 2 * 1024 ** 3
-TARGETS = ("onnx", "ort")
+TARGETS = ("onnx", "ort")  # onnx first: a standard file by default, as torch models export (onnx.export.DEFAULT_TARGET)
 JOBS = {"fold": ("fold",), "export": ("fold", "fuse"), "inspect": ("fold", "fuse")}
 
 
@@ -154,7 +154,7 @@ def _needs_opset(src: Source, jobs: tuple[str, ...], target: str) -> int:
     return LN_OPSET if refused else src.opset
 
 
-def plan(src: Source, command: str, target: str = "ort", opset: int | None = None) -> tuple[ir.Model, Report, int]:
+def plan(src: Source, command: str, target: str = "onnx", opset: int | None = None) -> tuple[ir.Model, Report, int]:
     """The rewritten model (in memory), its report without validation, and the opset it converted from (or 0)."""
     if target not in TARGETS:
         raise NormconvError(f"unknown --target {target!r}; choose onnx or ort")
@@ -212,7 +212,7 @@ def _check(path: Path, target: str, src: Source) -> tuple[bool, str]:
     return True, "passed (full_check)"
 
 
-def _guard_output(src: Source, out: Path) -> Path:
+def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
     from normconv.io.write import check_writable
 
     if out.suffix.lower() != ".onnx":
@@ -224,20 +224,21 @@ def _guard_output(src: Source, out: Path) -> Path:
     if target in reads or (target.parent / (out.name + ".data")).resolve() in reads:
         raise NormconvError(f"refusing to write {out}: it or its external data would overwrite the input's "
                             f"external data; choose another -o")
-    return check_writable(out)
+    return check_writable(out, overwrite)
 
 
-def run(spec: str, command: str, output: str | None, target: str = "ort", opset: int | None = None,
+def run(spec: str, command: str, output: str | None, target: str = "onnx", opset: int | None = None,
         input_shape: list[str] | None = None, atol: float | None = None, rtol: float | None = None,
-        dtype: str | None = None, keep_fp32: str = "auto") -> Report:
+        dtype: str | None = None, keep_fp32: str = "auto", overwrite: bool = False) -> Report:
     """``normconv fold|export IN.onnx -o OUT.onnx`` (and ``inspect IN.onnx`` with output None); ``dtype``
-    "float16": the output in half precision (passes/half.py), validated against the float32 input."""
+    "float16": the output in half precision (passes/half.py), validated against the float32 input; ``overwrite``:
+    an existing OUT (a folder too) is replaced, never the input."""
     if dtype not in (None, "float32", "float16"):
         raise NormconvError(f"--dtype {dtype} with an .onnx input: normconv writes float16 (or float32) ONNX files")
     if keep_fp32 not in HALF_KEEP:
         raise NormconvError(f"unknown --keep-fp32 {keep_fp32!r}; choose auto, none or all")
     src = load(spec)
-    out = _guard_output(src, Path(output)) if output is not None else None
+    out = _guard_output(src, Path(output), overwrite) if output is not None else None
     model, report, converted = plan(src, command, target, opset)
     if dtype == "float16":
         half = HalfPrecision(keep_fp32)
@@ -252,7 +253,7 @@ def run(spec: str, command: str, output: str | None, target: str = "ort", opset:
         report.sites = [s.__class__(s.pass_name, s.target, s.applied, ("would be " if s.applied else "") + s.reason,
                                     s.code) for s in report.sites]
         return report
-    from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, temp_name, write_error
+    from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, replace, temp_name, write_error
 
     where = out if out is not None else src.path
     remove_stale_temps(where)
@@ -292,7 +293,7 @@ def run(spec: str, command: str, output: str | None, target: str = "ort", opset:
         if out is not None:
             for f in (tmp, tmpdir / (tmp.name + ".data")):
                 if f.exists():
-                    os.replace(f, out.parent / f.name)
+                    replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite
             report.output = str(out)
     except (VerificationError, NormconvError):
         raise

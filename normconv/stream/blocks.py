@@ -22,7 +22,7 @@ from normconv.quiet import phase
 from normconv.errors import NormconvError, VerificationError
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.io.inputs import HF_SEQ_LEN
-from normconv.io.write import remove_stale_temps, remove_temp, signals_held, temp_file, write_error
+from normconv.io.write import remove_stale_temps, remove_temp, replace, signals_held, temp_file, write_error
 from normconv.report import Report, Validation
 from normconv.stream.checkpoint import Checkpoint, copy_folder, model_class, stored_key, tied_names
 from normconv.verify import Inputs, compare, default_tolerance
@@ -291,7 +291,7 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
                 f"{report.command} --stream: {failed.label}: max abs error {failed.max_abs_error:.3g} (atol "
                 f"{failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
         with signals_held():
-            os.replace(tmp, out)
+            replace(tmp, out)  # over an existing folder only with --overwrite (checked first): exchanged
             tmp = None
     except OSError as exc:
         raise write_error(out, exc) from None

@@ -207,7 +207,7 @@ def write_shards(ckpt: Checkpoint, tmp: Path, produce: Callable[[str, torch.Tens
 # the folder
 
 
-def open_folder(folder: str | os.PathLike, output: str | os.PathLike) -> tuple[Path, Path, Checkpoint, Any, Any,
+def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path, Checkpoint, Any, Any,
                                                                             torch.dtype]:
     """(input folder, output folder, its checkpoint, model class, config, float dtype), or NormconvError: not a
     Hugging Face folder, remote code, weights that are not what from_pretrained loads or that name a path outside
@@ -230,10 +230,11 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike) -> tuple[P
     if weights is not None:
         weights.record(ledger)
     out = Path(output)
-    ledger.check_write(out, folder=True)  # never over or inside anything the run reads (the folder, its blobs)
-    if out.exists():
-        raise NormconvError(f"cannot write the Hugging Face folder {out}: it exists; choose a new folder")
-    check_writable(out)
+    ledger.check_write(out, folder=True, overwrite=overwrite)  # never over or inside anything the run reads
+    if out.exists() and not overwrite:
+        raise NormconvError(f"cannot write the Hugging Face folder {out}: it exists; pass --overwrite to replace it, "
+                            f"or choose a new folder")
+    check_writable(out, overwrite)
     ckpt = Checkpoint(src, weights)
     _check_described_size(src, raw, ckpt)
     try:

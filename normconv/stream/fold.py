@@ -122,9 +122,9 @@ def _scaled_weight(layer: nn.Module, w: torch.Tensor, scale: torch.Tensor) -> to
 
 def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | None = None,
          rtol: float | None = None, keep_temp_on_failure: bool = False,
-         after_rewrite: Callable[[Path], None] | None = None) -> Report:
+         after_rewrite: Callable[[Path], None] | None = None, overwrite: bool = False) -> Report:
     """``normconv fold FOLDER --stream -o OUT``: see the module docstring."""
-    src, out, ckpt, cls, config, dtype = open_folder(folder, output)
+    src, out, ckpt, cls, config, dtype = open_folder(folder, output, overwrite)
     decisions, sites, meta, aliases = _plan(src, ckpt, cls, config, dtype)
     if not decisions:
         raise NormconvError(f"fold --stream: no BatchNorm of {src} can be folded into the layer before it "

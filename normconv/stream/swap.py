@@ -133,10 +133,10 @@ def _centered(block_output: torch.Tensor) -> torch.Tensor:
 
 def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | None = None,
          rtol: float | None = None, keep_temp_on_failure: bool = False,
-         after_rewrite: Callable[[Path], None] | None = None) -> Report:
+         after_rewrite: Callable[[Path], None] | None = None, overwrite: bool = False) -> Report:
     """``normconv swap FOLDER --to rmsnorm --stream -o OUT``: see the module docstring. ``after_rewrite`` sees the
     temp folder before verification (tests use it to corrupt the output)."""
-    src, out, ckpt, cls, config, dtype = open_folder(folder, output)
+    src, out, ckpt, cls, config, dtype = open_folder(folder, output, overwrite)
     analysis, plan, aliases = _plan(src, ckpt, cls, config, dtype)
     report = Report(command="swap", model=str(src), sites=analysis.sites())
     report.extra.update({"to": "rmsnorm", "exact": True, "streamed": True, "swapped": len(analysis.plans),

@@ -53,8 +53,9 @@ def norm_readers(cap: Captured, node: fx.Node) -> tuple[list[Reader], Refused | 
             if u.name in seen:
                 continue
             seen.add(u.name)
-            if u.op == "output":
-                return [], Refused(W.RETURNED, f"the norm output {v.name} is returned by the model")
+            if u.op == "output":  # named by modules: the norm, and the op it reaches the output through
+                via = "" if v is node else f" (through {cap.op(v) or v.name} in {cap.owner(v) or 'the forward'})"
+                return [], Refused(W.RETURNED, f"the output of {cap.describe(node)} is returned by the model{via}")
             if passes_through(cap, u) and u.args[0] is v:
                 stack.append(u)
                 continue

@@ -1,5 +1,6 @@
-"""What torch's down-conversion to opset 17 leaves behind, repaired by the rules of ``rules/repair.py`` (Split-13's
-sizes as an input, Reduce*-13's axes as an attribute without noop_with_empty_axes), as an onnx-ir pass."""
+"""What torch's export leaves behind, repaired by the rules of ``rules/repair.py`` (below opset 18, its down-conversion:
+Split-13's sizes as an input, Reduce*-13's axes as an attribute without noop_with_empty_axes; at any opset, an
+RMSNormalization whose input and scale differ in type), as an onnx-ir pass."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ class RepairDownconverted(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.fixed: list[str] = []
-        if model.opset_imports.get("", 18) >= 18:
-            return ir.passes.PassResult(model, False)
-        pattern.RewriteRuleSet(repair.rules(self.fixed)).apply_to_model(model)
+        if any(n.op_type == "RMSNormalization" for n in ir.traversal.RecursiveGraphIterator(model.graph)):
+            pattern.RewriteRuleSet(repair.typed_rules(self.fixed)).apply_to_model(model)
+        if model.opset_imports.get("", 18) < 18:
+            pattern.RewriteRuleSet(repair.rules(self.fixed)).apply_to_model(model)
         return ir.passes.PassResult(model, bool(self.fixed))

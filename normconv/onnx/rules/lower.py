@@ -4,7 +4,8 @@
   normconv.RMSNorm(x, s; axes, ε),   --target onnx, opset ≥ 23  =>  RMSNormalization(x, s; axis, ε)
   normconv.GroupNorm(x, s, b; G, ε), opset ≥ 21                =>  GroupNormalization(x, s, b; G, ε)
   otherwise the placeholder stays and its ONNX function body is attached (passes/lower.py)
-All with stash_type = 1: the statistics in float32 whatever the input's precision.
+All with stash_type = 1: the statistics in float32 whatever the input's precision. An RMSNormalization whose input
+and scale differ in type (float16 into a float32 norm) reads its input cast to the scale's type.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class LowerRms(_Lower):
                      stash_type=1)
         made = "SimplifiedLayerNormalization" if self.target == "ort" else "RMSNormalization"
         self.made[made] = self.made.get(made, 0) + 1
+        if made == "RMSNormalization" and x.dtype is not None and s.dtype is not None and x.dtype != s.dtype:
+            # a float16 input to a float32 norm (--keep-fp32): the input cast to the scale's type, as torch computes
+            # it (onnx's shape inference types Y like X, its schema like the scale: one type leaves no doubt)
+            x = op.Cast(x, to=s.dtype)
         return getattr(op, made)(x, s, **attrs)
 
 

@@ -6,6 +6,11 @@
   ``isinf(x).any()`` came down as ReduceMax with it):
     ReduceX(x, [axes]; noop_with_empty_axes=0)    =>  ReduceX(x; axes=axes)      (no axes: every axis, as before)
 Dynamic axes, a no-op reduction and a Split of a dynamic length stay as they are (the checker reports them).
+
+At any opset, torch's exporter fuses a float32 RMSNorm that reads a float16 cast (--keep-fp32) into one
+RMSNormalization-23 of the float16 input and the float32 scale: its schema types Y like the scale, onnx's shape
+inference like X, so onnx.checker (full_check) rejects the file:
+    RMSNormalization(x: T, s: V), T != V          =>  RMSNormalization(Cast(x, to=V), s)   (what torch computes)
 """
 
 from __future__ import annotations
@@ -89,6 +94,28 @@ class SplitSizes(_Repair):
         attrs = {k: a.value for k, a in node.attributes.items() if k != "num_outputs"}
         sizes_value = op.Constant(value=ir.tensor(np.array(sizes, dtype=np.int64)))
         return op.Split(x, sizes_value, _outputs=len(sizes), **attrs)
+
+
+class RmsInputType(_Repair):
+    """RMSNormalization(x: T, s: V), T != V  =>  RMSNormalization(Cast(x, to=V), s)."""
+
+    def pattern(self, op, x, s):
+        return op.RMSNormalization(x, s, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, s, y, **_) -> MatchResult:
+        if x.dtype is None or s.dtype is None or x.dtype == s.dtype:
+            return MatchResult().fail("input and scale of one type")
+        return MatchResult()
+
+    def rewrite(self, op, x, s, y, **_):
+        node = y.producer()
+        self.fixed.append(node.name)
+        return op.RMSNormalization(op.Cast(x, to=s.dtype), s, **{k: a.value for k, a in node.attributes.items()})
+
+
+def typed_rules(fixed: list) -> list:
+    """The repairs any opset may need (the type of a fused op's input)."""
+    return [RmsInputType.rule("repair-rms-input-type", fixed)]
 
 
 def rules(fixed: list) -> list:

@@ -1,0 +1,274 @@
+"""Dynamic dimensions: which input dimensions a written model (ONNX, .pt2) keeps free, found from the model, named
+like its inputs, and checked at a second size each.
+
+  found     torch.export with ``Dim.AUTO`` on every dimension of every tensor input: the exporter keeps a dimension
+            symbolic where the model allows it and specializes it where the model needs one size (a conv's
+            channels, a hidden width); the symbols of the exported program are the dynamic dimensions, one ``Dim``
+            per symbol (an input's batch and its mask's batch are one symbol)
+  batch 1   an example dimension of size 1 is specialized by torch.export (0/1 specialization): an example whose
+            batch is 1 is exported at batch 2 (its values cycled) so that the batch stays free
+  named     batch (dim 0), sequence (dim 1 of token ids or (B, L, C) activations; decoder_sequence for decoder_*
+            inputs), height / width (dims 2, 3 of an image), depth (dim 2 of a volume), length (the last dim of a
+            (B, C, T) signal or a (B, T) waveform), else INPUT_dimK; a name two symbols would share is prefixed
+            with the input's name
+  checked   each Dim at a second size (the example's size - 1, + 1, x 2, / 2: the first one the original model
+            accepts), every input that carries it resized together: the written model must equal the original
+            there too. A Dim whose check fails is pinned (static) and the model written again; the report lists
+            each Dim with its range and the sizes checked.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from normconv.verify import Inputs
+
+
+@dataclass
+class Dim:
+    """One dynamic dimension: its name, the (input, axis) places that carry it, the example's size, torch.export's
+    range, and the sizes it was checked at (or why it was pinned)."""
+
+    symbols: list[str]  # the exporter's symbols it stands for (a mask's batch may be a symbol of its own)
+    places: list[tuple[str, int]]
+    size: int
+    low: int | None = None
+    high: int | None = None
+    name: str = ""
+    checked: list[int] = field(default_factory=list)
+    pinned: str = ""  # why the dimension was made static after all ('' while dynamic)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"name": self.name, "inputs": [f"{i}[{a}]" for i, a in self.places], "example": self.size,
+               "min": self.low, "max": self.high, "checked": list(self.checked)}
+        if self.pinned:
+            out["pinned"] = self.pinned
+        return out
+
+
+def input_names(model: nn.Module, inputs: Inputs) -> list[str] | None:
+    """The name of each positional input (forward's parameters) then each keyword input; None where forward takes
+    ``*args`` (no names to give)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params[:len(inputs.args)]) or len(params) < len(inputs.args) and \
+            not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return [p.name for p in params[:len(inputs.args)]] + list(inputs.kwargs)
+
+
+def _named(inputs: Inputs, names: list[str]) -> dict[str, Any]:
+    return dict(zip(names, list(inputs.args) + list(inputs.kwargs.values())))
+
+
+def export_shapes(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] = frozenset()) -> dict | None:
+    """torch.export's ``dynamic_shapes``: Dim.AUTO on every dimension of every tensor input but the ``pinned``
+    (input, axis) places; None where the inputs have no names."""
+    names = input_names(model, inputs)
+    if names is None:
+        return None
+    auto = torch.export.Dim.AUTO
+
+    def spec(name: str, x: Any):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return None
+        return {axis: auto for axis in range(x.dim()) if (name, axis) not in pinned}
+
+    shapes = {name: spec(name, x) for name, x in _named(inputs, names).items()}
+    # keyword inputs forward takes through **kwargs go under that parameter's name, as torch.export binds them
+    params = inspect.signature(model.forward).parameters.values()
+    var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    extra = {k: shapes.pop(k) for k in list(inputs.kwargs) if k not in named}
+    if extra and var_kw is not None:
+        shapes[var_kw] = extra
+    return shapes
+
+
+def cycled(t: torch.Tensor, size: list[int]) -> torch.Tensor:
+    """``t`` at another ``size``, its own values repeated along each dimension (token ids stay valid ids)."""
+    index = [torch.arange(n) % m for n, m in zip(size, t.shape)]
+    return t[torch.meshgrid(*index, indexing="ij")]
+
+
+def resized(model: nn.Module, inputs: Inputs, places: list[tuple[str, int]], size: int) -> Inputs:
+    """``inputs`` with every (input, axis) in ``places`` set to ``size`` (values cycled)."""
+    names = input_names(model, inputs) or []
+    axes: dict[str, list[int]] = {}
+    for name, axis in places:
+        axes.setdefault(name, []).append(axis)
+
+    def one(name: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or name not in axes:
+            return x
+        shape = list(x.shape)
+        for axis in axes[name]:
+            shape[axis] = size
+        return cycled(x, shape)
+
+    args = tuple(one(n, x) for n, x in zip(names, inputs.args))
+    kwargs = {k: one(k, v) for k, v in inputs.kwargs.items()}
+    return Inputs(args, kwargs)
+
+
+def widened(model: nn.Module, inputs: Inputs) -> Inputs | None:
+    """The example at batch 2 where its batch is 1 (torch.export specializes a size of 1): every tensor input whose
+    dim 0 is 1 gets its values cycled to 2. None when no input has batch 1 (or none has names)."""
+    names = input_names(model, inputs)
+    if names is None:
+        return None
+    ones = [(n, 0) for n, x in _named(inputs, names).items() if isinstance(x, torch.Tensor) and x.dim() and
+            x.shape[0] == 1]
+    return resized(model, inputs, ones, 2) if ones else None
+
+
+def held(program: Any) -> dict[str, int]:
+    """Symbols of a torch.export program that its range holds to one value (a conv's channels kept symbolic by the
+    ONNX exporter): symbol -> that value."""
+    return {str(k): int(v.lower) for k, v in program.range_constraints.items()
+            if str(v.upper) != "int_oo" and int(v.lower) == int(v.upper)}
+
+
+def found(program: Any, inputs_names: list[str] | None = None) -> list[Dim]:
+    """The dynamic dimensions of a torch.export program: one Dim per symbol of its user inputs' shapes, with the
+    program's range for it (an unbounded maximum is None)."""
+    user = list(program.graph_signature.user_inputs)
+    ranges = {str(k): v for k, v in program.range_constraints.items()}
+    dims: dict[str, Dim] = {}
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in user:
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        name = inputs_names[user.index(node.name)] if inputs_names and len(inputs_names) == len(user) else node.name
+        for axis, d in enumerate(val.shape):
+            if isinstance(d, int):
+                continue
+            symbol = str(d)
+            if not symbol.isidentifier():  # an expression of symbols (s0 * 2): carried by the free one
+                continue
+            r = ranges.get(symbol)
+            hi = getattr(r, "upper", None) if r is not None else None
+            if r is not None and str(hi) != "int_oo" and int(r.lower) == int(hi):
+                continue  # a symbol held to one value (a conv's channels): static after all
+            dim = dims.get(symbol)
+            if dim is None:
+                dim = dims[symbol] = Dim([symbol], [], int(d.node.hint) if hasattr(d, "node") and
+                                         d.node.hint is not None else 0,
+                                         max(int(r.lower), 1) if r is not None else None,
+                                         int(hi) if hi is not None and str(hi) != "int_oo" else None)
+            dim.places.append((name, axis))
+    return list(dims.values())
+
+
+def dim_name(input_name: str, rank: int, axis: int, floating: bool) -> str:
+    """What the dimension is, read off the input: batch, sequence, decoder_sequence, height, width, depth, length."""
+    if axis == 0:
+        return "batch"
+    if axis == 1 and ((not floating and rank == 2) or (floating and rank == 3)):
+        return "decoder_sequence" if input_name.startswith("decoder_") else "sequence"
+    if floating and rank == 4 and axis in (2, 3):
+        return ("height", "width")[axis - 2]
+    if floating and rank == 5 and axis in (2, 3, 4):
+        return ("depth", "height", "width")[axis - 2]
+    if floating and axis == rank - 1 and rank in (2, 3):
+        return "length"
+    return f"{input_name}_dim{axis}"
+
+
+def name_dims(dims: list[Dim], shapes: dict[str, tuple[int, bool]], chosen: dict[str, str] | None = None) -> list[Dim]:
+    """Name the Dims (``dim_name`` of their first place; ``shapes``: input -> (rank, floating)) and merge those of one
+    name and one example size: token ids and their attention mask are two symbols to the exporter but one batch and
+    one sequence to the model (checked together, named alike). A name two different Dims would share is prefixed
+    with the input's name. ``chosen``: the user's names by kind (batch=N). Returns the merged Dims."""
+    merged: dict[tuple[str, int], Dim] = {}
+    for d in dims:
+        want = ""
+        for input_name, axis in d.places:
+            rank, floating = shapes.get(input_name, (0, False))
+            want = dim_name(input_name, rank, axis, floating)
+            if not want.startswith(f"{input_name}_dim"):
+                break
+        key = (want, d.size)
+        if key in merged:
+            merged[key].symbols += d.symbols
+            merged[key].places += d.places
+            merged[key].low = max(x for x in (merged[key].low, d.low, 0) if x is not None) or None
+            highs = [x for x in (merged[key].high, d.high) if x is not None]
+            merged[key].high = min(highs) if highs else None
+            continue
+        d.name = want
+        merged[key] = d
+    taken: set[str] = set()
+    out = list(merged.values())
+    for d in out:
+        name = (chosen or {}).get(d.name, d.name)
+        if name in taken:
+            name = f"{d.places[0][0]}_{d.name}"
+        taken.add(name)
+        d.name = name
+    return out
+
+
+def input_shapes(model: nn.Module, inputs: Inputs) -> dict[str, tuple[int, bool]]:
+    """input name -> (rank, floating), for ``name_dims``."""
+    names = input_names(model, inputs) or []
+    return {n: (x.dim(), x.is_floating_point()) for n, x in _named(inputs, names).items()
+            if isinstance(x, torch.Tensor)}
+
+
+def candidates(n: int) -> list[int]:
+    """Second sizes to check a dimension of example size ``n`` at, first choice first (batch 2 -> 1)."""
+    out = []
+    for m in (n - 1, n + 1, 2 * n, n // 2):
+        if m >= 1 and m != n and m not in out:
+            out.append(m)
+    return out
+
+
+def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable[[Inputs], Any],
+          candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any]) -> list[tuple[Dim, Any]]:
+    """Check each Dim at a second size: the first size of ``candidates`` the ``reference`` (the original model)
+    accepts, the ``candidate`` (the written model) compared with it. Returns (Dim, Validation) per Dim checked; a
+    Dim the reference takes at no other size, or whose candidate fails or differs, gets ``pinned`` (its reason)."""
+    checks = []
+    for d in dims:
+        d.checked = [d.size]
+        for size in candidates(d.size):
+            if d.high is not None and size > d.high:
+                continue  # beyond the program's own range
+            alt = resized(model, inputs, d.places, size)
+            try:
+                expected = reference(alt)
+            except Exception:  # noqa: BLE001 - the original does not run at that size: try the next
+                continue
+            label = f"{d.name} = {size}"
+            try:
+                got = candidate(alt)
+            except Exception as exc:  # noqa: BLE001 - the written model refuses a size the original takes
+                d.pinned = f"the exported model fails at {label} where the original runs ({type(exc).__name__})"
+                break
+            v = compare(expected, got, label)
+            checks.append((d, v))
+            d.checked.append(size)
+            if not v.passed:
+                d.pinned = f"the exported model differs from the original at {label} (max abs error " \
+                           f"{v.max_abs_error:.3g})"
+            elif d.low is not None and size < d.low:
+                d.low = size  # torch.export's range starts at 2 (0/1 specialization); the check ran at 1
+            break
+        else:
+            d.pinned = "the original model runs at no other size of it"
+    return checks
+
+
+__all__ = ["Dim", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened",
+           "input_names", "candidates", "cycled"]

@@ -1,0 +1,192 @@
+"""A Hugging Face folder back as a folder: the rewrite expressed in the architecture config.json describes (the
+original module classes, the rewritten weights), as ``--stream`` writes it, so that ``from_pretrained`` loads it.
+
+  same key, same class       the rewritten value (centered writers, rotated linears, folded convs)
+  norm -> another norm       the original norm module takes the rewritten norm's weight and bias (a weight-free
+                             result: a weight of ones; Gemma's ``1 + w``: the offset taken off), so the module
+                             computes what the rewritten one does on the stream it reads (a LayerNorm on the zero-mean
+                             stream an exact swap leaves is an RMSNorm); the check below proves it on the model
+  BatchNorm -> Identity      the BatchNorm left as the identity (weight 1, bias 0, mean 0, var 1 - eps), or as a
+  (or ChannelShift)          per-channel shift where its layer had no bias to carry it: backward fold t, forward
+                             fold t / s (``folds``: the fold pass's BatchNorm -> (layer, direction))
+  tied weights that differ   untied (config: tie_word_embeddings = false)
+  anything else              not expressible: NormconvError naming what
+
+The written folder is then loaded with ``from_pretrained`` and run at the example inputs and the second shape
+against the original's outputs (``check``): a folder that does not reproduce them is not written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from normconv.clone import clone_sharing_tensors
+from normconv.errors import NormconvError
+from normconv.kinds import of_module
+from normconv.report import Validation
+from normconv.verify import Inputs, compare, run
+
+
+def folder_form(original: nn.Module, rewritten: nn.Module,
+                folds: dict[str, tuple[str, str]] | None = None) -> tuple[nn.Module, list[str]]:
+    """(the original architecture carrying the rewrite, notes); NormconvError where it cannot carry it."""
+    model = clone_sharing_tensors(original)
+    new_state = rewritten.state_dict()
+    notes: list[str] = []
+    swapped: dict[str, str] = {}
+    handled: set[str] = set()
+    orig_modules = dict(original.named_modules())
+    for path, old in orig_modules.items():
+        try:
+            new = rewritten.get_submodule(path) if path else rewritten
+        except AttributeError:
+            raise NormconvError(f"{path} is gone from the rewritten model") from None
+        if type(new) is type(old):
+            continue
+        target = model.get_submodule(path) if path else model
+        if of_module(old) is not None and of_module(old).name == "batchnorm":
+            _batchnorm_as(target, old, new, path, folds or {}, orig_modules, new_state)
+        elif _is_norm(old) and _is_norm(new):
+            _norm_as(target, old, new, path)
+        else:
+            raise NormconvError(f"{path or 'the model'} is now {type(new).__name__} (was {type(old).__name__})")
+        swapped[path] = f"{type(old).__name__} -> {type(new).__name__}"
+        handled.update(f"{path}.{k}" if path else k for k in old.state_dict())
+    ties = _tie_groups(original)
+    for key, value in original.state_dict().items():
+        if key in handled:
+            continue
+        if key not in new_state or new_state[key].shape != value.shape:
+            raise NormconvError(f"{key} has no counterpart of its shape in the rewritten model")
+        _set(model, key, new_state[key])
+    untied = [group for group in ties if any(not torch.equal(new_state[group[0]], new_state[k]) for k in group[1:])]
+    if untied:
+        for config in _configs(model):
+            config.tie_word_embeddings = False
+        notes.append(f"untied {' / '.join(untied[0])} (config.json: tie_word_embeddings = false)")
+    if swapped:
+        kinds = sorted(set(swapped.values()))
+        notes.append(f"the folder keeps the module classes config.json names, each carrying the rewritten weights "
+                     f"so that it computes the same; the in-memory module swap ({len(swapped)} modules: "
+                     f"{', '.join(kinds[:3])}{', ...' if len(kinds) > 3 else ''}) changes no output (faster kernels, "
+                     f"one op per norm in ONNX): write a .pt2 to get it, or run the same command on the written "
+                     f"folder with -o OUT.pt2")
+    return model, notes
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return of_module(m) is not None or (hasattr(m, "weight") or hasattr(m, "eps") or hasattr(m, "variance_epsilon")) \
+        and "norm" in type(m).__name__.lower()
+
+
+def _norm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str) -> None:
+    """The original norm module ``target`` given ``new``'s scale and shift: weight (minus a stored offset, found by
+    computing the module) and bias (zeros where ``new`` has none)."""
+    w = getattr(new, "weight", None)
+    b = getattr(new, "bias", None)
+    w_old = getattr(old, "weight", None)
+    if isinstance(w_old, torch.Tensor):
+        value = w.detach() if isinstance(w, torch.Tensor) else torch.ones_like(w_old)
+        target._parameters["weight"] = nn.Parameter((value - _offset(old)).to(w_old.dtype), w_old.requires_grad)
+    elif isinstance(w, torch.Tensor) and not torch.equal(w, torch.ones_like(w)):
+        raise NormconvError(f"{path} ({type(old).__name__}) has no weight to carry the rewritten scale")
+    b_old = getattr(old, "bias", None)
+    if isinstance(b_old, torch.Tensor):
+        value = b.detach() if isinstance(b, torch.Tensor) else torch.zeros_like(b_old)
+        target._parameters["bias"] = nn.Parameter(value.to(b_old.dtype), b_old.requires_grad)
+    elif isinstance(b, torch.Tensor) and bool(b.detach().any()):
+        raise NormconvError(f"{path} ({type(old).__name__}) has no bias to carry the rewritten shift")
+
+
+def _offset(norm: nn.Module) -> float:
+    """What the module adds to its stored weight (Gemma: 1 + w), computed rather than read off the class: with a
+    stored weight of zeros a plain norm outputs 0, one that adds 1 outputs the normalized input."""
+    w = norm.weight
+    probe = clone_sharing_tensors(norm)
+    probe._parameters["weight"] = nn.Parameter(torch.zeros_like(w), requires_grad=False)
+    if isinstance(getattr(probe, "bias", None), torch.Tensor):
+        probe._parameters["bias"] = nn.Parameter(torch.zeros_like(probe.bias), requires_grad=False)
+    y = run(probe, Inputs((torch.randn(3, *w.shape, dtype=w.dtype),)))
+    y = y[0] if isinstance(y, tuple) else y
+    return 1.0 if float(y.abs().max()) > 1e-3 else 0.0
+
+
+def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str, folds: dict[str, tuple[str, str]],
+                  modules: dict[str, nn.Module], new_state: dict[str, torch.Tensor]) -> None:
+    """A folded BatchNorm left in place as the identity, or as the per-channel shift its layer cannot carry."""
+    if not isinstance(new, nn.Identity) and not isinstance(getattr(new, "bias", None), torch.Tensor):
+        raise NormconvError(f"{path} is now {type(new).__name__}: no BatchNorm form for it")
+    c = old.num_features
+    s = old.weight.detach().double() / torch.sqrt(old.running_var.double() + old.eps) if old.affine else \
+        1 / torch.sqrt(old.running_var.double() + old.eps)
+    t = (old.bias.detach().double() if old.affine else 0) - old.running_mean.double() * s
+    shift = torch.zeros(c, dtype=torch.float64)
+    if not isinstance(new, nn.Identity):  # ChannelShift: the shift a bias-free ConvTranspose kept out
+        shift = new.bias.detach().double().reshape(-1)
+    elif path in folds:
+        layer, direction = folds[path]
+        if getattr(modules.get(layer), "bias", None) is None:  # the layer got a bias the config does not have
+            if direction == "forward" and bool((s == 0).any()):
+                raise NormconvError(f"{path}: a zero scale leaves no shift to carry before {layer}")
+            shift = t if direction == "backward" else t / s
+    if bool(shift.any()) and not old.affine:
+        raise NormconvError(f"{path} has no bias to carry the shift its layer's fold left")
+    dtype = old.running_var.dtype
+    target._buffers["running_mean"] = torch.zeros(c, dtype=dtype)
+    target._buffers["running_var"] = torch.full((c,), 1 - old.eps, dtype=dtype)
+    if old.affine:
+        target._parameters["weight"] = nn.Parameter(torch.ones(c, dtype=old.weight.dtype), old.weight.requires_grad)
+        target._parameters["bias"] = nn.Parameter(shift.to(old.bias.dtype), old.bias.requires_grad)
+
+
+def _tie_groups(model: nn.Module) -> list[list[str]]:
+    """state_dict keys that are one Parameter (tied embeddings), in groups of two or more."""
+    groups: dict[int, list[str]] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(key)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    config = getattr(model, "config", None)
+    return [c for c in (config, getattr(config, "text_config", None)) if c is not None and
+            hasattr(c, "tie_word_embeddings")]
+
+
+def _set(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    """``model``'s tensor ``key`` replaced by ``value`` (a new Parameter where it was one): the user's tensors,
+    shared with the clone, are never written."""
+    prefix, _, name = key.rpartition(".")
+    mod = model.get_submodule(prefix) if prefix else model
+    if name in mod._parameters and mod._parameters[name] is not None:
+        old = mod._parameters[name]
+        if value is not old:
+            mod._parameters[name] = nn.Parameter(value.detach(), requires_grad=old.requires_grad)
+    elif name in mod._buffers:
+        mod._buffers[name] = value
+
+
+def check(folder: str | os.PathLike, cls: type, expected: Sequence[tuple[Inputs, Any]], atol: float | None,
+          rtol: float | None) -> list[Validation]:
+    """The written folder loaded with ``cls.from_pretrained`` and run at each (inputs, original's outputs)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # normconv's output is normconv's: no "Loading weights" bar
+    try:
+        model = cls.from_pretrained(str(folder), local_files_only=True).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    out = []
+    for i, (inputs, reference) in enumerate(expected):
+        label = "from_pretrained(written folder)" + ("" if i == 0 else f", second shape ({inputs.describe()})")
+        out.append(compare(reference, run(model, inputs), atol, rtol, label=label))
+    return out
+
+
+__all__ = ["folder_form", "check"]

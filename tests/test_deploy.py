@@ -1,0 +1,277 @@
+"""Outputs that deploy (issue 30): dynamic dimensions by default in ONNX and .pt2, a standard ONNX file by default
+(onnx.checker full_check, OpenVINO), a Hugging Face folder back as a folder, --overwrite, and messages whose claims
+hold (a "loads with torch alone" pickle loads where normconv and transformers cannot be imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _json(cli, *args):
+    code, out, err = cli(*args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _ort(path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+# -- ONNX: the README's main job ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_onnx(tmp_path_factory):
+    """`normconv export zoo:llama -o llama.onnx`, the README's first command, with every default."""
+    from typer.testing import CliRunner
+
+    from normconv.cli import app
+
+    out = tmp_path_factory.mktemp("llama") / "llama.onnx"
+    r = CliRunner().invoke(app, ["export", "zoo:llama", "-o", str(out), "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr
+    return out, json.loads(r.stdout)
+
+
+def test_default_export_takes_batch_1_and_other_lengths(llama_onnx):
+    from normconv.models import get
+
+    path, report = llama_onnx
+    model = get("llama").build().eval()
+    sess = _ort(path)
+    assert [i.shape for i in sess.get_inputs()] == [["batch", "sequence"]]
+    for shape in ((1, 16), (1, 5), (3, 31)):
+        ids = torch.randint(0, 100, shape)
+        got = sess.run(None, {"input_ids": ids.numpy()})[0]
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(got), model(ids), atol=1e-4, rtol=1e-4)
+    dims = {d["name"]: d for d in report["extra"]["dynamic_dims"]}
+    assert set(dims) == {"batch", "sequence"} and dims["batch"]["checked"] == [2, 1]
+    assert dims["batch"]["min"] == 1 and dims["sequence"]["checked"] == [16, 15]
+    # the second size of each dimension is a validation of its own, against the original model
+    assert any("second shape (batch = 1)" in v["label"] and v["passed"] for v in report["validation"])
+
+
+def test_default_export_is_standard_onnx(llama_onnx):
+    path, report = llama_onnx
+    onnx.checker.check_model(str(path), full_check=True)  # raises on anything the checker rejects
+    model = onnx.load(str(path))
+    assert {o.domain for o in model.opset_import} <= {"", "ai.onnx"}
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [23]
+    assert sum(n.op_type == "RMSNormalization" for n in model.graph.node) == 5
+    assert report["extra"]["target"] == "onnx" and report["extra"]["checker"].startswith("passed")
+    runtimes = " ".join(report["extra"]["runtimes"])
+    assert "onnxruntime" in runtimes and "TensorRT 10.15" in runtimes and "OpenVINO" in runtimes
+
+
+def test_default_export_runs_in_openvino_cpu(llama_onnx):
+    ov = pytest.importorskip("openvino")
+    from normconv.models import get
+
+    path, _ = llama_onnx
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    model = get("llama").build().eval()
+    for shape in ((2, 16), (1, 7)):
+        ids = torch.randint(0, 100, shape)
+        got = compiled({"input_ids": ids.numpy()})[0]
+        with torch.no_grad():
+            np.testing.assert_allclose(got, model(ids).numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_ort_target_stays_one_flag_away_and_is_said_not_standard(cli, tmp_path):
+    rep = _json(cli, "export", "zoo:llama", "-o", tmp_path / "ort.onnx", "--target", "ort", "--repeats", "0")
+    assert rep["extra"]["checker"].startswith("skipped") and "onnx.checker rejects" in rep["extra"]["checker"]
+    assert any("not TensorRT" in r for r in rep["extra"]["runtimes"])
+
+
+def test_static_pins_every_dimension(cli, tmp_path):
+    out = tmp_path / "static.onnx"
+    rep = _json(cli, "export", "zoo:resnet", "-o", out, "--static", "--repeats", "0")
+    assert rep["extra"]["dynamic_axes"] == {} and not rep["extra"]["dynamic_dims"]
+    assert [i.shape for i in _ort(out).get_inputs()] == [[2, 3, 32, 32]]
+    code, _, err = cli("export", "zoo:resnet", "-o", tmp_path / "x.onnx", "--static", "--dynamic")
+    assert code == 2 and "contradict" in err
+
+
+def test_image_height_and_width_are_dynamic_and_named(cli, tmp_path):
+    out = tmp_path / "resnet.onnx"
+    rep = _json(cli, "export", "zoo:resnet", "-o", out, "--repeats", "0")
+    assert [i.shape for i in _ort(out).get_inputs()] == [["batch", 3, "height", "width"]]
+    assert {d["name"] for d in rep["extra"]["dynamic_dims"]} == {"batch", "height", "width"}
+
+
+def test_plain_column_only_with_baseline(cli, tmp_path):
+    code, out, err = cli("export", "zoo:mlp", "-o", tmp_path / "m.onnx", "--repeats", "0")
+    assert code == 0, err
+    ops = out.split("export plan")[0]
+    assert "| op " in ops and "| plain" not in ops and "--baseline adds" in out
+    code, out, err = cli("export", "zoo:mlp", "-o", tmp_path / "m.onnx", "--repeats", "0", "--baseline")
+    assert code == 0 and "| plain" in out.split("export plan")[0], err
+
+
+# -- .pt2: dynamic too, and an HF model's program runs on the tensors it takes ------------------------------
+
+
+def test_pt2_output_is_dynamic_and_static_pins_it(cli, tmp_path):
+    from normconv.models import get
+
+    rep = _json(cli, "swap", "zoo:gpt", "-o", tmp_path / "gpt.pt2")
+    assert {d["name"] for d in rep["extra"]["dynamic_dims"]} == {"batch", "sequence"}
+    program = torch.export.load(str(tmp_path / "gpt.pt2")).module()
+    model = get("gpt").build().eval()
+    ids = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(program(ids), model(ids), atol=1e-4, rtol=1e-4)
+    _json(cli, "swap", "zoo:gpt", "-o", tmp_path / "static.pt2", "--static")
+    with pytest.raises(Exception):
+        torch.export.load(str(tmp_path / "static.pt2")).module()(ids)
+
+
+def test_dynamic_pt2_in_stays_dynamic_out(cli, tmp_path):
+    _json(cli, "fold", "zoo:resnet", "-o", tmp_path / "a.pt2")
+    rep = _json(cli, "canonicalize", tmp_path / "a.pt2", "-o", tmp_path / "b.pt2")
+    assert {d["name"] for d in rep["extra"]["dynamic_dims"]} == {"batch", "height", "width"}
+    out = torch.export.load(str(tmp_path / "b.pt2")).module()(torch.randn(1, 3, 64, 48))
+    assert out.shape[0] == 1
+
+
+_PLAIN_TORCH = r"""
+import sys
+sys.modules["normconv"] = None
+sys.modules["transformers"] = None
+import torch
+path, x_path = sys.argv[1:3]
+x = torch.load(x_path)
+m = torch.export.load(path).module() if path.endswith(".pt2") else torch.load(path, weights_only=False)
+with torch.no_grad():
+    y = m(*x["args"], **x["kwargs"])
+print(type(y).__name__, sorted(y) if isinstance(y, dict) else "")
+"""
+
+
+def _load_plain(path: Path, args=(), kwargs=None) -> subprocess.CompletedProcess:
+    """Load and run ``path`` in a fresh interpreter where neither normconv nor transformers can be imported."""
+    torch.save({"args": tuple(args), "kwargs": dict(kwargs or {})}, path.parent / "x.pt")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", _PLAIN_TORCH, str(path), str(path.parent / "x.pt")],
+                          capture_output=True, text=True, env=env, cwd=str(path.parent), timeout=300)
+
+
+def test_hf_pt2_runs_on_its_tensors_without_transformers(cli, tmp_path, hf_folders):
+    rep = _json(cli, "fold", hf_folders["gpt2"], "-o", tmp_path / "gpt2.pt2")
+    assert any("returns its outputs as a dict" in n for n in rep["notes"])
+    ids = torch.randint(0, 100, (1, 7))
+    r = _load_plain(tmp_path / "gpt2.pt2", (), {"input_ids": ids})  # the tensors the model took, no use_cache
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dict ['logits']" in r.stdout
+
+
+# -- messages whose claims hold ------------------------------------------------------------------------------
+
+
+def test_pickle_load_claims_are_true(cli, tmp_path, hf_folders):
+    # torch's classes only: "loads with torch alone", and it does
+    spec = "tests.fixtures.deploy_models:torch_mlp"
+    rep = _json(cli, "swap", spec, "--approximate", "-o", tmp_path / "mlp.pt")
+    assert any("it loads with torch alone" in n for n in rep["notes"])
+    r = _load_plain(tmp_path / "mlp.pt", (torch.randn(3, 16),))
+    assert r.returncode == 0, r.stderr[-2000:]
+    # the zoo's own classes are normconv's: said so, never "torch alone"
+    rep = _json(cli, "swap", "zoo:gpt", "-o", tmp_path / "gpt.pt")
+    assert any("needs torch and normconv importable" in n for n in rep["notes"])
+    # a Hugging Face model pickled: the note names transformers, and without it the load indeed fails
+    rep = _json(cli, "swap", hf_folders["gpt2"], "-o", tmp_path / "gpt2.pt")
+    assert not any("loads with torch alone" in n for n in rep["notes"])
+    assert any("needs torch and transformers" in n for n in rep["notes"])
+    ids = torch.randint(0, 100, (1, 7))
+    r = _load_plain(tmp_path / "gpt2.pt", (ids,))
+    assert r.returncode != 0 and "transformers" in r.stderr
+
+
+def test_rotate_refusal_on_t5_names_modules(cli, hf_folders):
+    code, _, err = cli("rotate", hf_folders["t5"])
+    assert code == 2
+    assert "dropout_" not in err and "the output of encoder.final_layer_norm is returned by the model" in err, err
+
+
+# -- a Hugging Face folder in, a folder out ------------------------------------------------------------------
+
+
+def _outputs(folder, ids):
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return m(ids).logits
+
+
+@pytest.mark.parametrize("command", ["swap", "rotate", "canonicalize"])
+def test_folder_in_folder_out_loads_with_from_pretrained(cli, hf_folders, tmp_path, command):
+    source = hf_folders["gpt2" if command == "swap" else "llama"]
+    out = tmp_path / "out"
+    rep = _json(cli, command, source, "-o", out)
+    assert rep["output"] == str(out) and (out / "config.json").is_file()
+    assert any(v["label"].startswith("from_pretrained(written folder)") and v["passed"] for v in rep["validation"])
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".normconv-tmp")]
+    ids = torch.randint(0, 100, (2, 9))
+    torch.testing.assert_close(_outputs(out, ids), _outputs(source, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_folder_refused_before_any_work_naming_the_form_that_works(cli, hf_folders, tmp_path):
+    code, _, err = cli("deepnorm", hf_folders["bert"], "-o", tmp_path / "dn")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "dn.pt" in lines[0] and "Hugging Face folder" in lines[0]
+    code, _, err = cli("rotate", hf_folders["gpt2"], "-o", tmp_path / "rot")
+    assert code == 2 and "rot.pt2" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_replaces_a_folder_atomically_never_the_input(cli, hf_folders, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    code, _, err = cli("fold", hf_folders["bert"], "-o", out)
+    assert code == 2 and "--overwrite" in err and (out / "stale.txt").exists()
+    code, _, err = cli("fold", hf_folders["bert"], "-o", out, "--overwrite")
+    assert code == 0, err
+    assert (out / "config.json").is_file() and not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old folder left beside it
+    # a file over a folder with --overwrite too; never the input itself, nor a folder holding it
+    rep = _json(cli, "fold", "zoo:mlp", "-o", out, "--overwrite")
+    assert Path(rep["output"]).is_file()
+    code, _, err = cli("fold", hf_folders["bert"], "-o", hf_folders["bert"].parent, "--overwrite")
+    assert code == 2 and "inside it" in err
+
+
+# -- one answer per model, whatever form it comes in ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,command", [("resnet", "fold"), ("gpt", "inspect"), ("llama", "canonicalize")])
+def test_same_model_same_sites_in_every_form(cli, tmp_path, name, command):
+    """The zoo model, its pickle and its .pt2 (written unchanged) give the same sites under the same module names
+    (a .pt2's calls are named through the nn_module_stack the program kept, not layer_norm_3) and decisions."""
+    forms = {"zoo": f"zoo:{name}"}
+    for suffix in (".pt", ".pt2"):
+        out = tmp_path / f"{name}{suffix}"
+        _json(cli, "canonicalize", f"zoo:{name}", "-o", out, "--static")  # nothing to canonicalize: the model as is
+        forms[suffix] = out
+    answers = {}
+    for form, spec in forms.items():
+        rep = _json(cli, command, spec)
+        answers[form] = sorted((s.get("pass", ""), s["target"], s.get("applied", s.get("kind"))) for s in rep["sites"]
+                               if s.get("pass", command) != "lift")  # a .pt2's functional convs lifted to modules first
+    assert answers["zoo"] == answers[".pt"] == answers[".pt2"], answers
