@@ -119,7 +119,10 @@ def test_export_has_no_norm_on_weights(tmp_path):
     export(net, Inputs((torch.randn(2, 3, 8, 8),)), str(path))
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     assert ops.count("BatchNormalization") == 0 and ops.count("ReduceMean") == 0
-    assert ops == ["Conv", "GroupNorm", "Relu", "Conv"]  # onnxruntime's fused GroupNorm, the BN folded
+    # the standard GroupNormalization (the default target, opset 23), the BN folded
+    assert ops == ["Conv", "GroupNormalization", "Relu", "Conv"]
+    export(net, Inputs((torch.randn(2, 3, 8, 8),)), str(path), target="ort", opset=20)  # below GroupNormalization-21
+    assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["Conv", "GroupNorm", "Relu", "Conv"]  # onnxruntime's
 
 
 class HandRMSNorm(nn.Module):
