@@ -171,7 +171,12 @@ class HeadsBlock(nn.Module):
 def test_per_head_layernorm_with_var_of_x_becomes_one_op(tmp_path, inverse):
     torch.manual_seed(0)
     model = HeadsBlock(inverse).eval()
-    report = normconv.export(model, _inputs(), tmp_path / "m.onnx")
+    # dynamic (the default): torch's exporter leaves the head size symbolic, (d // heads), though d is 16 at the
+    # input: the norm is not fused (its normalized size is unknown) and the report says so; validated all the same
+    dynamic = normconv.export(model, _inputs(), tmp_path / "dyn.onnx")
+    assert dynamic.passed and not dynamic.extra["fused_matches_sites"]
+    assert any("differ from norm sites" in n for n in dynamic.notes)
+    report = normconv.export(model, _inputs(), tmp_path / "m.onnx", static=True)
     assert report.passed and report.extra["inline_fused"] == 1 and report.extra["fused_matches_sites"]
     site = [s for s in report.sites if s.pass_name == "export"]
     assert len(site) == 1 and site[0].applied and "matched in the exported ONNX graph" in site[0].reason
