@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("transformers", "onnx", "onnxruntime", "onnxscript", "onnx_ir")
+HEAVY = ("transformers", "onnx", "onnxruntime", "onnxscript", "onnx_ir", "sympy")
 
 
 def _imported(code: str) -> tuple[list[str], str]:
@@ -41,7 +41,20 @@ def test_fold_on_a_torch_model_imports_no_onnx_nor_transformers(tmp_path):
         f"try:\n    app(['fold', 'zoo:resnet', '-o', {str(out)!r}, '--json'], standalone_mode=False)\n"
         f"except SystemExit as e:\n    assert not e.code, e.code")
     assert out.exists()
-    assert found == ["torch"]  # torch, and none of the ONNX stack or transformers
+    # torch, and none of the ONNX stack or transformers; nor sympy (0.6 s): a symbolic trace's shape propagation
+    # skips torch's memory-format query, whose symbolic-shape helpers import it
+    assert found == ["torch"]
+
+
+def test_inspect_and_swap_on_torch_models_import_no_sympy(tmp_path):
+    for argv in (["inspect", "zoo:resnet", "--json"], ["swap", "zoo:gpt", "--to", "rmsnorm", "-o",
+                                                        str(tmp_path / "s.pt"), "--json"]):
+        found, printed = _imported(
+            f"from normconv.cli import app\n"
+            f"try:\n    app({argv!r}, standalone_mode=False)\n"
+            f"except SystemExit as e:\n    assert not e.code, e.code")
+        assert found == ["torch"], argv
+        assert '"command"' in printed  # the command ran and reported
 
 
 def test_export_help_lists_its_defaults_without_the_exporter():
