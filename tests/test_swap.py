@@ -414,3 +414,50 @@ def test_disposable_model_is_rewritten_in_place_with_the_same_result():
     copied, in_place = results[False], results[True]
     assert copied.keys() == in_place.keys()
     assert all(torch.equal(copied[k], in_place[k]) for k in copied)
+
+
+class _MeanPooled(nn.Module):
+    """BEiT / timm's mean-pooled ViTs: blocks, then the patch tokens averaged, then ``fc_norm``, then the head. The
+    mean over tokens commutes with centering each token, so the pooled vector the last LayerNorm reads is zero-mean
+    too: the swap is exact. A mean over the hidden axis is not (it reads the mean centering removes)."""
+
+    def __init__(self, spelling, d=16):
+        super().__init__()
+        self.spelling = spelling
+        self.inp = nn.Linear(6, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(2))
+        self.fc_norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        if self.spelling == "keyword":
+            x = x[:, 1:].mean(dim=1)
+        elif self.spelling == "positional":
+            x = x[:, 1:].mean(1)
+        elif self.spelling == "function":
+            x = torch.mean(x, dim=(1,), keepdim=False)
+        else:  # "hidden": a mean over the hidden axis, broadcast back: reads what centering removes
+            x = x + x.mean(-1, keepdim=True)
+            x = x[:, 0]
+        return self.head(self.fc_norm(x))
+
+
+@pytest.mark.parametrize("spelling", ["keyword", "positional", "function"])
+def test_a_mean_over_tokens_before_the_last_norm_swaps_exactly(spelling):
+    model = _randomize_norms(_MeanPooled(spelling).eval())
+    inputs = Inputs((torch.randn(2, 5, 6),))
+    new, report = swap(model, inputs)
+    assert report.passed and report.extra["exact"]
+    assert _count(new, RMSNorm) == 3 and _count(new, nn.LayerNorm) == 0
+    for shape in ((3, 7, 6), (1, 2, 6)):  # fresh inputs at other shapes
+        x = torch.randn(shape)
+        _assert_same_logits(run(model, Inputs((x,))), run(new, Inputs((x,))))
+
+
+def test_a_mean_over_the_hidden_axis_is_not_taken_for_a_pooling():
+    model = _randomize_norms(_MeanPooled("hidden").eval())
+    with pytest.raises(NormconvError, match="cannot be swapped exactly"):
+        swap(model, Inputs((torch.randn(2, 5, 6),)))

@@ -75,9 +75,10 @@ def _resample(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> in
 
 def _mean(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int | None:
     """mean(x, dims, keepdim): the input axis behind output ``axis`` if the hidden axis is not reduced."""
-    if len(node.args) <= 1:
-        return None
-    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")  # x.mean(dim=1): a keyword in a trace
+    if dims is None:
+        return None  # a mean over every axis reduces the hidden one
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
     if not all(isinstance(d, int) for d in dims):
         return None
     rank = len(a)
