@@ -12,6 +12,7 @@ system's accounting of each finished child (``os.wait4``).
     inspect         normconv inspect zoo:resnet   against the zoo floor of resnet
     swap            normconv swap zoo:gpt --to rmsnorm -o   against the zoo floor of gpt
     export          normconv export zoo:resnet -o r.onnx    against the zoo floor of resnet
+    export vs plain the same, against build + plain torch.onnx.export(dynamo=True) of the same model
     --hf 124m       swap / fold on a GPT-2 124M folder (random weights, GPT2Config, save_pretrained) against
                     from_pretrained + save_pretrained; export against load + plain torch.onnx.export + save
     --before COMMIT each normconv case also run by COMMIT's code (git archive), paired with the same floor
@@ -47,6 +48,14 @@ with torch.no_grad():
 torch.save(m, sys.argv[2])
 """
 
+ZOO_PLAIN_EXPORT = """
+import sys, torch
+from normconv.models import ZOO
+z = ZOO[sys.argv[1]]
+m = z.build()
+torch.onnx.export(m, tuple(z.example_inputs()), sys.argv[2], dynamo=True, verbose=False)
+"""
+
 
 def cases(work: Path, hf: dict[str, Path]) -> dict[str, tuple[list[str], list[str]]]:
     """name -> (normconv command, its floor)."""
@@ -61,6 +70,9 @@ def cases(work: Path, hf: dict[str, Path]) -> dict[str, tuple[list[str], list[st
         "inspect zoo:resnet": (nc + ["inspect", "zoo:resnet"], zoo_floor("resnet")),
         "swap zoo:gpt": (nc + ["swap", "zoo:gpt", "--to", "rmsnorm", "-o", str(work / "swap.pt")], zoo_floor("gpt")),
         "export zoo:resnet": (nc + ["export", "zoo:resnet", "-o", str(work / "r.onnx")], zoo_floor("resnet")),
+        # export against what a user runs without normconv: build + plain torch.onnx.export (no validation)
+        "export vs plain zoo:resnet": (nc + ["export", "zoo:resnet", "-o", str(work / "r2.onnx")],
+                                       [PY, "-c", ZOO_PLAIN_EXPORT, "resnet", str(work / "plain.onnx")]),
     }
     for size, folder in hf.items():
         floor = [PY, "-c", HF_FLOOR, str(folder), str(work / "floor")]
