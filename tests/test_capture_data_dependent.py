@@ -98,3 +98,33 @@ def test_a_draft_graph_that_is_not_the_eager_computation_is_refused():
     _check_draft(other, ep, inputs)  # its own graph: the eager output
     with pytest.raises(NormconvError, match="draft_export's graph is not the model's computation on these inputs"):
         _check_draft(model, ep, inputs)
+
+
+def test_a_pt2_that_torch_export_cannot_make_is_refused_before_the_work(tmp_path):
+    """A .pt2 is torch.export of the whole rewritten model: where torch.export cannot take the model whole (a
+    branch on values), the command refuses as soon as the capture shows it, naming the .pt that works, and runs
+    no pass (issue 31: a detector's fold spent minutes before failing at the write)."""
+    from normconv.api import _loaded
+    from normconv.engine.door import rewrite
+    from normconv.errors import Code
+    from normconv.options import Options
+    from normconv.passes import swap_norm
+
+    torch.manual_seed(0)
+    model = PaddingBranch().eval()
+    ran = []
+
+    class Spy(swap_norm.SwapPass):
+        def __call__(self, model, cap):
+            ran.append(1)
+            return super().__call__(model, cap)
+
+    out = tmp_path / "m.pt2"
+    with pytest.raises(NormconvError) as err:
+        rewrite(_loaded(model, _inputs()), [Spy()], Options(output=str(out), accept_specialized=True),
+                command="swap")
+    assert err.value.code is Code.REFUSED and "-o m.pt" in err.value.message and "torch.export" in err.value.message
+    assert not ran and not list(tmp_path.iterdir())
+    report, _ = rewrite(_loaded(model, _inputs()), [Spy()],
+                        Options(output=str(tmp_path / "m.pt"), accept_specialized=True), command="swap")
+    assert report.passed and (tmp_path / "m.pt").is_file()  # the format that works still writes

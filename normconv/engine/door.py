@@ -84,8 +84,9 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     phase("verify", detail="the original at a second shape")
     alt = other_shape(loaded.model, inputs)
     before = model_stats(loaded.model, inputs if opts.bench else None)
+    pt2 = opts.output is not None and write and output_format(loaded, Path(opts.output)) == "pt2"
     done = apply_passes(loaded.model, inputs, passes, opts.method, opts.eval_mode, writable=loaded.disposable,
-                        reference=reference, by_parts=by_parts)
+                        reference=reference, by_parts=by_parts, whole_export=str(opts.output) if pt2 else None)
     phase("verify", 1, 1 if alt is None else 2, detail="shape")
     rewritten = run(done.model, inputs, replay=reference)  # with the original's discrete selections, where traced
     referee = next((p for p in passes if p.check is Check.REFERENCE), None)

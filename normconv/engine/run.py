@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.nn as nn
@@ -76,14 +77,18 @@ class Run:
 
 def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], method: str = "auto",
                  eval_mode: bool = False, on_first_capture: Callable[[Captured], None] | None = None,
-                 writable: bool = False, reference: Any = None, by_parts: bool = False) -> Run:
+                 writable: bool = False, reference: Any = None, by_parts: bool = False,
+                 whole_export: str | None = None) -> Run:
     """Run ``passes`` in order on a tensor-sharing copy of ``model``.
 
     ``eval_mode`` puts the copy (never the user's model) in eval mode first. ``on_first_capture`` sees the first
     capture, of the unmodified model (export plans from it; it is made even with no pass). ``writable``: passes
     write ``model``'s own tensors (a disposable model only). ``reference``: ``model``'s output on ``inputs`` when
     the caller has it (the unmodified copy's capture reuses it for its trust check). ``by_parts``: a model no
-    method captures whole is rewritten part by part when every pass allows it; else its capture error is raised."""
+    method captures whole is rewritten part by part when every pass allows it; else its capture error is raised.
+    ``whole_export``: an output that is torch.export of the whole rewritten model (a .pt2, named here): refused as
+    soon as the capture shows torch.export cannot take the model whole, before any pass runs (the passes change
+    layers, not the control flow that stopped it)."""
     work = clone_sharing_tensors(model, writable)
     if eval_mode:
         for m in work.modules():
@@ -105,12 +110,17 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
                     raise whole
                 cap = out.saw(capture(work, inputs, method, reference))
             except NormconvError as exc:
+                if exc.code is Code.CANNOT_CAPTURE and whole_export and method in ("auto", "torch.export"):
+                    raise _no_whole_export(whole_export, work, exc.message) from None  # torch.export failed whole
                 if exc.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
                     raise
                 whole = exc
                 _by_parts(p, work, inputs, method, whole, out, model)
                 inherit_training_flags(before, work)
                 continue
+        if whole_export and cap.method == "torch.export" and cap.specialized:  # a draft: branches on values
+            raise _no_whole_export(whole_export, work, "torch.export needs a branch on tensor values decided ("
+                                   + (cap.guards[0].describe() if cap.guards else "draft_export") + ")")
         if out.guards:
             copy_on_write(work, model)
         phase("rewrite", detail=p.name)
@@ -131,6 +141,14 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
     out.model = release(work)
     out.capture = cap if cap is not None and cap.model is work else None
     return out
+
+
+def _no_whole_export(output: str, model: nn.Module, why: str) -> NormconvError:
+    """The refusal of a .pt2 that torch.export cannot make, said before the work: which format works instead."""
+    first = (why.splitlines() or [""])[0][:300]
+    return NormconvError(f"cannot write {output}: a .pt2 is torch.export of the whole model, and torch.export cannot "
+                         f"take {type(model).__name__} whole ({first}); write -o {Path(output).with_suffix('.pt').name}"
+                         f" (torch.load) instead", Code.REFUSED)
 
 
 def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: NormconvError, out: Run,
