@@ -96,19 +96,24 @@ class Ledger:
             st = None
         real = Path(os.path.realpath(path))
         ident = (st.st_dev, st.st_ino) if st is not None else None
+        # paths compared as strings, the output's parents computed once: a run's ledger holds every module file
+        # the libraries imported (1,300 for a transformers model), and Path arithmetic per entry cost a second
+        real_s, above = os.fspath(real), {os.fspath(p) for p in real.parents}
+        inside_out = real_s.rstrip(os.sep) + os.sep
         for e in sorted(self.entries.values(), key=lambda e: not e.folder):  # "inside the input folder" first
             allowed = in_place and e.primary
-            if e.folder and (real == e.real or e.real in real.parents) and not allowed:
+            e_s = os.fspath(e.real)
+            if e.folder and (real_s == e_s or e_s in above) and not allowed:
                 what = "the input folder" if real == e.real else f"a file inside the input folder {e.real}"
                 raise NormconvError(f"refusing to write {out}: it is {what}, which this run read; choose another -o")
-            if not e.folder and (real == e.real or (ident is not None and ident == e.ident)) and not allowed:
+            if not e.folder and (real_s == e_s or (ident is not None and ident == e.ident)) and not allowed:
                 via = "" if real == e.real else f" (it is {e.real} under another name)"
                 if e.primary:
                     raise NormconvError(f"refusing to overwrite the input {out}{via}: choose another -o or pass "
                                         f"--in-place")
                 hint = " (--in-place writes over the model itself only)" if in_place else ""
                 raise NormconvError(f"refusing to overwrite {out}: this run read it{via}; choose another -o{hint}")
-            if overwrite and real in e.real.parents:  # replacing the folder would delete what was read
+            if overwrite and e_s.startswith(inside_out):  # replacing the folder would delete what was read
                 raise NormconvError(f"refusing to overwrite {out}: the input {e.real} is inside it")
         if st is not None and overwrite and stat.S_ISDIR(st.st_mode):
             return path  # a real folder (not a symlink to one), replaced whole with --overwrite
