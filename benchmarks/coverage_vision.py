@@ -308,8 +308,13 @@ def cli(*args) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, err
 
 
+class TimedOut(BaseException):
+    """A command past its time limit: a BaseException, so that no ``except Exception`` on the way (a capture trying
+    its next method, a writer's cleanup) takes it for the command's own failure and goes on."""
+
+
 def _alarm(*_):
-    raise TimeoutError("timed out")
+    raise TimedOut("timed out")
 
 
 def limited(fn, seconds: int):
@@ -365,7 +370,7 @@ def run_command(spec: str, command: str, model, example, new, tmp: Path, timeout
             rec["verdict"], rec["why"], rec["detail"] = rewrite(command, model, new, tmp, timeout)
         else:
             rec["verdict"], rec["why"] = export(model, example, new, tmp, timeout)
-    except TimeoutError:
+    except TimedOut:
         rec["verdict"], rec["why"] = "failed", f"timed out ({timeout} s)"
     except normconv.NormconvError as e:
         rec["verdict"], rec["why"] = "refused", first(e)
