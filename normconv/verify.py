@@ -144,23 +144,26 @@ class _ModuleState:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.attrs = {k: v for k, v in module.__dict__.items() if k not in _TORCH_STATE}
-        self.contents = {k: (list(v.items()) if isinstance(v, dict) else list(v)) for k, v in self.attrs.items()
-                         if type(v) in _CONTAINERS}
+        self.attrs = module.__dict__.copy()  # _TORCH_STATE's keys come along and are left alone by restore
+        # a container's items (None: it was empty), for every container attribute but torch's own state
+        self.contents = [(v, (list(v.items()) if isinstance(v, dict) else list(v)) if v else None)
+                         for k, v in self.attrs.items() if type(v) in _CONTAINERS and k not in _TORCH_STATE]
 
     def restore(self) -> None:
-        d = self.module.__dict__
-        for k in [k for k in d if k not in self.attrs and k not in _TORCH_STATE]:
+        d, attrs = self.module.__dict__, self.attrs
+        for k in d.keys() - attrs.keys():
             del d[k]  # an attribute the forward added
-        for k, v in self.attrs.items():
-            if d.get(k, _MISSING) is not v:
+        for k, v in attrs.items():
+            if d.get(k, _MISSING) is not v and k not in _TORCH_STATE:
                 d[k] = v  # an attribute the forward re-bound
-        for k, items in self.contents.items():
-            v = self.attrs[k]
-            if isinstance(v, dict):
+        for v, items in self.contents:
+            if items is None:
+                if v:
+                    v.clear()  # a cache or hook dict the forward filled
+            elif isinstance(v, dict):
                 if len(v) != len(items) or any(v.get(key, _MISSING) is not x for key, x in items):
                     v.clear()
-                    v.update(items)  # a cache or hook dict the forward filled
+                    v.update(items)
             elif len(v) != len(items) or any(a is not b for a, b in zip(v, items)):
                 if isinstance(v, list):
                     v[:] = items
@@ -319,17 +322,20 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
         tries = tuple((b, dl, True) for b, dl in tries) + tuple((b, dl, False) for b, dl in tries)
     else:
         tries = tuple((b, dl, False) for b, dl in tries)
+    # one copy sharing the tensors for every candidate: a forward may rewrite the module's own attributes for the
+    # shape it sees (Swin shrinks its window to a smaller image), and the user's model must stay as it was; each
+    # guarded forward leaves the copy as it found it (``forward_guard``), so the candidates share it
+    probe = None
     for new_batch, dl, spatial in tries:
         alt = Inputs(tuple(reshape(x, new_batch, dl, spatial) for x in inputs.args),
                      {k: reshape(v, new_batch, dl, spatial) for k, v in inputs.kwargs.items()})
+        probe = clone_sharing_tensors(model) if probe is None else probe
         try:
-            # on a copy sharing the tensors: a forward may rewrite the module's own attributes for the shape it
-            # sees (Swin shrinks its window to a smaller image), and the user's model must stay as it was
-            out = run(clone_sharing_tensors(model), alt)
+            out = run(probe, alt)
         except Exception:
             continue
         if output_leaves(out) and not all_zero(output_leaves(out)):
-            return alt, with_selections(clone_sharing_tensors(model), alt, out)
+            return alt, with_selections(probe, alt, out)
     return None
 
 

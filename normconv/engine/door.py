@@ -27,7 +27,6 @@ import torch.nn as nn
 
 from normconv.quiet import phase
 from normconv.io import outputs
-from normconv.clone import clone_sharing_tensors
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.io.load import Loaded
 from normconv.io.write import check_output_path, output_format, save
@@ -130,8 +129,9 @@ def second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: flo
     label = f"{label}, second shape ({alt_inputs.describe()})"
     phase("verify", 2, 2, detail="shape")
     try:
-        # the result keeps no state of this shape; the original's selections replayed where traced
-        candidate = run(clone_sharing_tensors(rewritten), alt_inputs, replay=expected)
+        # normconv's own copy, run guarded (``run``): it keeps no state of this shape (attributes, hook dicts,
+        # caches and buffers restored); the original's selections replayed where traced
+        candidate = run(rewritten, alt_inputs, replay=expected)
     except Exception as exc:
         return [Validation(float("inf"), float("inf"), atol or 0.0, rtol or 0.0, False, 0.0,
                            (OutputError("output", float("inf"), float("inf"), 0.0, False),),
