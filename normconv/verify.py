@@ -69,7 +69,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
 
-from normconv.clone import clone_sharing_tensors
 from normconv.report import OutputError, Validation
 from normconv.selections import Recorder, Trace, selects
 
@@ -288,8 +287,7 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     multiple of every usual stride), then batch + 1. Each candidate is tried on ``model``; the first it accepts
     with an output that can fail a comparison (not every output 0: one sample through a final ReLU can be) is
     returned with that output (``with_selections``: traced where it holds an integer or bool tensor), None when it
-    takes no other shape (fixed sizes). ``model`` itself never runs: each
-    candidate runs on a copy sharing its tensors."""
+    takes no other shape (fixed sizes). Each candidate runs guarded (``run``): ``model`` is left as it was."""
     tensors = [x for x in list(inputs.args) + list(inputs.kwargs.values()) if isinstance(x, torch.Tensor)]
     if not tensors or any(t.dim() == 0 for t in tensors):
         return None
@@ -322,20 +320,17 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
         tries = tuple((b, dl, True) for b, dl in tries) + tuple((b, dl, False) for b, dl in tries)
     else:
         tries = tuple((b, dl, False) for b, dl in tries)
-    # one copy sharing the tensors for every candidate: a forward may rewrite the module's own attributes for the
-    # shape it sees (Swin shrinks its window to a smaller image), and the user's model must stay as it was; each
-    # guarded forward leaves the copy as it found it (``forward_guard``), so the candidates share it
-    probe = None
     for new_batch, dl, spatial in tries:
         alt = Inputs(tuple(reshape(x, new_batch, dl, spatial) for x in inputs.args),
                      {k: reshape(v, new_batch, dl, spatial) for k, v in inputs.kwargs.items()})
-        probe = clone_sharing_tensors(model) if probe is None else probe
         try:
-            out = run(probe, alt)
+            # guarded (``run``): a forward may rewrite the module's own attributes for the shape it sees (Swin
+            # shrinks its window to a smaller image); forward_guard puts them back, as for the example's forward
+            out = run(model, alt)
         except Exception:
             continue
         if output_leaves(out) and not all_zero(output_leaves(out)):
-            return alt, with_selections(probe, alt, out)
+            return alt, with_selections(model, alt, out)
     return None
 
 
