@@ -148,6 +148,7 @@ class _Pass:
 
         rest: list = []
         try:
+            phase("read + rewrite + verify + write", detail="embeddings, final norm, head (outside the blocks)")
             rest = self._load(0)
             results = lockstep([(self.original, s) for s in shapes] + [(self.rewritten, s) for s in shapes],
                                enter, leave)
