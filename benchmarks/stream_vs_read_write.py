@@ -9,10 +9,14 @@ Then, side by side in the same run, each as its own process (peak RSS from ``os.
            same names (normconv.stream.checkpoint.ShardWriter): the I/O any streaming rewrite has to do
   floor-pread  the same with normconv's reader (a positioned read per tensor into its own buffer, no mapping)
   normconv ``python -m normconv.cli swap IN --to rmsnorm --stream -o OUT`` (``fold IN --stream -o OUT`` for the CNN
-           rungs): plan on meta, rewrite, then verify block by block (reading the input and the output once more)
+           rungs): plan on meta, then one pass in block order (each block read once, rewritten, run through the
+           original and the rewritten model at two shapes, written), then the written shards read back by checksum
+  before   with ``--before COMMIT``: the same command run by COMMIT's code (git archive, real_sizes_vs_floor's
+           before_tree), right before this code's run, on the same checkpoint
 The folders are deleted after each rung.
 
     python benchmarks/stream_vs_read_write.py [--rungs 124m,1.3b] [--root DIR] [--out benchmarks/results/stream.md]
+                                              [--before COMMIT]
 """
 
 from __future__ import annotations
@@ -137,10 +141,15 @@ for shard, header in ckpt.shards.items():
 """
 
 
-def measure(cmd: list[str]) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS GB, exit code) of one process."""
+def measure(cmd: list[str], path: Path | None = None) -> tuple[float, float, int]:
+    """(wall seconds, peak RSS GB, exit code) of one process (``path``: the normconv tree it imports, first)."""
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if path is not None:
+        env["PYTHONPATH"] = str(path)
+    # run from the temp folder: ``python -m`` puts the working directory first on sys.path (a checkout's normconv
+    # would shadow ``path``)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tempfile.gettempdir())
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t
     out, err = p.stdout.read(), p.stderr.read()
@@ -157,11 +166,19 @@ def main() -> None:
     ap.add_argument("--rungs", default="124m,1.3b,2.7b")
     ap.add_argument("--root", default=None, help="folder for the checkpoints (default: a temp folder)")
     ap.add_argument("--out", default="benchmarks/results/stream.md")
+    ap.add_argument("--before", default=None, help="a commit: its normconv too, run just before this code's")
     args = ap.parse_args()
-    root = Path(args.root or tempfile.mkdtemp(prefix="normconv-bench-stream-"))
+    root = Path(args.root or tempfile.mkdtemp(prefix="normconv-bench-stream-")).resolve()
+    before = None
+    if args.before:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from real_sizes_vs_floor import before_tree
+
+        before = before_tree(args.before, root)
+    extra = " normconv before | before / floor |" if before else ""
     rows = ["| model | params | dtype | on disk | floor: safe_open + write | floor: pread + write | "
-            "normconv --stream | time / floor | memory / floor | memory / pread floor |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            f"normconv --stream | time / floor | memory / floor | memory / pread floor |{extra}",
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if before else "")]
     details = []
     for rung in args.rungs.split(","):
         folder = root / rung
@@ -175,9 +192,15 @@ def main() -> None:
                                         "pread"])
         shutil.rmtree(root / f"{rung}-floor", ignore_errors=True)
         command = COMMAND.get(rung, "swap")
-        nc_w, nc_m, nc = measure([sys.executable, "-m", "normconv.cli", command, str(folder)]
-                                 + (["--to", "rmsnorm"] if command == "swap" else [])
-                                 + ["--stream", "-o", str(root / f"{rung}-out"), "--json"])
+        cmd = ([sys.executable, "-m", "normconv.cli", command, str(folder)]
+               + (["--to", "rmsnorm"] if command == "swap" else []) + ["--stream", "-o", str(root / f"{rung}-out"),
+                                                                       "--json"])
+        old = ""
+        if before is not None:
+            b_w, b_m, bc = measure(cmd, before)
+            shutil.rmtree(root / f"{rung}-out", ignore_errors=True)
+            old = f" {b_w:.1f} s, {b_m:.2f} GB{'' if bc == 0 else f' (exit {bc})'} | {b_w / floor_w:.1f}x |"
+        nc_w, nc_m, nc = measure(cmd)
         report_ok = nc == 0 and (root / f"{rung}-out").exists()
         shutil.rmtree(root / f"{rung}-out", ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -185,7 +208,7 @@ def main() -> None:
         rows.append(f"| {rung} ({RUNGS[rung][0]}, {command}) | {params / 1e9:.2f} B | {dtype} | {nbytes / 1e9:.2f} GB | "
                     f"{floor_w:.1f} s, {floor_m:.2f} GB | {pread_w:.1f} s, {pread_m:.2f} GB | {nc_w:.1f} s, {nc_m:.2f} GB"
                     f"{'' if report_ok else f' (exit {nc})'} | {nc_w / floor_w:.1f}x | {nc_m / floor_m:.2f}x | "
-                    f"{nc_m / pread_m:.2f}x |")
+                    f"{nc_m / pread_m:.2f}x |{old}")
         details.append(f"{rung}: generated in {made:.1f} s; floor exits {fc}, {pc}; normconv exit {nc}")
         print(rows[-1], flush=True)
         Path(args.out).write_text("\n".join(rows + [""] + details) + "\n")  # each rung as soon as it is measured

@@ -87,8 +87,9 @@ def test_stream_shows_tensors_and_blocks(tmp_path):
                                "--json")
     assert code == 0, err[-2000:]
     assert json.loads(out)["extra"]["streamed"] is True
-    for phase in ("capture: on the meta device", "read + rewrite + write: shard 1/", "verify: read + run original, "
-                  "block", "verify: read + run rewritten, block 3/3"):
+    for phase in ("capture: on the meta device", "read + rewrite + verify + write: embeddings, final norm, head",
+                  "read + rewrite + verify + write: block 1/3", "read + rewrite + verify + write: block 3/3",
+                  "fsync + read back checksums"):
         assert phase in err, (phase, err[-3000:])
 
 

@@ -282,9 +282,11 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
             assert t.double().mean(-1).abs().max() < 1e-3 < original[name].double().mean(-1).abs().max()
 
 
-def test_verification_reads_each_block_once_for_both_shapes(tmp_path, monkeypatch):
-    """The two verification shapes run in lockstep (a thread each, meeting at every block): each tensor of the
-    rewritten folder is read once, not once per shape, and the lockstep results equal the one-at-a-time ones."""
+def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypatch):
+    """One pass: each source tensor is read once for the rewrite, both verification shapes and both models (plus
+    once more where the plan reads it: the norm biases), and the written output is never read into a model (its
+    bytes are checked by checksum). The lockstep forwards (a thread per shape, meeting at every block) equal the
+    one-at-a-time ones."""
     src, out = tmp_path / "in", tmp_path / "out"
     model = _saved(_gpt2, src)
     reads: dict[tuple[str, str], int] = {}
@@ -298,8 +300,12 @@ def test_verification_reads_each_block_once_for_both_shapes(tmp_path, monkeypatc
     monkeypatch.setattr(Checkpoint, "get", counted)
     report = streaming.swap(src, out)
     assert report.passed and len(report.extra["blocks"]) == 2 * 3
-    written = {k: n for k, n in reads.items() if k[0] not in ("in", "out")}  # the temp folder: verification only
-    assert written and set(written.values()) == {1}, written
+    assert all(folder == "in" for folder, _ in reads), reads  # the temp folder / OUT: never read by a model
+    stored = set(Checkpoint(src).weight_map)
+    assert {name for _, name in reads} == stored  # every source tensor read ...
+    assert max(reads.values()) <= 2, reads  # ... at most twice
+    planned = {name for (_, name), n in reads.items() if n == 2}
+    assert planned and all(".ln_" in n and n.endswith(".bias") for n in planned), planned  # the plan's reads
     cls, config = model_class(src)
     meta = build_on_meta(cls, config, torch.float32)
     loader = OnDemand(meta, Checkpoint(src).rename_for(meta), src)
@@ -309,3 +315,51 @@ def test_verification_reads_each_block_once_for_both_shapes(tmp_path, monkeypatc
         assert torch.equal(out_many.logits, out_one.logits)
         assert all(torch.equal(a, b) for a, b in zip(blocks_many, blocks_one)) and len(blocks_many) == 3
     assert {p.device.type for p in meta.parameters()} == {"meta"}
+
+
+def _flip_a_byte(folder):
+    """One bit of one tensor's bytes flipped in place in a written shard (a disk or a write gone wrong)."""
+    ckpt = Checkpoint(folder)
+    name = next(k for k in sorted(ckpt.weight_map) if k.endswith("attn.c_attn.weight"))
+    shard = ckpt.weight_map[name]
+    h = ckpt.shards[shard]
+    at = h["__start__"] + h[name]["data_offsets"][0] + 5
+    with open(folder / shard, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_byte_flipped_after_writing_is_refused(tmp_path, cli, monkeypatch):
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(_gpt2, src)
+    with pytest.raises(VerificationError, match=r"swap --stream: block 0: .*attn\.c_attn\.weight .*read back "
+                                                r"differs .*nothing written") as exc:
+        streaming.swap(src, out, after_rewrite=_flip_a_byte)
+    assert not exc.value.report.passed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+    # the command line: exit 1, one line, nothing at OUT
+    monkeypatch.setattr(streaming, "write_verified", _with_hook(streaming.write_verified, _flip_a_byte))
+    code, _, stderr = cli("swap", str(src), "--to", "rmsnorm", "--stream", "-o", str(out))
+    assert code == 1 and "CRC-32" in stderr and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def _with_hook(write_verified, hook):
+    """write_verified with ``hook`` as its after_rewrite (its last positional argument, as stream.swap calls it)."""
+    return lambda *args: write_verified(*args[:-1], hook)
+
+
+def test_a_changed_config_after_writing_is_refused(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(_gpt2, src)
+
+    def edit(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config["n_layer"] = 2
+        (folder / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(VerificationError, match="config.json changed after it was written; nothing written"):
+        streaming.swap(src, out, after_rewrite=edit)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]

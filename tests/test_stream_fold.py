@@ -155,3 +155,23 @@ def test_a_checkpoint_missing_a_batchnorm_tensor_is_refused(tmp_path, cli):
     assert code == 2 and "has no tensor" in stderr and "running_var" in stderr
     assert len(stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypatch):
+    """One pass: every source tensor is read once for the rewrite and the verification (the BatchNorm tensors once
+    more, by the plan), and the written output is never read into a model (its bytes are checked by checksum)."""
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(src)
+    reads: dict[tuple[str, str], int] = {}
+    get = Checkpoint.get
+
+    def counted(self, name):
+        reads[(self.folder.name, name)] = reads.get((self.folder.name, name), 0) + 1
+        return get(self, name)
+
+    monkeypatch.setattr(Checkpoint, "get", counted)
+    assert streaming.fold(src, out).passed
+    assert all(folder == "in" for folder, _ in reads), reads
+    assert {name for _, name in reads} == set(Checkpoint(src).weight_map)
+    twice = {name for (_, name), n in reads.items() if n == 2}
+    assert max(reads.values()) == 2 and all(".normalization." in n for n in twice), reads

@@ -3,12 +3,16 @@ block, never holding the model (``swap --stream``, ``fold --stream``). Import th
 re-exported here.
 
   checkpoint  the folder and its shards: safetensors headers, ``Checkpoint`` (one tensor at a time, keys mapped to
-              the model's names), ``ShardWriter`` / ``write_shards``, ``open_folder``, ``copy_folder``
-  blocks      the model built on the meta device, its blocks loaded from the checkpoint on demand (``OnDemand``),
-              and ``write_verified``: rewrite into a temp folder, verify block by block, rename into place
+              the model's names), ``shard_header`` / ``ShardWriter``, ``open_folder``, ``copy_folder``
+  blocks      the model built on the meta device, several forwards meeting at every block (``lockstep``), its
+              blocks loaded from a checkpoint on demand (``OnDemand``)
+  writer      the output shards' layout computed up front, tensors written at their offsets with a CRC-32 each,
+              read back and checked
+  onepass     ``write_verified``: each block read once, rewritten in memory, run through the original and the
+              rewritten model, compared and written; checksums read back; renamed into place
   swap        the exact LayerNorm -> RMSNorm swap, streamed (planned by passes.swap_norm, applied with its arithmetic)
   fold        BatchNorm folded into the layer before it, streamed (planned by passes.fold_batchnorm)
 
-Imports run one way: checkpoint <- blocks <- swap, fold. The room sits under api / flow and over passes, graph
+Imports run one way: checkpoint <- blocks, writer <- onepass <- swap, fold. The room sits under api / flow and over passes, graph
 and io.
 """

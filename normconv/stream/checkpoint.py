@@ -1,10 +1,11 @@
 """A Hugging Face folder's safetensors checkpoint, a tensor at a time: headers, ``Checkpoint`` (each tensor read
-into a buffer of its own, its key mapped to the model's name as from_pretrained maps it), ``ShardWriter`` /
-``write_shards`` (a shard written a tensor at a time behind a header computed up front), and the folder around the
-shards: ``open_folder`` (the checks before any work: a Hugging Face folder without remote code whose weights are
-the ones from_pretrained loads, every path it names inside it and every header valid (io.hf_folder), an output that
-is new, writable and nothing the run read (io.ledger)) and ``copy_folder`` (the index, config.json and every other
-file of the folder).
+into a buffer of its own, its key mapped to the model's name as from_pretrained maps it), ``shard_header`` (a
+shard's first bytes, computed up front) and ``ShardWriter`` (a shard written a tensor at a time in order: the
+benchmarks' floor and the tests; the commands write at offsets, stream.writer), and the folder around the shards:
+``open_folder`` (the checks before any work: a Hugging Face folder without remote code whose weights are the ones
+from_pretrained loads, every path it names inside it and every header valid (io.hf_folder), an output that is new,
+writable and nothing the run read (io.ledger)) and ``copy_folder`` (the index, config.json and every other file of
+the folder).
 
 The lowest module of the streaming room: it imports io only.
 """
@@ -16,12 +17,11 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from normconv.quiet import phase
 from normconv.errors import NormconvError
 from normconv.io import hf_folder
 from normconv.io.hf_folder import safetensors_header, tensor_names
@@ -143,22 +143,30 @@ def float_dtype(ckpt: Checkpoint) -> torch.dtype:
     return max(count, key=count.get) if count else torch.float32
 
 
+def shard_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict | None) -> tuple[bytes, list[int], int]:
+    """A safetensors file's first bytes for ``entries`` (name, dtype, shape) stored in that order: (the 8-byte
+    length + the JSON header padded to 8 bytes, each tensor's start within the data, the data's size)."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset, starts = 0, []
+    for name, dtype, shape in entries:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        starts.append(offset)
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw, starts, offset
+
+
 class ShardWriter:
-    """A safetensors file written a tensor at a time: the header (names, dtypes, shapes, offsets) first."""
+    """A safetensors file written a tensor at a time, in order: the header (names, dtypes, shapes, offsets) first."""
 
     def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None):
-        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-        offset = 0
-        for name, dtype, shape in entries:
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+        raw, _, self.size = shard_header(entries, metadata)
         self.expected = [(n, d, tuple(s)) for n, d, s in entries]
-        self.size = offset
         self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.f.write(raw)
 
     def write(self, name: str, t: torch.Tensor) -> None:
         n, dtype, shape = self.expected.pop(0)
@@ -169,38 +177,6 @@ class ShardWriter:
     def check(self) -> None:
         if self.expected:
             raise RuntimeError(f"shard writer closed with {len(self.expected)} tensors unwritten")
-
-
-def write_shards(ckpt: Checkpoint, tmp: Path, produce: Callable[[str, torch.Tensor], torch.Tensor],
-                 copies: dict[str, list[str]] | None = None) -> dict[str, str]:
-    """Every shard of ``ckpt`` written into ``tmp`` under its own name, a tensor at a time: each tensor as
-    ``produce(model name, stored tensor)`` returns it, after the names in ``copies[key]`` (written with the stored
-    values: the untied copies of a rewritten tied weight). Returns the new weight map."""
-    copies = copies or {}
-    weight_map: dict[str, str] = {}
-    for k, (shard, header) in enumerate(ckpt.shards.items(), 1):
-        names = ckpt.names(shard)
-        entries = []
-        for n in names:
-            shape, dtype = tuple(header[n]["shape"]), _DTYPES[header[n]["dtype"]]
-            entries += [(c, dtype, shape) for c in copies.get(n, [])] + [(n, dtype, shape)]
-        writer = ShardWriter(tmp / shard, entries, header.get("__metadata__") or {"format": "pt"})
-        try:
-            for i, n in enumerate(names, 1):
-                phase("read + rewrite + write", i, len(names),
-                               detail=f"shard {k}/{len(ckpt.shards)}, tensor")
-                t = ckpt.get(n)
-                for c in copies.get(n, []):
-                    writer.write(c, t)  # the tied name keeps the original rows
-                    weight_map[c] = shard
-                t = produce(ckpt.name[n], t)
-                writer.write(n, t)
-                weight_map[n] = shard
-                del t
-            writer.check()
-        finally:
-            writer.f.close()
-    return weight_map
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,14 +3,15 @@
   plan     the model built from config.json with its parameters on the meta device; only the BatchNorm tensors
            (four per-channel vectors each) are read from the shards; captured with torch.export and planned by
            fold_batchnorm.analyze, with the guards of the in-memory fold
-  rewrite  tensor by tensor, shard by shard (stream.checkpoint.write_shards). A layer L (conv / linear) followed by
+  rewrite  in one pass in block order with the verification (stream.onepass). A layer L (conv / linear) followed by
            BN(y) = s y + t, s = gamma / sqrt(var + eps), t = beta - mean s, becomes, in float64:
              BN'  weight 1, running_mean 0, running_var v = (1 - eps rounded to the stored dtype), so BN'(y) = f y + c
                   with f = 1 / sqrt(v + eps) (1 up to that rounding) and c = its bias
              L    W' = W s / f along L's output channels; with a bias b' = (b s + t) / f and c = 0, without one c = t
            so BN'(L'(x)) = s W x + s b + t = BN(L(x)): f cancels whatever 1 - eps rounded to
-  verify   block by block against the original (stream.blocks.write_verified): every block output and the final
-           outputs equal, at two input shapes; nothing is written otherwise
+  verify   each block's tensors read once, rewritten in memory, run through the original and the rewritten block
+           at two input shapes (stream.onepass.write_verified): every block output and the final outputs equal;
+           the written shards checked by checksum when read back; nothing is written otherwise
 
 The output is the same architecture with rewritten weights: each folded BatchNorm is now the identity (or a
 per-channel shift where its layer has no bias), so ``from_pretrained`` loads it and its outputs are the original's;
@@ -37,8 +38,9 @@ from normconv.io.hf_inputs import hf_example_inputs
 from normconv.passes import fold_batchnorm
 from normconv.passes.base import skip
 from normconv.report import Report
-from normconv.stream.blocks import build_on_meta, fill, tensor_slots, write_verified
-from normconv.stream.checkpoint import Checkpoint, open_folder, tied_names, write_shards
+from normconv.stream.blocks import build_on_meta, fill, tensor_slots
+from normconv.stream.checkpoint import Checkpoint, open_folder, tied_names
+from normconv.stream.onepass import write_verified
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -106,7 +108,7 @@ def _edits(decisions, meta: nn.Module) -> dict[str, Callable[[torch.Tensor], tor
         out[f"{d.site.target}.bias"] = lambda x, c=c: c.to(x.dtype)
         out[f"{d.site.target}.running_mean"] = lambda x: torch.zeros_like(x)
         out[f"{d.site.target}.running_var"] = lambda x, v=v: torch.full_like(x, float(v))
-        out[f"{d.layer}.weight"] = lambda w, layer=layer, s=s, f=f: _scaled_weight(layer, w, s / f)
+        out[f"{d.layer}.weight"] = lambda w, layer=layer, s=s, f=f: _scaled_weight(layer, w.clone(), s / f)
         if has_bias:
             out[f"{d.layer}.bias"] = lambda b, s=s, t=t, f=f: ((b.double() * s + t) / f).to(b.dtype)
     return out
@@ -133,14 +135,13 @@ def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
     report.extra.update({"streamed": True, "folded": len(decisions)})
     edits = _edits(decisions, meta)
 
-    def produce(name: str, t: torch.Tensor) -> torch.Tensor:
+    def produce(name: str, t: torch.Tensor, source) -> torch.Tensor:
         for alias in aliases.get(name, [name]):
             if alias in edits:
-                return edits[alias](t)
+                return edits[alias](t)  # a new tensor: ``t`` stays the original (the original model runs on it)
         return t
 
-    write_verified(src, out, ckpt, cls, config, dtype, report,
-                   lambda tmp: (write_shards(ckpt, tmp, produce), False), _identity, atol, rtol,
+    write_verified(src, out, ckpt, cls, config, dtype, report, produce, {}, False, _identity, atol, rtol,
                    keep_temp_on_failure, after_rewrite)
     report.notes.append("the output is the same architecture with rewritten weights: each folded BatchNorm is the "
                         "identity (or a per-channel shift where its layer has no bias); normconv fold OUT in memory "

@@ -3,20 +3,22 @@
   plan     the model built from config.json on the meta device, captured with torch.export (shapes only) and planned
            by swap_norm.analyze / swap_norm.edits, which read the few values they need (the norms' biases) from the
            shards: the writers to center (name, axis), the norm biases to fold into which consumer biases, the ties
-  rewrite  tensor by tensor, shard by shard, with the swap's own functions (center_, bias_delta, add_: float64 a
-           slice at a time); each output shard is written a tensor at a time behind a header computed up front
-  verify   the original and the rewritten folder run on the example inputs (and a second shape) in models whose
-           parameters live on the meta device: each block of the longest ModuleList is loaded from the shards just
-           before it runs and dropped after it, the rest (embeddings, final norm, head) for the forward; every
-           block's output and the final outputs are compared
-  write    everything under a temp folder next to OUT, renamed into place only after every check passed
+  rewrite  in one pass in block order (stream.onepass): the rest (embeddings, final norm, head) first, then each
+  verify   block's tensors read once from the shards and rewritten in memory with the swap's own functions
+  write    (center_, bias_delta, add_: float64 a slice at a time); the original and the rewritten model run that
+           block on the example inputs and a second shape (parameters on the meta device, only that block loaded),
+           the rewritten block output compared with the original's minus its mean over the hidden axis, the
+           rewritten tensors written at their offsets in shards whose headers were computed up front; the final
+           outputs compared too. The written shards are read back by checksum (CRC-32 per tensor), and the temp
+           folder next to OUT renamed into place only after every check passed
 
-The reading and writing (stream.checkpoint) and the block-by-block verification (stream.blocks) are shared with
-``fold --stream`` (stream.fold).
+The reading (stream.checkpoint), the lockstep forwards (stream.blocks), the one pass (stream.onepass) and the
+positioned writer (stream.writer) are shared with ``fold --stream`` (stream.fold).
 
-Peak memory: the largest tensor (twice, in float64 slices at most 32 MB) while rewriting; one block plus the
-embeddings and head while verifying. The output is the same architecture with rewritten weights: every LayerNorm
-now reads a zero-mean stream, so it equals RMSNorm(weight, eps) (+ its bias where that could not be folded).
+Peak memory: one block (original and rewritten, float32 for a half-precision checkpoint; the edits in float64
+slices of at most 32 MB) plus the embeddings and head. The output is the same architecture with rewritten
+weights: every LayerNorm now reads a zero-mean stream, so it equals RMSNorm(weight, eps) (+ its bias where that
+could not be folded).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from normconv.graph.detect import find_norms
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.passes import swap_norm
 from normconv.report import Report
-from normconv.stream.blocks import build_on_meta, write_verified
-from normconv.stream.checkpoint import Checkpoint, open_folder, stored_key, tied_names, write_shards
+from normconv.stream.blocks import build_on_meta
+from normconv.stream.checkpoint import Checkpoint, open_folder, stored_key, tied_names
+from normconv.stream.onepass import Produce, write_verified
 
 # ---------------------------------------------------------------------------------------------------------
 # plan
@@ -56,11 +59,15 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
                             f"(run without --stream, where the rewrite is proven for the other branch or refused)")
     aliases = tied_names(meta)
 
+    seen: dict[str, torch.Tensor] = {}  # analyze and edits read the same few vectors (the norms' biases): once
+
     def read(name: str) -> torch.Tensor:
         stored = stored_key(ckpt, aliases, name)
         if stored is None:
             raise NormconvError(f"{folder}: the checkpoint has no tensor {name}")
-        return ckpt.get(stored)
+        if stored not in seen:
+            seen[stored] = ckpt.get(stored)
+        return seen[stored].clone()
 
     a = swap_norm.analyze(cap, find_norms(cap), "rmsnorm", read=read)
     if not a.plans:
@@ -80,10 +87,10 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
 # rewrite
 
 
-def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[str]], tmp: Path,
-             notes: list[str]) -> tuple[dict[str, str], bool, int]:
-    """Write every shard of ``ckpt`` into ``tmp`` with the edits applied; returns the new weight map, whether a
-    tied tensor was written under a second name (untied), and how many norm biases were folded."""
+def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[str]],
+             notes: list[str]) -> tuple[Produce, dict[str, list[str]], int]:
+    """How each tensor is rewritten (``produce``), the untied copies to write (stored key -> names written with
+    the original values) and how many norm biases are folded."""
     fold_into = plan.fold_into()
     # a norm whose bias would need a new bias parameter (a consumer without one) keeps its bias: the architecture
     # is not changed, and LN(x) = RMSNorm(x) * g + b on the zero-mean stream all the same
@@ -106,19 +113,18 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
     def edited(name: str, t: torch.Tensor) -> torch.Tensor:
         for alias in aliases.get(name, [name]):
             if alias in plan.center:
-                return swap_norm.center_(t, plan.center[alias])  # writer: minus its mean along the hidden axis
+                return swap_norm.center_(t.clone(), plan.center[alias])  # writer: minus its mean along the hidden axis
         return t
 
-    def produce(name: str, t: torch.Tensor) -> torch.Tensor:
-        t = edited(name, t)
+    def produce(name: str, t: torch.Tensor, source: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        new = edited(name, t)  # a copy where it changes: ``t`` stays the original (the original model runs on it)
         for f in fold_into.get(name, []):
             # consumer bias <- bias + W b  (W as rewritten: centered first if it is also a writer)
-            t = swap_norm.add_(t, swap_norm.bias_delta(edited(f.weight, ckpt.get(stored_key(ckpt, aliases, f.weight))),
-                                                       ckpt.get(stored_key(ckpt, aliases, f.beta)), f.layout))
-        return t.zero_() if name in zeroed else t  # a zeroed norm bias now lives in its consumers
+            new = swap_norm.add_(new.clone() if new is t else new,
+                                 swap_norm.bias_delta(edited(f.weight, source(f.weight)), source(f.beta), f.layout))
+        return torch.zeros_like(new) if name in zeroed else new  # a zeroed norm bias now lives in its consumers
 
-    weight_map = write_shards(ckpt, tmp, produce, copies)
-    return weight_map, any(copies.values()), len({f.norm for f in plan.folds} - kept)
+    return produce, copies, len({f.norm for f in plan.folds} - kept)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,19 +141,16 @@ def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
          rtol: float | None = None, keep_temp_on_failure: bool = False,
          after_rewrite: Callable[[Path], None] | None = None, overwrite: bool = False) -> Report:
     """``normconv swap FOLDER --to rmsnorm --stream -o OUT``: see the module docstring. ``after_rewrite`` sees the
-    temp folder before verification (tests use it to corrupt the output)."""
+    temp folder once it is written, before its checksums are read back (tests use it to corrupt the output)."""
     src, out, ckpt, cls, config, dtype = open_folder(folder, output, overwrite)
     analysis, plan, aliases = _plan(src, ckpt, cls, config, dtype)
     report = Report(command="swap", model=str(src), sites=analysis.sites())
     report.extra.update({"to": "rmsnorm", "exact": True, "streamed": True, "swapped": len(analysis.plans),
                          "centered": len(plan.center)})
 
-    def write(tmp: Path) -> tuple[dict[str, str], bool]:
-        weight_map, untied, report.extra["folded"] = _rewrite(ckpt, plan, aliases, tmp, report.notes)
-        return weight_map, untied
-
-    write_verified(src, out, ckpt, cls, config, dtype, report, write, _centered, atol, rtol, keep_temp_on_failure,
-                   after_rewrite)
+    produce, copies, report.extra["folded"] = _rewrite(ckpt, plan, aliases, report.notes)
+    write_verified(src, out, ckpt, cls, config, dtype, report, produce, copies, any(copies.values()), _centered,
+                   atol, rtol, keep_temp_on_failure, after_rewrite)
     report.notes.append("the output is the same architecture with rewritten weights: every LayerNorm reads a "
                         "zero-mean stream, so it equals RMSNorm(weight, eps) + bias (bias 0 where it was folded); "
                         "normconv swap OUT --to rmsnorm in memory makes the module swap")

@@ -1,0 +1,269 @@
+"""``write_verified``: a streamed rewrite read, verified and written in one pass in block order, then checked by
+checksum and renamed into place.
+
+  layout   the output shards' headers computed up front (stream.writer.plan_layout: the input's names and order,
+           untied copies beside their tensor), the files created at full size, config.json / the index / the
+           folder's other files written, the rewritten model built on meta from that config.json
+  rest     the tensors outside the blocks (embeddings, final norm, head) read once from the source, rewritten in
+           memory by ``produce`` (the same function for every tensor: swap_norm.center_ / bias_delta / add_, or the
+           fold's edits), the original model and the rewritten model filled with them (a half-precision checkpoint
+           cast to float32 once per tensor, a tensor both models read cast once), the rewritten ones handed to the
+           writer
+  blocks   the original and the rewritten model run at the example inputs and a second shape, four threads in
+           lockstep (stream.blocks.lockstep); before block i runs, its tensors are read once from the source and
+           rewritten in memory, both models' block i filled, the rewritten tensors handed to the writer; after it
+           ran, each rewritten block output is compared with ``reference(original block output)`` (float64, within
+           atol + rtol * max |reference|) and block i is dropped. The final outputs are compared as the in-memory
+           commands compare them. A tensor no forward read (a block never called, a key no module holds) is read,
+           rewritten and written after the forwards
+  written  the writer thread writes each tensor at its offset with the CRC-32 of its bytes as they left memory; after
+           an fsync every shard is read back sequentially (header, size, every tensor's CRC-32) and every other
+           file written checked against its checksum: the files on disk are the tensors just verified
+  output   the temp folder renamed to OUT only if every comparison and every checksum passed; on any failure
+           (exit 1 for a miss) nothing is left under OUT or beside it
+
+The source is read once per tensor (plus a rare consumer outside the block of the norm it absorbs); the output is
+never read into a model. Peak memory: one block (original + rewritten, float32 for a half-precision checkpoint),
+the rest, and at most a few tensors waiting for the writer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from normconv.errors import VerificationError
+from normconv.io.hf_inputs import hf_example_inputs
+from normconv.io.inputs import HF_SEQ_LEN
+from normconv.io.write import remove_stale_temps, remove_temp, replace, signals_held, temp_file, write_error
+from normconv.quiet import phase
+from normconv.report import Report, Validation
+from normconv.stream.blocks import block_list, build_on_meta, fill, lockstep, restore, tensor_slots, trim_heap
+from normconv.stream.checkpoint import Checkpoint, copy_folder, model_class, stored_key, tied_names
+from normconv.stream.writer import PositionedWriter, changed, digests, plan_layout
+from normconv.verify import Inputs, compare, default_tolerance
+
+# produce(model name, stored tensor, source) -> the tensor to write; it never edits its input in place (the
+# original model runs on it); source(model name) -> that tensor's original values (a norm bias a consumer absorbs)
+Produce = Callable[[str, torch.Tensor, Callable[[str], torch.Tensor]], torch.Tensor]
+
+
+class _Held:
+    """Tensors in memory under their stored keys, read like a Checkpoint by ``fill`` (``key``: model name -> stored
+    key); floating ones cast to ``compute`` once per tensor (``cast``: shared by the two models' fills)."""
+
+    def __init__(self, key: dict[str, str], tensors: dict[str, torch.Tensor], compute: torch.dtype | None,
+                 cast: dict[int, torch.Tensor]):
+        self.key, self.tensors, self.compute, self.cast = key, tensors, compute, cast
+
+    def get(self, k: str) -> torch.Tensor:
+        t = self.tensors[k]
+        if self.compute is None or not t.is_floating_point():
+            return t
+        if id(t) not in self.cast:  # the tensors stay alive while this fill runs: ids are stable
+            self.cast[id(t)] = t.to(self.compute)
+        return self.cast[id(t)]
+
+
+class _Pass:
+    """The original and the rewritten model (parameters on meta) run together block by block, each block's
+    tensors read once, rewritten, compared through both models and handed to the writer."""
+
+    def __init__(self, src: Path, ckpt: Checkpoint, out_ckpt: Checkpoint, original, rewritten, produce: Produce,
+                 copies: dict[str, list[str]], writer: PositionedWriter, compute: torch.dtype | None,
+                 reference: Callable[[torch.Tensor], torch.Tensor], atol: float, rtol: float):
+        self.src, self.ckpt, self.out_ckpt, self.produce, self.copies = src, ckpt, out_ckpt, produce, copies
+        self.original, self.rewritten, self.writer, self.compute = original, rewritten, writer, compute
+        self.reference, self.atol, self.rtol = reference, atol, rtol
+        self.aliases = (tied_names(original), tied_names(rewritten))
+        self.slots: tuple[list, list] = ([], [])  # per model: [rest slots, block 0 slots, block 1 slots, ...]
+        for side, model in enumerate((original, rewritten)):
+            prefix, blocks = block_list(model)
+            self.slots[side].append(tensor_slots(model, skip={id(m) for b in blocks for m in b.modules()}))
+            self.slots[side].extend(tensor_slots(b, f"{prefix}.{i}") for i, b in enumerate(blocks))
+        # the source keys of each unit (rest first: a key tied into a block belongs to the rest)
+        self.units: list[list[str]] = []
+        seen: set[str] = set()
+        for slots in self.slots[0]:
+            keys = [k for k in dict.fromkeys(stored_key(ckpt, self.aliases[0], n) for _, _, n in slots)
+                    if k is not None and k not in seen]
+            seen.update(keys)
+            self.units.append(keys)
+        self.unit_of = {c: u for u, keys in enumerate(self.units) for k in keys for c in [k] + copies.get(k, [])}
+        self.held: dict[str, torch.Tensor] = {}  # the source tensors of the unit being rewritten
+        self.written: set[str] = set()  # source keys whose outputs went to the writer
+        self.records: list[list[tuple[int, Validation]]] = []
+
+    def source(self, name: str) -> torch.Tensor:
+        """The original values of the model's tensor ``name``: from memory when its unit is loaded, else read."""
+        key = stored_key(self.ckpt, self.aliases[0], name)
+        return self.held[key] if key in self.held else self.ckpt.get(key)
+
+    def _load(self, unit: int) -> list:
+        """Read the unit's source tensors once, rewrite them, fill both models' slots of the unit (returns what to
+        put back), hand the rewritten tensors to the writer."""
+        keys = self.units[unit]
+        self.held = {k: self.ckpt.get(k) for k in keys}
+        out: dict[str, torch.Tensor] = {}
+        for k in keys:
+            for c in self.copies.get(k, []):
+                out[c] = self.held[k]  # an untied copy keeps the original values
+            out[k] = self.produce(self.ckpt.name[k], self.held[k], self.source)
+        cast: dict[int, torch.Tensor] = {}
+        saved = fill(self.slots[0][unit], _Held(self.ckpt.key, self.held, self.compute, cast), self.aliases[0],
+                     self.src)
+        saved += fill(self.slots[1][unit], _Held(self.out_ckpt.key, out, self.compute, cast), self.aliases[1],
+                      self.src)
+        for k, t in out.items():
+            self.writer.write(k, t)
+        self.written.update(keys)
+        self.held = {}
+        return saved
+
+    def run(self, shapes: list[Inputs]) -> list[tuple[Any, Any, list, list]] | None:
+        """Both models on every shape in lockstep: per shape (original outputs, rewritten outputs, original block
+        outputs, rewritten block outputs); None where the forwards call their blocks differently."""
+        n, total = len(shapes), len(self.units) - 1
+        self.records = [[] for _ in shapes]
+        block: list = []
+
+        def enter(i: int) -> None:
+            phase("read + rewrite + verify + write", i + 1, total, detail="block")
+            block[:] = self._load(i + 1)
+
+        def leave(i: int, outs: list[torch.Tensor]) -> None:
+            restore(block)
+            block.clear()
+            trim_heap()
+            for k in range(n):
+                # within the tolerance scaled by the block output's largest value (the stream's scale grows with
+                # depth; an element near zero of a large stream carries the rounding of the large terms that
+                # summed to it)
+                r64 = self.reference(outs[k].double())
+                where = shapes[k].describe()
+                self.records[k].append((i, compare(r64, outs[n + k].double(), self.atol + self.rtol *
+                                                   float(r64.abs().max()), 0.0, label=f"block {i} ({where})")))
+
+        rest: list = []
+        try:
+            phase("read + rewrite + verify + write", detail="embeddings, final norm, head (outside the blocks)")
+            rest = self._load(0)
+            results = lockstep([(self.original, s) for s in shapes] + [(self.rewritten, s) for s in shapes],
+                               enter, leave)
+        finally:
+            restore(block + rest)
+            trim_heap()
+        if results is None:
+            return None
+        return [(results[k][0], results[n + k][0], results[k][1], results[n + k][1]) for k in range(n)]
+
+    def leftovers(self) -> None:
+        """Tensors no forward loaded (a block never called, a key no module holds): read, rewritten, written."""
+        for k in [k for keys in self.units for k in keys] + list(self.ckpt.weight_map):
+            if k not in self.written:
+                self.held = {k: self.ckpt.get(k)}
+                for c in self.copies.get(k, []):
+                    self.writer.write(c, self.held[k])
+                self.writer.write(k, self.produce(self.ckpt.name[k], self.held[k], self.source))
+                self.written.add(k)
+                self.held = {}
+
+    def where(self, key: str) -> str:
+        unit = self.unit_of.get(key)
+        return "outside the blocks" if not unit else f"block {unit - 1}"
+
+
+def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str) -> tuple[list[Validation], list[dict[str, Any]]]:
+    """Run the pass (both shapes in lockstep, or one shape at a time where their flows differ) and judge it."""
+    runs = p.run(shapes)
+    if runs is None:  # the shapes make the model call its blocks differently: one shape at a time
+        runs, records = [], []
+        for s in shapes:
+            one = p.run([s])
+            if one is None:
+                raise VerificationError("the rewritten model calls its blocks differently from the original; "
+                                        "nothing written")
+            runs += one
+            records += p.records
+        p.records = records
+    validations, blocks = [], []
+    for k, (inputs, (ref, new, ref_blocks, new_blocks), records) in enumerate(zip(shapes, runs, p.records)):
+        where = inputs.describe()
+        for i, v in records:
+            blocks.append({"block": i, "inputs": where, "max_abs_error": v.max_abs_error, "passed": v.passed})
+            if not v.passed:
+                validations.append(v)
+        # final outputs: the logits (a second shape too, where the model's sequence length is free)
+        validations.append(compare(ref, new, p.atol, p.rtol, label=(
+            f"torch, streamed, final outputs{how}" if k == 0 else f"torch, streamed, second shape ({where}){how}")))
+        if len(ref_blocks) != len(new_blocks) or not ref_blocks:
+            validations.append(compare(None, None, label=f"blocks ({where})"))  # nothing compared: not a pass
+    return validations, blocks
+
+
+def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype, report: Report,
+                   produce: Produce, copies: dict[str, list[str]], untied: bool,
+                   reference: Callable[[torch.Tensor], torch.Tensor], atol: float | None, rtol: float | None,
+                   keep_temp_on_failure: bool = False, after_rewrite: Callable[[Path], None] | None = None) -> None:
+    """The module docstring's pass: every source tensor (stored key) written as ``produce`` returns it, after the
+    names in ``copies[key]`` (the stored values: untied copies; ``untied``: config.json unties the embeddings);
+    every block output compared with ``reference(original block output)``. ``after_rewrite(temp folder)`` runs
+    once everything is written, before the checksums are read back (tests corrupt the output there)."""
+    remove_stale_temps(out)
+    tmp: Path | None = None
+    writer: PositionedWriter | None = None
+    try:
+        with signals_held():  # an interrupt waits until the temp folder exists and is known to the cleanup below
+            tmp = Path(temp_file(out, folder=True))
+        layout = plan_layout(ckpt, copies)
+        writer = PositionedWriter(tmp, layout)
+        copy_folder(src, tmp, ckpt, layout.weight_map, untied, report.notes)
+        others = digests(tmp, set(layout.shards))
+        # a half-precision checkpoint runs in float32 (its tensors cast as they are loaded), at its own dtype's
+        # tolerance: the check then sees what the rewrite wrote (bf16-rounded centered weights), not bf16
+        # arithmetic drifting apart over the blocks (0.083 at block 1 of a 1.3B OPT in bf16 compute)
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        original = build_on_meta(cls, config, compute)
+        rewritten = build_on_meta(cls, model_class(tmp)[1], compute)  # from the config.json written
+        shapes = [hf_example_inputs(original), hf_example_inputs(original, 1, HF_SEQ_LEN - 1)]
+        d_atol, d_rtol = default_tolerance(dtype)
+        p = _Pass(src, ckpt.rename_for(original), Checkpoint(tmp).rename_for(rewritten), original, rewritten,
+                  produce, copies, writer, compute, reference, d_atol if atol is None else atol,
+                  d_rtol if rtol is None else rtol)
+        how = "" if compute == dtype else f", {str(dtype).removeprefix('torch.')} weights computed in float32"
+        report.validation, report.extra["blocks"] = _verify_and_write(p, shapes, how)
+        failed = next((v for v in report.validation if not v.passed), None)
+        if failed is not None:
+            raise VerificationError(
+                f"{report.command} --stream: {failed.label}: max abs error {failed.max_abs_error:.3g} (atol "
+                f"{failed.atol:g}, rtol {failed.rtol:g}); nothing written", report)
+        p.leftovers()
+        phase("fsync + read back checksums")
+        writer.finish()
+        if after_rewrite is not None:
+            after_rewrite(tmp)
+        odd = writer.check()
+        if odd is not None:
+            shard, what = odd  # a tensor: where it belongs, as a failed comparison names its block
+            where, what = (p.where(what), what) if what in layout.at else ("the written shards", f"{shard}'s {what}")
+            report.validation.append(compare(None, None, label=f"checksums ({shard})"))
+            raise VerificationError(f"{report.command} --stream: {where}: {what} in {tmp.name}/{shard} read back "
+                                    f"differs from what was verified in memory (CRC-32); nothing written", report)
+        name = changed(tmp, others, set(layout.shards))
+        if name is not None:
+            report.validation.append(compare(None, None, label=f"checksums ({name})"))
+            raise VerificationError(f"{report.command} --stream: {tmp.name}/{name} changed after it was written; "
+                                    f"nothing written", report)
+        with signals_held():
+            replace(tmp, out)  # over an existing folder only with --overwrite (checked first): exchanged
+            tmp = None
+    except OSError as exc:
+        raise write_error(out, exc) from None
+    finally:  # every exit path, interrupts included: no folder under OUT, no temp beside it
+        if writer is not None:
+            writer.close()
+        if not keep_temp_on_failure:
+            remove_temp(tmp)
+    report.output = str(out)

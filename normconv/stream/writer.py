@@ -1,0 +1,177 @@
+"""The output shards of a streamed rewrite, written at known offsets and checked by checksum.
+
+``plan_layout``: every output shard's names, dtypes, shapes and header, computed up front from the input shards (the
+same names and order as the input, each untied copy just before the tensor it copies), so each tensor's byte offset
+is known before any tensor is computed. ``PositionedWriter``: the files created at their full size (header first),
+each tensor written at its offset (``os.pwrite``) in whatever order the blocks finish, by a writer thread (the next
+block is read and run while the last one is written), with the CRC-32 of its bytes as they left memory. ``check``:
+after an fsync, every shard read back sequentially (its header bytes, its size, each tensor's CRC-32): the bytes on
+disk are the bytes that were verified in memory, or the first tensor that differs is named. The folder's other
+files (config.json, the index, copies) are checked the same way by ``digests`` / ``changed``.
+
+Imports stream.checkpoint only.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from normconv.stream.checkpoint import _DTYPES, Checkpoint, shard_header
+
+_CHUNK = 64 << 20  # read-back buffer
+_PENDING = 8  # tensors handed to the writer thread and not yet written (then the producer waits)
+
+
+@dataclass
+class Layout:
+    """shard -> (header bytes, data bytes); key -> (shard, offset in the file, dtype, shape); key -> shard."""
+    shards: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    at: dict[str, tuple[str, int, torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    weight_map: dict[str, str] = field(default_factory=dict)
+
+
+def plan_layout(ckpt: Checkpoint, copies: dict[str, list[str]]) -> Layout:
+    """The output shards of ``ckpt``: each shard under its own name, its tensors in file order, the names in
+    ``copies[key]`` (untied copies) just before ``key``, with the input's dtypes and shapes."""
+    layout = Layout()
+    for shard, header in ckpt.shards.items():
+        entries = []
+        for n in ckpt.names(shard):
+            shape, dtype = tuple(header[n]["shape"]), _DTYPES[header[n]["dtype"]]
+            entries += [(c, dtype, shape) for c in copies.get(n, [])] + [(n, dtype, shape)]
+        raw, offsets, size = shard_header(entries, header.get("__metadata__") or {"format": "pt"})
+        layout.shards[shard] = (raw, size)
+        for (name, dtype, shape), start in zip(entries, offsets):
+            layout.at[name] = (shard, len(raw) + start, dtype, shape)
+            layout.weight_map[name] = shard
+    return layout
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # 0-dim tensors too
+
+
+class PositionedWriter:
+    """The shards of ``layout`` under ``folder``: created at full size with their headers, then filled a tensor at
+    a time at its offset by a writer thread (``write`` hands a tensor over; ``finish`` waits for all and fsyncs)."""
+
+    def __init__(self, folder: Path, layout: Layout):
+        self.folder, self.layout = folder, layout
+        self.sums: dict[str, int] = {}
+        self.fds: dict[str, int] = {}
+        for shard, (raw, size) in layout.shards.items():
+            fd = os.open(folder / shard, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fds[shard] = fd
+            os.pwrite(fd, raw, 0)
+            os.ftruncate(fd, len(raw) + size)
+        self._queue: queue.Queue = queue.Queue(_PENDING)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="normconv-writer", daemon=True)
+        self._thread.start()
+
+    def write(self, key: str, t: torch.Tensor) -> None:
+        """Hand ``t`` (the tensor stored under ``key``) to the writer thread."""
+        shard, offset, dtype, shape = self.layout.at[key]
+        if (t.dtype, tuple(t.shape)) != (dtype, shape):
+            raise RuntimeError(f"writer expected {key} {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        if self._error is not None:
+            raise self._error
+        self._queue.put((key, t))
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # after a failure: drop what comes, the caller sees the error
+            key, t = item
+            try:
+                shard, offset, _, _ = self.layout.at[key]
+                data = _bytes(t)
+                done = 0
+                while done < data.nbytes:  # pwrite may write less than asked
+                    done += os.pwrite(self.fds[shard], data[done:], offset + done)
+                self.sums[key] = zlib.crc32(data)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by write / finish
+                self._error = exc
+
+    def missing(self) -> list[str]:
+        """Keys not handed over yet (call after ``finish``, or from the producer between blocks: approximate)."""
+        return [k for k in self.layout.at if k not in self.sums]
+
+    def finish(self) -> None:
+        """Wait for every handed-over tensor to be written, then fsync and close the shards."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        try:
+            if self._error is not None:
+                raise self._error
+            for fd in self.fds.values():
+                os.fsync(fd)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._thread.is_alive():  # a failure path: stop the thread before the files close
+            self._error = self._error or RuntimeError("writer closed")
+            self._queue.put(None)
+            self._thread.join()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    def check(self) -> tuple[str, str] | None:
+        """Every shard read back sequentially: None if each header, size and tensor CRC-32 is what was written,
+        else (shard, what differs): the first tensor whose bytes differ, or the header / the size."""
+        order = sorted(self.layout.at.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        odd: tuple[str, str] | None = None
+        for shard, (raw, size) in self.layout.shards.items():
+            with open(self.folder / shard, "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size != len(raw) + size and odd is None:
+                    odd = (shard, "its size")
+                if f.read(len(raw)) != raw and odd is None:
+                    odd = (shard, "its header")
+                for key, (s, offset, _, _) in order:
+                    if s != shard:
+                        continue
+                    end = offset + self._nbytes(key)
+                    f.seek(offset)
+                    crc, pos = 0, offset
+                    while pos < end:
+                        got = f.readinto(view[:min(_CHUNK, end - pos)])
+                        if not got:
+                            break
+                        crc, pos = zlib.crc32(view[:got], crc), pos + got
+                    if pos < end or crc != self.sums.get(key):
+                        return shard, key
+        return odd
+
+    def _nbytes(self, key: str) -> int:
+        _, _, dtype, shape = self.layout.at[key]
+        return torch.Size(shape).numel() * dtype.itemsize
+
+
+def digests(folder: Path, skip: set[str]) -> dict[str, int]:
+    """CRC-32 of every file under ``folder`` (relative path -> checksum) but the top-level names in ``skip``."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink() and p.relative_to(folder).parts[0] not in skip:
+            out[str(p.relative_to(folder))] = zlib.crc32(p.read_bytes())
+    return out
+
+
+def changed(folder: Path, before: dict[str, int], skip: set[str]) -> str | None:
+    """The first file whose checksum differs from ``before`` (or that appeared or vanished), else None."""
+    now = digests(folder, skip)
+    return next((k for k in sorted(set(now) | set(before)) if now.get(k) != before.get(k)), None)
