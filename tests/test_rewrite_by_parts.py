@@ -161,3 +161,30 @@ def test_cli_pt2_of_a_model_export_cannot_take_is_one_line(cli, tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1  # no graph dump from the failed torch.export
     assert err.startswith(f"error: cannot write {out}") and "write -o folded.pt (torch.load) instead" in err
     assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, no temp file left
+
+
+def test_a_pt2_of_a_model_rewritten_by_parts_is_refused_before_the_work_with_torch_export_s_reason(tmp_path):
+    """A .pt2 is torch.export of the whole model: the whole does not capture, so the command refuses right after
+    the capture (no part captured, no pass run), with torch.export's own failure, naming the .pt that works."""
+    from normconv.api import _loaded
+    from normconv.engine.door import rewrite
+    from normconv.errors import Code
+    from normconv.options import Options
+    from normconv.passes.fold_batchnorm import FoldBatchNorm
+
+    model, x = branchy()
+    ran = []
+
+    class Spy(FoldBatchNorm):
+        def __call__(self, m, cap):
+            ran.append(1)
+            return super().__call__(m, cap)
+
+    with pytest.raises(NormconvError) as err:
+        rewrite(_loaded(model, x), [Spy()], Options(output=str(tmp_path / "m.pt2")), command="fold")
+    msg = err.value.message
+    assert err.value.code is Code.REFUSED and "-o m.pt " in msg and "torch.export cannot take Branchy whole" in msg
+    assert "symbolic_trace" not in msg  # torch.export's reason, not the first method's
+    assert not ran and not list(tmp_path.iterdir())
+    report, _ = rewrite(_loaded(model, x), [Spy()], Options(output=str(tmp_path / "m.pt")), command="fold")
+    assert report.passed and ran and (tmp_path / "m.pt").is_file()

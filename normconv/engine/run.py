@@ -111,7 +111,8 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
                 cap = out.saw(capture(work, inputs, method, reference))
             except NormconvError as exc:
                 if exc.code is Code.CANNOT_CAPTURE and whole_export and method in ("auto", "torch.export"):
-                    raise _no_whole_export(whole_export, work, exc.message) from None  # torch.export failed whole
+                    why = getattr(exc, "attempts", {}).get("torch.export", exc.message)  # torch.export's own reason
+                    raise _no_whole_export(whole_export, work, why) from None
                 if exc.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
                     raise
                 whole = exc

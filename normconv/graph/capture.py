@@ -324,7 +324,9 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
             except Exception:  # noqa: BLE001 - the first failure is the one to report
                 pass
     detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
-    raise NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}", Code.CANNOT_CAPTURE)
+    err = NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}", Code.CANNOT_CAPTURE)
+    err.attempts = dict(attempts)  # each method's failure, for a caller that names one (a .pt2 needs torch.export)
+    raise err
 
 
 def _check_draft(model: nn.Module, ep: Any, inputs: Inputs, reference: Any = None) -> None:
