@@ -209,3 +209,30 @@ def test_writing_a_pt2_prints_nothing_on_stderr(tmp_path):
                        text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and out.is_file(), r.stderr
     assert r.stderr == "", r.stderr
+
+
+def test_a_pt2_whose_dynamic_export_fails_is_written_with_its_dimensions_pinned(tmp_path, monkeypatch):
+    """torch.export's symbolic reasoning can fail where a static export does not (timm's CPU-bone: an inequality
+    sympy cannot decide): the .pt2 is then written with every dimension pinned, and the notes say so."""
+    from normconv.io import outputs
+    from normconv.verify import Inputs
+
+    real = outputs._export
+    calls = []
+
+    def dynamic_fails(model, inputs, shapes):
+        calls.append(shapes is not None)
+        if shapes is not None:
+            raise NotImplementedError("The inequality, Eq(-6*x + 192, 0) cannot be decided")
+        return real(model, inputs, shapes)
+
+    monkeypatch.setattr(outputs, "_export", dynamic_fails)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    info: dict = {}
+    path = tmp_path / "m.pt2"
+    outputs.write_pt2(model, str(path), Inputs((x,)), info=info)
+    assert calls == [True, False]
+    assert info["dynamic_dims"] == [] and any("every dimension pinned" in n for n in info["notes"])
+    program = torch.export.load(str(path)).module()
+    torch.testing.assert_close(program(x), model(x))

@@ -372,7 +372,17 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     pinned: set[tuple[str, int]] = set()
     while True:
         shapes = None if static else io_dims.export_shapes(model, inputs, pinned)
-        ep = _export(model, inputs, shapes)
+        try:
+            ep = _export(model, inputs, shapes)
+        except Exception as exc:  # noqa: BLE001 - torch.export's symbolic reasoning may fail where static does not
+            if shapes is None:
+                raise
+            # (timm's CPU-bone: NotImplementedError on an inequality sympy cannot decide): every dimension pinned
+            first = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:200]
+            info.setdefault("notes", []).append(f"torch.export failed with dynamic dimensions ({first}): every "
+                                                f"dimension pinned to the example's size")
+            static = True
+            continue
         dims = [] if shapes is None else io_dims.name_dims(io_dims.found(ep, io_dims.input_names(model, inputs)),
                                                            io_dims.input_shapes(model, inputs))
         program = ep.module()
