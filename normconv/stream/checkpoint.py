@@ -159,6 +159,11 @@ def shard_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
     return struct.pack("<Q", len(raw)) + raw, starts, offset
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes as safetensors stores them: row-major, little-endian as in memory (0-dim tensors too)."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
 class ShardWriter:
     """A safetensors file written a tensor at a time, in order: the header (names, dtypes, shapes, offsets) first."""
 
@@ -172,7 +177,7 @@ class ShardWriter:
         n, dtype, shape = self.expected.pop(0)
         if (name, t.dtype, tuple(t.shape)) != (n, dtype, shape):
             raise RuntimeError(f"shard writer expected {n} {dtype} {shape}, got {name} {t.dtype} {tuple(t.shape)}")
-        self.f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))  # 0-dim tensors too
+        self.f.write(tensor_bytes(t))
 
     def check(self) -> None:
         if self.expected:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from normconv.stream.checkpoint import _DTYPES, Checkpoint, shard_header
+from normconv.stream.checkpoint import _DTYPES, Checkpoint, shard_header, tensor_bytes
 
 _CHUNK = 64 << 20  # read-back buffer
 _PENDING = 8  # tensors handed to the writer thread and not yet written (then the producer waits)
@@ -52,10 +52,6 @@ def plan_layout(ckpt: Checkpoint, copies: dict[str, list[str]]) -> Layout:
             layout.at[name] = (shard, len(raw) + start, dtype, shape)
             layout.weight_map[name] = shard
     return layout
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # 0-dim tensors too
 
 
 class PositionedWriter:
@@ -95,7 +91,7 @@ class PositionedWriter:
             key, t = item
             try:
                 shard, offset, _, _ = self.layout.at[key]
-                data = _bytes(t)
+                data = tensor_bytes(t)
                 done = 0
                 while done < data.nbytes:  # pwrite may write less than asked
                     done += os.pwrite(self.fds[shard], data[done:], offset + done)
