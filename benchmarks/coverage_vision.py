@@ -24,7 +24,7 @@ and again with ``-o m.pt2``, and ``export -o m.onnx``. The verdicts are computed
 values, same shape), never by normconv:
 
 - inspect: norm calls it reports against forward hooks on the innermost norm modules (``missed`` = a hooked module
-  inspect does not name);
+  inspect does not name, neither as a site nor as a norm-like module it explains, such as a GRN);
 - fold / canonicalize / swap: the written file loaded back with torch alone (``torch.load`` / ``torch.export.load``)
   and run against the original: each float output within 1e-4 of its largest |value| (this sweep's own bound, not
   normconv's), integer outputs equal. A detector's outputs follow its selections (NMS, top-k), which rounding may
@@ -359,7 +359,9 @@ def run_command(spec: str, command: str, model, example, new, tmp: Path, timeout
         if command == "inspect":
             report = limited(lambda: normconv.inspect(model, example).to_json(), timeout)
             sites = report["sites"]
-            owners = {s.get("owner") or s.get("target") for s in sites}
+            # a site, or a norm-like module inspect names and explains (GRN: "norm-like but not a norm")
+            owners = {s.get("owner") or s.get("target") for s in sites} | \
+                {m["target"] for m in report["extra"].get("near_misses", [])}
             calls = norm_calls(model, example)
             missed = sorted(n for n in calls if n not in owners)
             rec.update(sites=len(sites), hook_calls=sum(calls.values()), missed=missed[:5],

@@ -136,3 +136,56 @@ def test_inputs_are_described_by_shape_inside_lists_and_dicts():
     text = Inputs(([torch.rand(3, 64, 80), torch.rand(3, 32, 32)],), {"targets": {"boxes": torch.rand(5, 4)}}).describe()
     assert text == "[(3, 64, 80):float32, (3, 32, 32):float32], targets={'boxes': (5, 4):float32}"
     assert "tensor(" not in Inputs(([torch.rand(3, 8, 8)] * 9,), {}).describe()
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "torch.export"])
+@pytest.mark.parametrize("spelling", ["convnextv2", "timm"])
+def test_global_response_norm_is_listed_with_why(capture, spelling):
+    # ConvNeXt V2's GRN (its official channels-last code, and timm's GlobalResponseNorm on NCHW): named by inspect
+    # with the reason no command rewrites it, never silently absent from the listing
+    import torch
+    import torch.nn as nn
+
+    import normconv
+    from normconv.verify import Inputs
+
+    class GRN(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(c)), nn.Parameter(torch.randn(c))
+
+        def forward(self, x):
+            if spelling == "convnextv2":  # (N, H, W, C)
+                g = torch.norm(x, p=2, dim=(1, 2), keepdim=True)
+                n = g / (g.mean(dim=-1, keepdim=True) + 1e-6)
+                return self.weight * (x * n) + self.bias + x
+            g = x.norm(p=2, dim=(2, 3), keepdim=True)  # (N, C, H, W)
+            n = g / (g.mean(dim=1, keepdim=True) + 1e-6)
+            shape = (1, -1, 1, 1)
+            return x + torch.addcmul(self.bias.view(shape), self.weight.view(shape), x * n)
+
+    timm = spelling == "timm"
+    model = nn.Sequential(nn.Conv2d(4, 4, 1) if timm else nn.Linear(4, 4), GRN(4), nn.LayerNorm(5 if timm else 4))
+    x = torch.randn(2, 4, 5, 5) if timm else torch.randn(2, 5, 5, 4)
+    report = normconv.inspect(model, Inputs((x,)), method=capture).to_json()
+    assert [s["kind"] for s in report["sites"]] == ["layernorm"]
+    misses = report["extra"]["near_misses"]
+    assert [(m["target"], m["rule"]) for m in misses] == [("1", "grn")], misses
+    assert "Global Response Normalization" in misses[0]["computes"] and "leave it as written" in misses[0]["reason"]
+
+
+def test_an_l2_norm_divided_by_something_else_is_no_grn():
+    # the grn rule asks for g / mean(g): an L2 norm divided by another tensor's mean is not one
+    import torch
+    import torch.nn as nn
+
+    import normconv
+    from normconv.verify import Inputs
+
+    class NotGRN(nn.Module):
+        def forward(self, x):
+            g = x.norm(p=2, dim=(1, 2), keepdim=True)
+            return x * g / (x.mean(dim=-1, keepdim=True) + 1e-6)
+
+    report = normconv.inspect(nn.Sequential(nn.Linear(4, 4), NotGRN()), Inputs((torch.randn(2, 5, 5, 4),))).to_json()
+    assert all(m["rule"] != "grn" for m in report["extra"]["near_misses"])

@@ -10,6 +10,11 @@ tutorials often computes something close but different, and no exact rewrite exi
   factor-only     rsqrt(mean(x^2) + eps)                only the factor 1/rms(x), which the caller multiplies into
                                                        something other than x (HY-V4: F.linear(x, W) * factor,
                                                        = F.linear(rmsnorm(x), W) for a bias-free linear)
+  l2              x / max(||x||_2, eps)                 an L2 normalization (F.normalize, a clamped x.norm())
+  grn             g / (mean_c(g) + eps), g = ||x||_2    Global Response Normalization (ConvNeXt V2, timm's
+                  over the spatial dims                 GlobalResponseNorm): each channel's response over its
+                                                       share of the mean response; no native module or single
+                                                       ONNX op computes it
 
 For n normalized elements the unbiased forms scale the output by sqrt((n-1)/n) relative to LayerNorm (and eps
 acts differently), so canonicalize, swap and export leave them as written. Each becomes a ``NearMiss`` with
@@ -38,9 +43,11 @@ class NearMiss:
     node: str
     computes: str
     reason: str
+    rule: str = ""  # the rule that found it (the module docstring's first column): for scripts, not for people
 
     def to_json(self) -> dict[str, Any]:
-        return {"target": self.target, "node": self.node, "computes": self.computes, "reason": self.reason}
+        return {"target": self.target, "node": self.node, "computes": self.computes, "reason": self.reason,
+                "rule": self.rule}
 
 
 def find_near_misses(cap: Captured, sites: Sequence[NormSite]) -> list[NearMiss]:
@@ -61,8 +68,10 @@ def find_near_misses(cap: Captured, sites: Sequence[NormSite]) -> list[NearMiss]
             miss = _eps_outside(cap, node)  # eps-outside rule
         elif op == "rsqrt" and (x := _mean_square_base(cap, node)) is not None and not _multiplies(cap, node, x):
             miss = _factor_only(cap, node, x)  # factor-only rule
+        elif _fn(node) in _L2_NORMS and _l2(node) and _over_own_mean(cap, node):
+            miss = _grn(cap, node)  # grn rule
         elif _fn(node) == "normalize" or _fn(node) in _L2_NORMS and _l2(node) and _divides(cap, node, through=_CLAMPS):
-            miss = _l2_normalization(cap, node)  # L2 rule
+            miss = _l2_normalization(cap, node)  # l2 rule
         if miss is not None:
             found.append(miss)
     return found
@@ -108,6 +117,26 @@ def _divides(cap: Captured, node: fx.Node, depth: int = 3, through: frozenset[st
 
 _L2_NORMS = frozenset({"norm", "linalg_vector_norm", "vector_norm"})
 _CLAMPS = frozenset({"clamp_min", "clamp", "clip", "maximum", "max", "expand_as"})
+
+
+def _over_own_mean(cap: Captured, node: fx.Node) -> bool:
+    """``node`` divided by its own mean over some dim, eps added or not: g / (g.mean(c) + eps), GRN's N(x)
+    (torch.export writes the division as g * reciprocal(...))."""
+    frontier = [u for u in cap.users_through(node) if cap.op(u) == "mean"]
+    for _ in range(2):  # the mean, then + eps
+        nxt = []
+        for n in frontier:
+            for u in cap.users_through(n):
+                if cap.op(u) == "div" and len(u.args) > 1 and cap.source(u.args[1]) is n \
+                        and cap.source(u.args[0]) is node:
+                    return True
+                if _fn(u) == "reciprocal" and any(cap.op(w) == "mul" and any(cap.source(a) is node for a in w.args[:2])
+                                                  for w in cap.users_through(u)):
+                    return True
+                if cap.op(u) == "add":
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def _l2(node: fx.Node) -> bool:
@@ -165,20 +194,20 @@ def _std(cap: Captured, node: fx.Node) -> NearMiss:
         parts.append("eps is added outside the sqrt")
     reason = ("not a LayerNorm: " + " and ".join(parts) + (_scale_note(_n(cap, node)) if not biased else "")
               + "; no exact native replacement, left as written")
-    return NearMiss(_where(cap, node), node.name, what, reason)
+    return NearMiss(_where(cap, node), node.name, what, reason, "std")
 
 
 def _unbiased_var(cap: Captured, node: fx.Node) -> NearMiss:
     return NearMiss(_where(cap, node), node.name, "(x - mean) / sqrt(var(x) + eps), var unbiased",
                     "not a LayerNorm: torch.var is unbiased by default (divides by n-1); pass unbiased=False "
-                    f"(correction=0) to make it one{_scale_note(_n(cap, node))}; left as written")
+                    f"(correction=0) to make it one{_scale_note(_n(cap, node))}; left as written", "unbiased")
 
 
 def _eps_outside(cap: Captured, node: fx.Node) -> NearMiss:
     eps = _eps_added(cap, node)
     return NearMiss(_where(cap, node), node.name, f"x / (sqrt(stat) + {eps:g})",
                     "not a native norm: eps is added after the sqrt, a native norm adds it under the sqrt "
-                    "(outputs differ where the statistic is small); left as written")
+                    "(outputs differ where the statistic is small); left as written", "eps-outside")
 
 
 def _factor_only(cap: Captured, node: fx.Node, x: fx.Node) -> NearMiss:
@@ -189,14 +218,23 @@ def _factor_only(cap: Captured, node: fx.Node, x: fx.Node) -> NearMiss:
                     f"not a norm: it returns only the RMSNorm factor, which its caller multiplies into "
                     f"{', '.join(into) or 'no product'} rather than into x (F.linear(x, W) * 1/rms(x) equals "
                     f"F.linear(rmsnorm(x), W) only for a bias-free linear); no native norm computes the factor "
-                    f"alone, so it is left as written")
+                    f"alone, so it is left as written", "factor-only")
 
 
 def _l2_normalization(cap: Captured, node: fx.Node) -> NearMiss:
     return NearMiss(_where(cap, node), node.name, "x / max(||x||_2, eps) (L2 normalization, F.normalize)",
                     "not a norm layer: the L2 norm is clamped below by eps where RMSNorm adds eps under the root, "
                     "and it is not divided by sqrt(n) (x / ||x|| = RMSNorm(x) / sqrt(n) only away from 0); no "
-                    "native norm computes it exactly, so it is left as written")
+                    "native norm computes it exactly, so it is left as written", "l2")
+
+
+def _grn(cap: Captured, node: fx.Node) -> NearMiss:
+    return NearMiss(_where(cap, node), node.name, "x * (gamma * N(x) + 1) + beta, N(x) = ||x||_2 over space / (its "
+                    "mean over channels + eps) (Global Response Normalization, ConvNeXt V2)",
+                    "not an activation norm normconv rewrites: GRN rescales each channel by its share of the mean "
+                    "response (statistics over space, then across channels); no native torch module or single "
+                    "ONNX op computes it, so fold, canonicalize and swap leave it as written and export writes its "
+                    "own ops", "grn")
 
 
 __all__ = ["NearMiss", "find_near_misses"]
