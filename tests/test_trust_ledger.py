@@ -154,3 +154,37 @@ def test_the_ledger_records_what_a_block_opens(tmp_path):
     assert f.resolve() in ledger.paths
     (tmp_path / "new.bin").write_bytes(b"y")  # written, not read: not recorded
     assert (tmp_path / "new.bin").resolve() not in ledger.paths
+
+
+def test_the_ledger_resolves_every_path_as_realpath_and_stat_do(tmp_path, monkeypatch):
+    # the ledger resolves a file through its folder's cached real path (a transformers load records ~7,000 paths):
+    # on os.path.realpath's own edge cases it must name the same file realpath + stat name
+    real_dir = tmp_path / "real"
+    (real_dir / "sub").mkdir(parents=True)
+    (real_dir / "sub" / "f.bin").write_bytes(b"x")
+    (real_dir / "g.bin").write_bytes(b"y")
+    (tmp_path / "dirlink").symlink_to(real_dir / "sub", target_is_directory=True)
+    (tmp_path / "filelink").symlink_to(real_dir / "g.bin")
+    (real_dir / "sub" / "chain").symlink_to(tmp_path / "filelink")  # a link to a link
+    (real_dir / "rel").symlink_to("sub/f.bin")  # a relative link target
+    monkeypatch.chdir(real_dir)
+    cases = [real_dir / "sub" / "f.bin", tmp_path / "dirlink" / "f.bin", tmp_path / "filelink",
+             real_dir / "sub" / "chain", real_dir / "rel",
+             f"{tmp_path}/dirlink/../g.bin",  # ".." after a symlinked folder: the link's parent, not tmp_path
+             f"{real_dir}/./sub/f.bin", "sub/f.bin", "./g.bin", f"{tmp_path}/dirlink/", str(tmp_path / "missing"),
+             f"{tmp_path}//real//g.bin"]
+    for case in cases:
+        ledger = Ledger()
+        ledger.record(case)
+        expected = os.path.realpath(case)
+        if not os.path.exists(expected):
+            assert ledger.entries == {}, case
+            continue
+        st = os.stat(expected)
+        (entry,) = ledger.entries.values()
+        assert (str(entry.real), entry.ident) == (expected, (st.st_dev, st.st_ino)), case
+    # the same path twice is one entry, and a later primary record still marks it primary
+    ledger = Ledger()
+    ledger.record(tmp_path / "filelink")
+    ledger.record(tmp_path / "filelink", primary=True)
+    assert [e.primary for e in ledger.entries.values()] == [True]

@@ -44,17 +44,46 @@ class Ledger:
     """Every file and folder one run read (see the module docstring)."""
 
     entries: dict[Path, Entry] = field(default_factory=dict)
+    # a transformers load records ~7,000 paths (every module file opened, then every module imported): each path
+    # once, each folder resolved once (os.path.realpath costs an lstat per component)
+    _seen: set[str] = field(default_factory=set, repr=False)
+    _dirs: dict[str, str] = field(default_factory=dict, repr=False)
 
     def record(self, path: str | os.PathLike, primary: bool = False) -> None:
         """Record a file (or folder) that was read: by its real path and its inode."""
-        real = Path(os.path.realpath(path))
-        try:
-            st = os.stat(real)
-        except OSError:
+        raw = os.fspath(path)
+        if not primary and raw in self._seen:
+            return
+        found = self._resolve(raw)
+        if found is None:
             return  # nothing there: nothing to protect
+        self._seen.add(raw)
+        real, st = found
         old = self.entries.get(real)
         self.entries[real] = Entry(real, (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode),
                                    primary or (old is not None and old.primary))
+
+    def _resolve(self, raw: str) -> tuple[Path, os.stat_result] | None:
+        """(real path, stat) of ``raw``, as ``os.path.realpath`` + ``os.stat`` give them: its folder's real path
+        (cached) joined with its name, followed further only where the name is itself a symbolic link; a path
+        with "." / ".." parts or ending in a separator goes through realpath whole (".." after a link)."""
+        head, name = os.path.split(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw))
+        parts = raw.replace(os.sep, "/").split("/")
+        try:
+            if not name or "." in parts or ".." in parts:
+                real = os.path.realpath(raw)
+                return Path(real), os.stat(real)
+            folder = self._dirs.get(head)
+            if folder is None:
+                folder = self._dirs[head] = os.path.realpath(head)
+            real = os.path.join(folder, name)
+            st = os.lstat(real)
+            if stat.S_ISLNK(st.st_mode):
+                real = os.path.realpath(real)
+                st = os.stat(real)
+            return Path(real), st
+        except (OSError, ValueError):
+            return None
 
     def record_folder(self, folder: str | os.PathLike, primary: bool = False) -> None:
         """A folder read as a whole (a Hugging Face model folder): the folder, and every file under it resolved
