@@ -129,7 +129,7 @@ class Inputs:
         return ", ".join(parts)
 
 
-_TORCH_STATE = ("_parameters", "_buffers", "_modules", "training")  # guarded on their own (buffers) or left alone
+_TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))  # guarded on their own (buffers) or left alone
 
 
 class _ModuleState:
@@ -143,10 +143,14 @@ class _ModuleState:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.attrs = module.__dict__.copy()  # _TORCH_STATE's keys come along and are left alone by restore
-        # a container's items (None: it was empty), for every container attribute but torch's own state
-        self.contents = [(v, (list(v.items()) if isinstance(v, dict) else list(v)) if v else None)
-                         for k, v in self.attrs.items() if type(v) in _CONTAINERS and k not in _TORCH_STATE]
+        self.attrs = attrs = module.__dict__.copy()  # _TORCH_STATE's keys come along and are left alone by restore
+        # a container's items (None: it was empty), for every container attribute but torch's own state (a plain
+        # loop: five guarded forwards of a 3,000-block model snapshot 60,000 modules)
+        self.contents = contents = []
+        for k, v in attrs.items():
+            kind = type(v)
+            if kind in _CONTAINERS and k not in _TORCH_STATE:
+                contents.append((v, None if not v else list(v) if kind is list or kind is set else list(v.items())))
 
     def restore(self) -> None:
         d, attrs = self.module.__dict__, self.attrs
@@ -171,7 +175,7 @@ class _ModuleState:
                     v.update(items)
 
 
-_CONTAINERS = (dict, collections.OrderedDict, collections.defaultdict, list, set)
+_CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
 _MISSING = object()
 
 
@@ -195,7 +199,6 @@ def forward_guard(model: nn.Module):
     state = [_ModuleState(m) for m in modules]
     buffers = [(m, name, b, b.detach().clone()) for m in modules for name, b in m._buffers.items()
                if isinstance(b, torch.Tensor) and not b.is_meta]  # a meta buffer holds no values to guard
-    names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
     guard = _Guard()
     try:
         for m in modules:
@@ -207,10 +210,13 @@ def forward_guard(model: nn.Module):
             m.training = flag
         for saved_state in state:
             saved_state.restore()
+        paths: dict[int, str] | None = None  # module paths, looked up once a buffer changed
         for m, name, b, saved in buffers:
             now = m._buffers.get(name)
             if now is not None and (now is not b or now.shape != saved.shape or not torch.equal(now, saved)):
-                guard.mutated[names.get(id(b), name)] = now.detach().clone()
+                if paths is None:
+                    paths = {id(x): p for p, x in model.named_modules(remove_duplicate=False)}
+                guard.mutated[f"{paths[id(m)]}.{name}".lstrip(".")] = now.detach().clone()
             m._buffers[name] = b  # a forward that re-bound the buffer gets the original object back
             if b.shape != saved.shape or not torch.equal(b, saved):
                 with torch.no_grad():
@@ -257,6 +263,8 @@ def with_selections(model: nn.Module, inputs: Inputs, output: Any) -> Any:
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:
+    if not torch.cuda.is_initialized():  # no tensor is on a CUDA device before CUDA is initialized
+        return []
     return sorted({t.device.index or 0 for t in list(model.parameters()) + list(model.buffers()) if t.is_cuda})
 
 
