@@ -135,8 +135,11 @@ def center_(t: torch.Tensor, dim: int) -> torch.Tensor:
     """t <- t - mean(t, dim) in place, computed in ``work_dtype`` one slice at a time (peak: a slice, not the
     weight); the mean is accumulated in float64 either way."""
     work = work_dtype(t)
+    buf: torch.Tensor | None = None  # one work-dtype buffer for every slice (fresh memory costs its page faults)
     for s in slices(t.detach(), dim):
-        sw = s.to(work)
+        if buf is None or buf.numel() < s.numel():
+            buf = torch.empty(s.numel(), dtype=work, device=s.device)
+        sw = buf[: s.numel()].view(s.shape).copy_(s)
         mean = sw.mean(dim, keepdim=True, dtype=torch.float64).to(work)
         s.copy_(sw.sub_(mean))  # in place: one slice alive in the work dtype, rounded once by copy_
     return t

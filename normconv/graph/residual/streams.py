@@ -33,7 +33,10 @@ from .writers import HIDDEN_CAT, Writer, owns, writer
 _NORM_FORWARDS = (nn.LayerNorm.forward, nn.RMSNorm.forward, RMSNorm.forward)  # forwards that are the norm alone
 # a writer counts as zero-mean when |mean over the hidden dim| <= this * max |weight|
 _ZERO_MEAN_RTOL = 1e-5
-_SLICE_ELEMENTS = 1 << 22  # float64 working set per slice: 32 MB
+# float64 working set per slice: 8 MB, under glibc's largest mmap threshold (32 MB), so a slice's temporaries reuse
+# heap pages instead of faulting fresh ones in (centering a 2048 x 8192 bf16 weight: 113 ms at 4M elements, 104 of
+# them in the kernel, against 28 ms at 1M with center_'s reused buffer)
+_SLICE_ELEMENTS = 1 << 20
 
 
 @dataclass
