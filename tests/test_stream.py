@@ -4,6 +4,7 @@ loaded back with from_pretrained, refused (exit 2) where the swap is not exact, 
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 
 import pytest
@@ -280,6 +281,48 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
     for name, t in written.items():  # centered writers: zero mean along the hidden axis, up to bf16 rounding
         if name.endswith("embed_tokens.weight"):
             assert t.double().mean(-1).abs().max() < 1e-3 < original[name].double().mean(-1).abs().max()
+
+
+def test_half_precision_pass_keeps_an_untied_embedding_as_stored_and_reads_ahead(tmp_path, monkeypatch):
+    """A bf16 checkpoint runs in float32, except an embedding table no head shares: the rewritten model's centered
+    embed_tokens stays bf16 (its output cast: the same rows bit for bit) while the original's, tied to lm_head,
+    is cast. The loader thread reads and rewrites blocks ahead; the verdict is the same."""
+    from normconv.stream import onepass
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(lambda: _opt().to(torch.bfloat16), src)
+    filled: dict[tuple[int, str], torch.dtype] = {}
+    fill, models = onepass.fill, []
+
+    def recording(slots, ckpt, aliases, folder, compute=None):
+        saved = fill(slots, ckpt, aliases, folder, compute)
+        for m, k, name in slots:
+            owner = next(i for i, root in enumerate(models) if any(x is m for x in root.modules()))
+            filled[(owner, name)] = getattr(m, k).dtype
+        return saved
+
+    build = onepass.build_on_meta
+
+    def remembered(*args, **kwargs):
+        models.append(build(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(onepass, "fill", recording)
+    monkeypatch.setattr(onepass, "build_on_meta", remembered)
+    threads: set[str] = set()
+    prepare = onepass._Pass._prepare
+
+    def where(self, unit):
+        threads.add(threading.current_thread().name.split("_")[0])
+        return prepare(self, unit)
+
+    monkeypatch.setattr(onepass._Pass, "_prepare", where)
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed
+    assert filled[(1, "model.decoder.embed_tokens.weight")] == torch.bfloat16  # rewritten, untied: kept
+    assert filled[(0, "model.decoder.embed_tokens.weight")] == torch.float32  # original, tied to lm_head: cast
+    assert filled[(0, "model.decoder.layers.0.fc1.weight")] == torch.float32
+    assert "normconv-read-ahead" in threads  # blocks were read and rewritten by the loader thread
 
 
 def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypatch):

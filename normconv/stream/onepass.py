@@ -6,12 +6,13 @@ checksum and renamed into place.
            folder's other files written, the rewritten model built on meta from that config.json
   rest     the tensors outside the blocks (embeddings, final norm, head) read once from the source, rewritten in
            memory by ``produce`` (the same function for every tensor: swap_norm.center_ / bias_delta / add_, or the
-           fold's edits), the original model and the rewritten model filled with them (a half-precision checkpoint
-           cast to float32 once per tensor, a tensor both models read cast once), the rewritten ones handed to the
-           writer
+           fold's edits), the rewritten ones handed to the writer, the original model and the rewritten model filled
+           with them (a half-precision checkpoint cast to float32 once per tensor, a tensor both models read cast
+           once; an embedding table no head shares kept as stored, its output cast instead: the same rows)
   blocks   the original and the rewritten model run at the example inputs and a second shape, four threads in
-           lockstep (stream.blocks.lockstep); before block i runs, its tensors are read once from the source and
-           rewritten in memory, both models' block i filled, the rewritten tensors handed to the writer; after it
+           lockstep (stream.blocks.lockstep); a loader thread reads block i + 1's tensors once from the source,
+           rewrites them and hands them to the writer while block i runs (``_Ahead``); before block i runs, both
+           models' block i are filled (cast into the buffers of the block dropped before, ``_Buffers``); after it
            ran, each rewritten block output is compared with ``reference(original block output)`` (float64, within
            atol + rtol * max |reference|) and block i is dropped. The final outputs are compared as the in-memory
            commands compare them. A tensor no forward read (a block never called, a key no module holds) is read,
@@ -24,15 +25,19 @@ checksum and renamed into place.
 
 The source is read once per tensor (plus a rare consumer outside the block of the norm it absorbs); the output is
 never read into a model. Peak memory: one block (original + rewritten, float32 for a half-precision checkpoint),
-the rest, and at most a few tensors waiting for the writer.
+the next block's source and rewritten tensors (read ahead), the rest, and at most a few tensors waiting for the
+writer.
 """
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn as nn
 
 from normconv.errors import VerificationError
 from normconv.io.hf_inputs import hf_example_inputs
@@ -50,21 +55,88 @@ from normconv.verify import Inputs, compare, default_tolerance
 Produce = Callable[[str, torch.Tensor, Callable[[str], torch.Tensor]], torch.Tensor]
 
 
+class _Buffers:
+    """The compute-dtype tensors of the block just dropped, reused by the next block's casts of the same shape: a
+    cast into fresh memory pays a page fault per 4 KiB (48 ms for a 2048 x 8192 bf16 weight, 42 of them in the
+    kernel, against 8 ms into reused memory). Only a tensor whose storage nothing else holds is reused; what the
+    next block did not take is freed after its fill (peak memory stays one block)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        pool = self.free.get((tuple(shape), dtype))
+        return pool.pop() if pool else None
+
+    def give(self, cast: dict[int, torch.Tensor]) -> None:
+        """Take the tensors of ``cast`` (emptied) for reuse, each one nothing else refers to."""
+        while cast:
+            t = cast.popitem()[1]
+            if sys.getrefcount(t) <= 2 and _alone(t):  # this name and the call's argument: no holder elsewhere
+                self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    def drop(self) -> None:
+        self.free.clear()
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """No other tensor, parameter or view shares ``t``'s storage (its use count: ``t`` and the query's handle)."""
+    try:
+        return t.is_contiguous() and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    except (AttributeError, RuntimeError):  # a torch without the query: never reuse
+        return False
+
+
 class _Held:
     """Tensors in memory under their stored keys, read like a Checkpoint by ``fill`` (``key``: model name -> stored
-    key); floating ones cast to ``compute`` once per tensor (``cast``: shared by the two models' fills)."""
+    key); floating ones cast to ``compute`` once per tensor (``cast``: shared by the two models' fills), into a
+    dropped block's buffer of the same shape where there is one (``buffers``)."""
 
     def __init__(self, key: dict[str, str], tensors: dict[str, torch.Tensor], compute: torch.dtype | None,
-                 cast: dict[int, torch.Tensor]):
-        self.key, self.tensors, self.compute, self.cast = key, tensors, compute, cast
+                 cast: dict[int, torch.Tensor], buffers: _Buffers | None = None, stored: frozenset[str] = frozenset()):
+        self.key, self.tensors, self.compute, self.cast, self.buffers = key, tensors, compute, cast, buffers
+        self.stored = stored  # keys kept in their stored dtype (lookup tables whose output is cast instead)
 
     def get(self, k: str) -> torch.Tensor:
         t = self.tensors[k]
-        if self.compute is None or not t.is_floating_point():
+        if self.compute is None or not t.is_floating_point() or k in self.stored:
             return t
         if id(t) not in self.cast:  # the tensors stay alive while this fill runs: ids are stable
-            self.cast[id(t)] = t.to(self.compute)
+            buf = self.buffers.take(t.shape, self.compute) if self.buffers is not None else None
+            self.cast[id(t)] = buf.copy_(t) if buf is not None else t.to(self.compute)
         return self.cast[id(t)]
+
+
+class _Ahead:
+    """The next unit's source tensors read and rewritten in a loader thread while the forwards run the current one
+    (reading, the rewrite's arithmetic and the writer hand-off then overlap the forwards instead of stopping all
+    four): ``take(u)`` returns unit u's ``prepare(u)``, computed now if u was not the unit read ahead, and starts
+    u + 1. One unit ahead at most: one block's source and rewritten tensors in memory beside the running one."""
+
+    def __init__(self, prepare: Callable[[int], Any], count: int):
+        self.prepare, self.count = prepare, count
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="normconv-read-ahead")
+        self.next: tuple[int, Future] | None = None
+
+    def start(self, unit: int) -> None:
+        if unit < self.count:
+            self.next = (unit, self.pool.submit(self.prepare, unit))
+
+    def take(self, unit: int) -> Any:
+        guess, self.next = self.next, None
+        if guess is not None and guess[0] == unit:
+            got = guess[1].result()  # the loader's exception, if any, is raised here
+        else:  # blocks called out of order (a block run twice): the guess is finished and dropped
+            if guess is not None:
+                wait([guess[1]])
+            got = self.prepare(unit)
+        self.start(unit + 1)
+        return got
+
+    def close(self) -> None:
+        """Wait for the loader; what it read ahead and nobody took is dropped (its writes stand: same bytes)."""
+        self.next = None
+        self.pool.shutdown(wait=True)
 
 
 class _Pass:
@@ -92,34 +164,60 @@ class _Pass:
             seen.update(keys)
             self.units.append(keys)
         self.unit_of = {c: u for u, keys in enumerate(self.units) for k in keys for c in [k] + copies.get(k, [])}
-        self.held: dict[str, torch.Tensor] = {}  # the source tensors of the unit being rewritten
+        self.tables = (self._tables(original, 0), self._tables(rewritten, 1))
+        self.buffers = _Buffers()  # the dropped block's cast tensors, for the next block's casts
+        self.cast: dict[int, torch.Tensor] = {}  # the cast tensors of the block loaded last
         self.written: set[str] = set()  # source keys whose outputs went to the writer
         self.records: list[list[tuple[int, Validation]]] = []
 
-    def source(self, name: str) -> torch.Tensor:
-        """The original values of the model's tensor ``name``: from memory when its unit is loaded, else read."""
-        key = stored_key(self.ckpt, self.aliases[0], name)
-        return self.held[key] if key in self.held else self.ckpt.get(key)
+    def _tables(self, model: nn.Module, side: int) -> frozenset[str]:
+        """Stored keys of the rest's lookup tables kept in the checkpoint's dtype in the half-precision pass: a
+        torch nn.Embedding's weight that no other module of ``model`` shares (a head tied to it multiplies it), its
+        output cast to the compute dtype instead (a row read and cast is the row of the cast table, bit for bit).
+        A rewritten model's centered embedding then costs its stored bytes, not twice them (OPT-2.7B: 257 MB)."""
+        if self.compute is None:
+            return frozenset()
+        ckpt = self.ckpt if side == 0 else self.out_ckpt
+        keys = set()
+        for m, k, name in self.slots[side][0]:
+            if type(m) is nn.Embedding and k == "weight" and m.max_norm is None and \
+                    len(self.aliases[side].get(name, [name])) == 1 and name in ckpt.key:
+                compute = self.compute
+                m.register_forward_hook(lambda mod, args, y, compute=compute: y.to(compute))
+                keys.add(ckpt.key[name])
+        return frozenset(keys)
 
-    def _load(self, unit: int) -> list:
-        """Read the unit's source tensors once, rewrite them, fill both models' slots of the unit (returns what to
-        put back), hand the rewritten tensors to the writer."""
+    def _source(self, held: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """The original values of the model's tensor ``name``: from ``held`` (its unit's) when there, else read."""
+        key = stored_key(self.ckpt, self.aliases[0], name)
+        return held[key] if key in held else self.ckpt.get(key)
+
+    def _prepare(self, unit: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Read the unit's source tensors once, rewrite them, hand the rewritten ones to the writer: (source
+        tensors, rewritten tensors by stored key). Thread-safe: the loader thread runs it a unit ahead."""
         keys = self.units[unit]
-        self.held = {k: self.ckpt.get(k) for k in keys}
+        held = {k: self.ckpt.get(k) for k in keys}
         out: dict[str, torch.Tensor] = {}
         for k in keys:
             for c in self.copies.get(k, []):
-                out[c] = self.held[k]  # an untied copy keeps the original values
-            out[k] = self.produce(self.ckpt.name[k], self.held[k], self.source)
-        cast: dict[int, torch.Tensor] = {}
-        saved = fill(self.slots[0][unit], _Held(self.ckpt.key, self.held, self.compute, cast), self.aliases[0],
-                     self.src)
-        saved += fill(self.slots[1][unit], _Held(self.out_ckpt.key, out, self.compute, cast), self.aliases[1],
-                      self.src)
+                out[c] = held[k]  # an untied copy keeps the original values
+            out[k] = self.produce(self.ckpt.name[k], held[k], lambda name: self._source(held, name))
         for k, t in out.items():
             self.writer.write(k, t)
         self.written.update(keys)
-        self.held = {}
+        return held, out
+
+    def _fill(self, unit: int, held: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> list:
+        """Fill both models' slots of the unit (returns what to put back), floating tensors cast to the compute
+        dtype (into the dropped block's buffers), lookup tables of the rest kept as stored (``_tables``)."""
+        self.cast = cast = {}
+        buffers = self.buffers if unit else None  # the rest stays for the whole pass: no block's buffer for it
+        saved = fill(self.slots[0][unit], _Held(self.ckpt.key, held, self.compute, cast, buffers,
+                                                self.tables[0] if not unit else frozenset()), self.aliases[0], self.src)
+        saved += fill(self.slots[1][unit], _Held(self.out_ckpt.key, out, self.compute, cast, buffers,
+                                                 self.tables[1] if not unit else frozenset()), self.aliases[1],
+                      self.src)
+        self.buffers.drop()  # what this block did not reuse
         return saved
 
     def run(self, shapes: list[Inputs]) -> list[tuple[Any, Any, list, list]] | None:
@@ -129,13 +227,16 @@ class _Pass:
         self.records = [[] for _ in shapes]
         block: list = []
 
+        ahead = _Ahead(self._prepare, len(self.units))
+
         def enter(i: int) -> None:
             phase("read + rewrite + verify + write", i + 1, total, detail="block")
-            block[:] = self._load(i + 1)
+            block[:] = self._fill(i + 1, *ahead.take(i + 1))
 
         def leave(i: int, outs: list[torch.Tensor]) -> None:
             restore(block)
             block.clear()
+            self.buffers.give(self.cast)  # unreferenced now: the next block's casts go into them
             trim_heap()
             for k in range(n):
                 # within the tolerance scaled by the block output's largest value (the stream's scale grows with
@@ -149,10 +250,12 @@ class _Pass:
         rest: list = []
         try:
             phase("read + rewrite + verify + write", detail="embeddings, final norm, head (outside the blocks)")
-            rest = self._load(0)
+            rest = self._fill(0, *self._prepare(0))
+            ahead.start(1)
             results = lockstep([(self.original, s) for s in shapes] + [(self.rewritten, s) for s in shapes],
                                enter, leave)
         finally:
+            ahead.close()
             restore(block + rest)
             trim_heap()
         if results is None:
@@ -163,12 +266,11 @@ class _Pass:
         """Tensors no forward loaded (a block never called, a key no module holds): read, rewritten, written."""
         for k in [k for keys in self.units for k in keys] + list(self.ckpt.weight_map):
             if k not in self.written:
-                self.held = {k: self.ckpt.get(k)}
+                held = {k: self.ckpt.get(k)}
                 for c in self.copies.get(k, []):
-                    self.writer.write(c, self.held[k])
-                self.writer.write(k, self.produce(self.ckpt.name[k], self.held[k], self.source))
+                    self.writer.write(c, held[k])
+                self.writer.write(k, self.produce(self.ckpt.name[k], held[k], lambda name: self._source(held, name)))
                 self.written.add(k)
-                self.held = {}
 
     def where(self, key: str) -> str:
         unit = self.unit_of.get(key)
