@@ -39,6 +39,15 @@ class NormconvError(Exception):
         super().__init__(f"{message}. {hint}" if hint else message)
 
 
+class CaptureError(NormconvError):
+    """No capture method took the model whole (Code.CANNOT_CAPTURE); ``attempts``: each method's own failure, for a
+    caller that needs one method in particular (a .pt2 is a torch.export program)."""
+
+    def __init__(self, message: str, attempts: dict[str, str]):
+        super().__init__(message, Code.CANNOT_CAPTURE)
+        self.attempts = dict(attempts)
+
+
 class VerificationError(NormconvError):
     """A rewrite (or export) missed its tolerance; its output was not written."""
 

@@ -128,3 +128,26 @@ def test_a_pt2_that_torch_export_cannot_make_is_refused_before_the_work(tmp_path
     report, _ = rewrite(_loaded(model, _inputs()), [Spy()],
                         Options(output=str(tmp_path / "m.pt"), accept_specialized=True), command="swap")
     assert report.passed and (tmp_path / "m.pt").is_file()  # the format that works still writes
+
+
+def test_a_model_no_method_captures_raises_capture_error_with_each_method_s_reason():
+    # the error carries each method's own failure as data (a .pt2 names torch.export's), not as an ad hoc attribute
+    from normconv.errors import CaptureError, Code
+    from normconv.graph.capture import capture
+
+    class Opaque(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, x):
+            if float(x.sum()) > 0:  # a Python branch on a value: no symbolic trace, no export
+                x = x.tolist()
+                return self.norm(torch.tensor(x))
+            return self.norm(x)
+
+    with pytest.raises(CaptureError) as info:
+        capture(Opaque(), Inputs((torch.ones(2, 4),)))
+    err = info.value
+    assert err.code is Code.CANNOT_CAPTURE and isinstance(err, NormconvError)
+    assert "torch.export" in err.attempts and all(isinstance(v, str) and v for v in err.attempts.values())

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from normconv.quiet import phase
 from normconv.clone import clone_sharing_tensors, copy_on_write, owning_as, release
-from normconv.errors import Code, NormconvError
+from normconv.errors import CaptureError, Code, NormconvError
 from normconv.graph.capture import Captured, Guard, capture
 from normconv.passes.base import Pass, replace_module
 from normconv.report import PassResult, Site
@@ -111,7 +111,8 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
                 cap = out.saw(capture(work, inputs, method, reference))
             except NormconvError as exc:
                 if exc.code is Code.CANNOT_CAPTURE and whole_export and method in ("auto", "torch.export"):
-                    why = getattr(exc, "attempts", {}).get("torch.export", exc.message)  # torch.export's own reason
+                    attempts = exc.attempts if isinstance(exc, CaptureError) else {}
+                    why = attempts.get("torch.export", exc.message)  # torch.export's own reason
                     raise _no_whole_export(whole_export, work, why) from None
                 if exc.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
                     raise

@@ -29,7 +29,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.overrides import TorchFunctionMode
 
-from normconv.errors import Code, NormconvError
+from normconv.errors import CaptureError, Code, NormconvError
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv import kinds
@@ -324,9 +324,7 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
             except Exception:  # noqa: BLE001 - the first failure is the one to report
                 pass
     detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
-    err = NormconvError(f"cannot capture a graph of {type(model).__name__}: {detail}", Code.CANNOT_CAPTURE)
-    err.attempts = dict(attempts)  # each method's failure, for a caller that names one (a .pt2 needs torch.export)
-    raise err
+    raise CaptureError(f"cannot capture a graph of {type(model).__name__}: {detail}", attempts)
 
 
 def _check_draft(model: nn.Module, ep: Any, inputs: Inputs, reference: Any = None) -> None:
