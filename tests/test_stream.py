@@ -15,8 +15,8 @@ import normconv
 from normconv.errors import NormconvError, VerificationError
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.stream import swap as streaming
-from normconv.stream.blocks import OnDemand, build_on_meta
-from normconv.stream.checkpoint import Checkpoint, ShardWriter, model_class
+from normconv.stream.blocks import block_list, build_on_meta, fill, lockstep, restore, tensor_slots
+from normconv.stream.checkpoint import Checkpoint, ShardWriter, model_class, tied_names
 from tests.hf_tiny import VOCAB
 
 
@@ -255,6 +255,30 @@ def test_the_order_of_tensors_in_the_shards_does_not_matter(tmp_path):
     assert not (tmp_path / "out2" / "model.safetensors.index.json").exists()  # one file in, one file out
 
 
+def _block_by_block(meta, ckpt, folder, shapes):
+    """The stream's building blocks alone (stream.onepass drives them with a rewrite): each block of the meta model
+    filled from the checkpoint just before it runs and put back after, the forwards at ``shapes`` in lockstep;
+    per shape (outputs, block outputs), or None where the shapes call the blocks differently."""
+    aliases = tied_names(meta)
+    prefix, blocks = block_list(meta)
+    rest = tensor_slots(meta, skip={id(m) for b in blocks for m in b.modules()})
+    slots = [tensor_slots(b, f"{prefix}.{i}") for i, b in enumerate(blocks)]
+    saved: list = []
+
+    def enter(i):
+        saved[:] = fill(slots[i], ckpt, aliases, folder)
+
+    def leave(i, outs):
+        restore(saved)
+        saved.clear()
+
+    kept = fill(rest, ckpt, aliases, folder)
+    try:
+        return lockstep([(meta, s) for s in shapes], enter, leave)
+    finally:
+        restore(saved + kept)
+
+
 def test_block_by_block_runs_leave_every_parameter_on_meta(tmp_path):
     """Each verification forward loads a block's weights for that block only and leaves nothing loaded, however
     many times (shapes) and through however many loaders the same model runs."""
@@ -263,8 +287,7 @@ def test_block_by_block_runs_leave_every_parameter_on_meta(tmp_path):
     cls, config = model_class(src)
     meta = build_on_meta(cls, config, torch.float32)
     for inputs in _shapes(model):
-        loader = OnDemand(meta, Checkpoint(src).rename_for(meta), src)
-        out, blocks = loader.run(inputs)
+        ((out, blocks),) = _block_by_block(meta, Checkpoint(src).rename_for(meta), src, [inputs])
         assert len(blocks) == 3
         assert torch.allclose(out.logits, model(**inputs.kwargs).logits, atol=1e-6)
         assert {p.device.type for p in meta.parameters()} == {"meta"}
@@ -351,10 +374,10 @@ def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypat
     assert planned and all(".ln_" in n and n.endswith(".bias") for n in planned), planned  # the plan's reads
     cls, config = model_class(src)
     meta = build_on_meta(cls, config, torch.float32)
-    loader = OnDemand(meta, Checkpoint(src).rename_for(meta), src)
-    together = loader.run_many(_shapes(model))
+    ckpt = Checkpoint(src).rename_for(meta)
+    together = _block_by_block(meta, ckpt, src, _shapes(model))
     for inputs, (out_many, blocks_many) in zip(_shapes(model), together):
-        out_one, blocks_one = loader.run(inputs)
+        ((out_one, blocks_one),) = _block_by_block(meta, ckpt, src, [inputs])
         assert torch.equal(out_many.logits, out_one.logits)
         assert all(torch.equal(a, b) for a, b in zip(blocks_many, blocks_one)) and len(blocks_many) == 3
     assert {p.device.type for p in meta.parameters()} == {"meta"}

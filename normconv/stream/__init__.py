@@ -4,8 +4,8 @@ re-exported here.
 
   checkpoint  the folder and its shards: safetensors headers, ``Checkpoint`` (one tensor at a time, keys mapped to
               the model's names), ``shard_header`` / ``ShardWriter``, ``open_folder``, ``copy_folder``
-  blocks      the model built on the meta device, several forwards meeting at every block (``lockstep``), its
-              blocks loaded from a checkpoint on demand (``OnDemand``)
+  blocks      the model built on the meta device, its blocks filled just before they run and put back after
+              (``fill`` / ``restore``), several forwards meeting at every block (``lockstep``)
   writer      the output shards' layout computed up front, tensors written at their offsets with a CRC-32 each,
               read back and checked
   onepass     ``write_verified``: each block read once, rewritten in memory, run through the original and the

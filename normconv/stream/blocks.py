@@ -2,7 +2,7 @@
 (``build_on_meta``), its blocks (the longest ``nn.ModuleList``, ``block_list``) filled from tensors just before
 they run and put back on meta after (``fill`` / ``restore``), several forwards meeting at every block in threads
 (``lockstep``: both input shapes, the original and the rewritten model, run through each block while it is
-loaded once), and ``OnDemand``: one model's blocks loaded from a checkpoint this way.
+loaded once; stream.onepass drives them).
 
 Peak memory: one block plus the embeddings and head. Imports stream.checkpoint (no graph, no passes: it runs
 models, it does not analyze them).
@@ -18,9 +18,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from normconv.quiet import phase
 from normconv.errors import NormconvError
-from normconv.stream.checkpoint import Checkpoint, stored_key, tied_names
+from normconv.stream.checkpoint import Checkpoint, stored_key
 from normconv.verify import Inputs
 
 # ---------------------------------------------------------------------------------------------------------
@@ -123,52 +122,6 @@ def fill(slots: list[tuple[nn.Module, str, str]], ckpt: Checkpoint, aliases: dic
             t = t.to(compute)
         table[k] = nn.Parameter(t, requires_grad=False) if is_param else t
     return saved
-
-
-class OnDemand:
-    """Parameters (and stored buffers) of a meta-parameter model loaded from a checkpoint when needed: each block
-    just before it runs (dropped after it), everything else for the whole forward. Records each block's output."""
-
-    def __init__(self, model: nn.Module, ckpt: Checkpoint, folder: Path, compute: torch.dtype | None = None,
-                 label: str = "blocks"):
-        self.model, self.ckpt, self.folder, self.compute, self.label = model, ckpt, folder, compute, label
-        self.aliases = tied_names(model)
-        prefix, blocks = block_list(model)
-        self.blocks = len(blocks)
-        self.rest = tensor_slots(model, skip={id(m) for b in blocks for m in b.modules()})
-        self.block_slots = [tensor_slots(block, f"{prefix}.{i}") for i, block in enumerate(blocks)]
-
-    def _fill(self, slots) -> list:
-        """Load ``slots`` from the checkpoint; returns what to put back."""
-        return fill(slots, self.ckpt, self.aliases, self.folder, self.compute)
-
-    def run(self, inputs: Inputs) -> tuple[Any, list[torch.Tensor]]:
-        """The model's outputs on ``inputs`` and each block's output, in call order."""
-        return self.run_many([inputs])[0]
-
-    def run_many(self, shapes: list[Inputs]) -> list[tuple[Any, list[torch.Tensor]]]:
-        """``run`` for several inputs at once, in lockstep (``lockstep``): each block is read from the checkpoint
-        once for all of them; inputs that make the model call its blocks differently run one by one."""
-        saved: list = []
-
-        def enter(i: int) -> None:
-            phase("verify", i + 1, self.blocks, detail=f"read + run {self.label}, block")
-            saved[:] = self._fill(self.block_slots[i])
-
-        def leave(i: int, outputs: list[torch.Tensor]) -> None:
-            restore(saved)
-            saved.clear()
-            trim_heap()
-
-        rest: list = []
-        try:
-            rest = self._fill(self.rest)
-            results = lockstep([(self.model, inputs) for inputs in shapes], enter, leave)
-        finally:
-            restore(saved + rest)
-        if results is None:  # the inputs made the model call its blocks differently: one by one
-            return [self.run(inputs) for inputs in shapes]
-        return results
 
 
 def restore(saved: list) -> None:
