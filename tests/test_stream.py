@@ -429,3 +429,24 @@ def test_a_changed_config_after_writing_is_refused(tmp_path):
     with pytest.raises(VerificationError, match="config.json changed after it was written; nothing written"):
         streaming.swap(src, out, after_rewrite=edit)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_failure_in_the_read_ahead_thread_leaves_nothing_and_no_thread(tmp_path, monkeypatch):
+    """A read or rewrite that fails in the loader thread (a block ahead) is raised in the command, the loader is
+    joined, and nothing is left under OUT or beside it."""
+    from normconv.stream import onepass
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(_gpt2, src)
+    prepare = onepass._Pass._prepare
+
+    def failing(self, unit):
+        if unit == 2 and threading.current_thread().name.startswith("normconv-read-ahead"):
+            raise OSError(5, "Input/output error", "a shard")
+        return prepare(self, unit)
+
+    monkeypatch.setattr(onepass._Pass, "_prepare", failing)
+    with pytest.raises(NormconvError):
+        streaming.swap(src, out)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("normconv-read-ahead")]
