@@ -450,3 +450,33 @@ def test_a_failure_in_the_read_ahead_thread_leaves_nothing_and_no_thread(tmp_pat
         streaming.swap(src, out)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in"]
     assert not [t for t in threading.enumerate() if t.name.startswith("normconv-read-ahead")]
+
+
+def test_a_model_reading_a_kept_table_s_weight_outside_its_forward_is_run_with_it_cast(tmp_path, monkeypatch):
+    """An embedding kept in bf16 fails where the model multiplies its weight directly, outside the module (DeBERTa's
+    head does; the plan refuses to center a table read so, and this use is eager-only, where the plan's capture
+    does not see it): the pass is run again with every table cast, and verifies; it never computes with the stored
+    dtype silently."""
+    from transformers.models.opt import modeling_opt
+
+    from normconv.stream import onepass
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(lambda: _opt().to(torch.bfloat16), src)
+    forward = modeling_opt.OPTDecoder.forward
+    seen: list[torch.dtype] = []
+
+    def reads_the_weight(self, *args, **kwargs):
+        w = self.embed_tokens.weight
+        if not torch.compiler.is_exporting():  # eager only (the plan's capture would refuse a centered table read)
+            seen.append(w.dtype)
+            torch.matmul(torch.zeros(1, w.shape[1], dtype=torch.float32), w.t())  # a use needing one dtype
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_opt.OPTDecoder, "forward", reads_the_weight)
+    retried = []
+    cast_tables = onepass._Pass.cast_tables
+    monkeypatch.setattr(onepass._Pass, "cast_tables", lambda self: retried.append(1) or cast_tables(self))
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed and retried == [1]
+    assert torch.bfloat16 in seen and seen[-1] == torch.float32  # the kept table failed, the retry cast it

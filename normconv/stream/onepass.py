@@ -164,6 +164,7 @@ class _Pass:
             seen.update(keys)
             self.units.append(keys)
         self.unit_of = {c: u for u, keys in enumerate(self.units) for k in keys for c in [k] + copies.get(k, [])}
+        self.hooks: list = []  # the output casts of the tables kept as stored
         self.tables = (self._tables(original, 0), self._tables(rewritten, 1))
         self.buffers = _Buffers()  # the dropped block's cast tensors, for the next block's casts
         self.cast: dict[int, torch.Tensor] = {}  # the cast tensors of the block loaded last
@@ -183,9 +184,19 @@ class _Pass:
             if type(m) is nn.Embedding and k == "weight" and m.max_norm is None and \
                     len(self.aliases[side].get(name, [name])) == 1 and name in ckpt.key:
                 compute = self.compute
-                m.register_forward_hook(lambda mod, args, y, compute=compute: y.to(compute))
+                self.hooks.append(m.register_forward_hook(lambda mod, args, y, compute=compute: y.to(compute)))
                 keys.add(ckpt.key[name])
         return frozenset(keys)
+
+    def cast_tables(self) -> bool:
+        """Cast the lookup tables too from now on (a model that reads a table's weight outside its forward, as
+        DeBERTa's head multiplies by the word embeddings, fails on a stored-dtype weight: it never computes
+        with one silently, bf16 -> float32 promotion being exact). False when none was kept."""
+        kept = any(self.tables)
+        for h in self.hooks:
+            h.remove()
+        self.hooks, self.tables = [], (frozenset(), frozenset())
+        return kept
 
     def _source(self, held: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """The original values of the model's tensor ``name``: from ``held`` (its unit's) when there, else read."""
@@ -279,7 +290,12 @@ class _Pass:
 
 def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str) -> tuple[list[Validation], list[dict[str, Any]]]:
     """Run the pass (both shapes in lockstep, or one shape at a time where their flows differ) and judge it."""
-    runs = p.run(shapes)
+    try:
+        runs = p.run(shapes)
+    except Exception:  # noqa: BLE001 - retried once with every table cast where a kept one may be the cause
+        if not p.cast_tables():
+            raise
+        runs = p.run(shapes)  # the writes of the first try stand: the same bytes at the same offsets
     if runs is None:  # the shapes make the model call its blocks differently: one shape at a time
         runs, records = [], []
         for s in shapes:
