@@ -220,11 +220,11 @@ def test_a_pt2_whose_dynamic_export_fails_is_written_with_its_dimensions_pinned(
     real = outputs._export
     calls = []
 
-    def dynamic_fails(model, inputs, shapes):
+    def dynamic_fails(model, inputs, shapes, pinned=frozenset()):
         calls.append(shapes is not None)
         if shapes is not None:
             raise NotImplementedError("The inequality, Eq(-6*x + 192, 0) cannot be decided")
-        return real(model, inputs, shapes)
+        return real(model, inputs, shapes, pinned)
 
     monkeypatch.setattr(outputs, "_export", dynamic_fails)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
@@ -236,3 +236,33 @@ def test_a_pt2_whose_dynamic_export_fails_is_written_with_its_dimensions_pinned(
     assert info["dynamic_dims"] == [] and any("every dimension pinned" in n for n in info["notes"])
     program = torch.export.load(str(path)).module()
     torch.testing.assert_close(program(x), model(x))
+
+
+def test_a_pinned_batch_keeps_the_example_s_size_not_the_widened_trace_s(tmp_path):
+    """An example of batch 1 is traced at batch 2 (torch.export specializes a size of 1). Where that trace
+    specializes the batch (a branch on the batch size: Dim.AUTO keeps one branch; timm's MobileViT pinned it after
+    its check at batch 1 failed), the program would be static at 2: the example's own batch is traced instead, and
+    the .pt2 runs on the example."""
+    from normconv.io import outputs
+    from normconv.verify import Inputs
+
+    class BatchBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if x.shape[0] == 2:  # the same value either way; torch.export keeps one branch and guards on it
+                return y * 2
+            return y + y
+
+    torch.manual_seed(0)
+    model = BatchBranch().eval()
+    x = torch.randn(1, 4)
+    info: dict = {}
+    path = tmp_path / "m.pt2"
+    outputs.write_pt2(model, str(path), Inputs((x,)), info=info)
+    ep = torch.export.load(str(path))
+    assert [tuple(n.meta["val"].shape) for n in ep.graph.nodes if n.op == "placeholder"][-1] == (1, 4)
+    torch.testing.assert_close(ep.module()(x), model(x))

@@ -118,15 +118,29 @@ def resized(model: nn.Module, inputs: Inputs, places: list[tuple[str, int]], siz
     return Inputs(args, kwargs)
 
 
-def widened(model: nn.Module, inputs: Inputs) -> Inputs | None:
+def widened(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | frozenset = frozenset()) -> Inputs | None:
     """The example at batch 2 where its batch is 1 (torch.export specializes a size of 1): every tensor input whose
-    dim 0 is 1 gets its values cycled to 2. None when no input has batch 1 (or none has names)."""
+    dim 0 is 1 gets its values cycled to 2, except where dim 0 is ``pinned`` (a pinned dimension keeps the example's
+    size: traced at 2 it would be pinned to 2). None when no input has a free batch of 1 (or none has names)."""
+    ones = batch_ones(model, inputs, pinned)
+    return resized(model, inputs, ones, 2) if ones else None
+
+
+def batch_ones(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | frozenset = frozenset()
+               ) -> list[tuple[str, int]]:
+    """The (input, 0) places ``widened`` traces at 2: a tensor input's batch of 1 that is not pinned."""
     names = input_names(model, inputs)
     if names is None:
-        return None
-    ones = [(n, 0) for n, x in _named(inputs, names).items() if isinstance(x, torch.Tensor) and x.dim() and
-            x.shape[0] == 1]
-    return resized(model, inputs, ones, 2) if ones else None
+        return []
+    return [(n, 0) for n, x in _named(inputs, names).items() if isinstance(x, torch.Tensor) and x.dim() and
+            x.shape[0] == 1 and (n, 0) not in pinned]
+
+
+def kept_free(program: Any, model: nn.Module, inputs: Inputs, places: list[tuple[str, int]]) -> bool:
+    """Every place of ``places`` is a symbol in ``program``: a trace at the widened batch that specialized it (a
+    branch on the batch size) made the program static at 2, where the example's own size is 1."""
+    free = {p for d in found(program, input_names(model, inputs)) for p in d.places}
+    return all(p in free for p in places)
 
 
 def held(program: Any) -> dict[str, int]:
@@ -218,6 +232,14 @@ def name_dims(dims: list[Dim], shapes: dict[str, tuple[int, bool]], chosen: dict
     return out
 
 
+def example_size(model: nn.Module, inputs: Inputs, d: Dim) -> int:
+    """The example's own size of ``d`` (its first place): what a pinned dimension is pinned to, where the program
+    that found it was traced at a widened batch."""
+    name, axis = d.places[0]
+    x = _named(inputs, input_names(model, inputs) or []).get(name)
+    return int(x.shape[axis]) if isinstance(x, torch.Tensor) and x.dim() > axis else d.size
+
+
 def input_shapes(model: nn.Module, inputs: Inputs) -> dict[str, tuple[int, bool]]:
     """input name -> (rank, floating), for ``name_dims``."""
     names = input_names(model, inputs) or []
@@ -270,5 +292,5 @@ def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable
     return checks
 
 
-__all__ = ["Dim", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened",
+__all__ = ["Dim", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened", "batch_ones", "kept_free", "example_size",
            "input_names", "candidates", "cycled"]

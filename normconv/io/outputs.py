@@ -373,7 +373,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     while True:
         shapes = None if static else io_dims.export_shapes(model, inputs, pinned)
         try:
-            ep = _export(model, inputs, shapes)
+            ep = _export(model, inputs, shapes, pinned)
         except Exception as exc:  # noqa: BLE001 - torch.export's symbolic reasoning may fail where static does not
             if shapes is None:
                 raise
@@ -392,7 +392,9 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
         if not failed:
             break
         pinned |= {p for d in failed for p in d.places}
-        info.setdefault("notes", []).extend(f"dimension {d.name} pinned to {d.size}: {d.pinned}" for d in failed)
+        info.setdefault("notes", []).extend(f"dimension {d.name} pinned to the example's "
+                                            f"{io_dims.example_size(model, inputs, d)}: with it free, {d.pinned}"
+                                            for d in failed)
     info["dynamic_dims"] = [d.to_json() for d in dims]
     if _plain_outputs(ep):
         info.setdefault("notes", []).append(
@@ -404,20 +406,25 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     _follow_umask(path)
 
 
-def _export(model: nn.Module, inputs: Inputs, shapes: dict | None):
+def _export(model: nn.Module, inputs: Inputs, shapes: dict | None, pinned: set[tuple[str, int]] = frozenset()):
     """torch.export.export with ``shapes`` (an example batch of 1 traced at 2, where the model takes it)."""
     from normconv.io import dims as io_dims
     from normconv.quiet import quiet
 
-    wide = io_dims.widened(model, inputs) if shapes is not None else None
+    wide = io_dims.widened(model, inputs, pinned) if shapes is not None else None
     for example in ([wide] if wide is not None else []) + [inputs]:
         try:
             with quiet(("torch",), stderr=True):  # a failing export logs the whole graph
-                return torch.export.export(model, tuple(example.args), dict(example.kwargs), dynamic_shapes=shapes,
-                                           strict=False)
+                ep = torch.export.export(model, tuple(example.args), dict(example.kwargs), dynamic_shapes=shapes,
+                                         strict=False)
         except Exception:
             if example is inputs:
                 raise
+            continue
+        # a batch the widened trace specialized (a branch on it) would make the program static at 2: the example's
+        # own batch instead
+        if example is inputs or io_dims.kept_free(ep, model, inputs, io_dims.batch_ones(model, inputs, pinned)):
+            return ep
     raise AssertionError("unreachable")
 
 

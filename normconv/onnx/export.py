@@ -172,12 +172,16 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
     tries = [inputs]
     if dynamic:
         kwargs["dynamic_shapes"] = io_dims.export_shapes(model, inputs, pinned)
-        wide = io_dims.widened(model, inputs)  # batch 1 is specialized by torch.export: trace at batch 2
+        wide = io_dims.widened(model, inputs, pinned)  # batch 1 is specialized by torch.export: trace at batch 2
         tries = [wide, inputs] if wide is not None and kwargs["dynamic_shapes"] is not None else tries
     for i, example in enumerate(tries):
         try:
             with _quiet(), torch.no_grad():
                 program = torch.onnx.export(model, tuple(example.args), kwargs=dict(example.kwargs) or None, **kwargs)
+            ep = getattr(program, "exported_program", None)
+            if i + 1 < len(tries) and ep is not None and not io_dims.kept_free(
+                    ep, model, inputs, io_dims.batch_ones(model, inputs, pinned)):
+                continue  # the trace at batch 2 specialized the batch (a branch on it): the example's own batch
             break
         except Exception as exc:
             if i + 1 < len(tries):
@@ -503,7 +507,7 @@ def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, in
     pinned = [d for d in dims if d.pinned]
     for d in pinned:
         report.notes.append(f"dimension {d.name} ({', '.join(f'{i}[{a}]' for i, a in d.places)}) pinned to "
-                            f"{d.size}: {d.pinned}")
+                            f"the example's {io_dims.example_size(prepared, inputs, d)}: with it free, {d.pinned}")
     return frozenset(p for d in pinned for p in d.places)
 
 
