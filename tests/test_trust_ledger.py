@@ -183,6 +183,16 @@ def test_the_ledger_resolves_every_path_as_realpath_and_stat_do(tmp_path, monkey
         st = os.stat(expected)
         (entry,) = ledger.entries.values()
         assert (str(entry.real), entry.ident) == (expected, (st.st_dev, st.st_ino)), case
+    # a relative path names the file under the working folder of the moment: after a chdir, another file
+    other = tmp_path / "other" / "sub"
+    other.mkdir(parents=True)
+    (other / "f.bin").write_bytes(b"z")
+    ledger = Ledger()
+    ledger.record("sub/f.bin")
+    monkeypatch.chdir(tmp_path / "other")
+    ledger.record("sub/f.bin")
+    assert sorted(map(str, ledger.entries)) == sorted([os.path.realpath(real_dir / "sub" / "f.bin"),
+                                                       os.path.realpath(other / "f.bin")])
     # the same path twice is one entry, and a later primary record still marks it primary
     ledger = Ledger()
     ledger.record(tmp_path / "filelink")

@@ -52,22 +52,24 @@ class Ledger:
     def record(self, path: str | os.PathLike, primary: bool = False) -> None:
         """Record a file (or folder) that was read: by its real path and its inode."""
         raw = os.fspath(path)
-        if not primary and raw in self._seen:
+        absolute = raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw)  # a relative path: from here
+        if not primary and absolute in self._seen:
             return
-        found = self._resolve(raw)
+        found = self._resolve(absolute)
         if found is None:
             return  # nothing there: nothing to protect
-        self._seen.add(raw)
+        self._seen.add(absolute)
         real, st = found
         old = self.entries.get(real)
         self.entries[real] = Entry(real, (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode),
                                    primary or (old is not None and old.primary))
 
     def _resolve(self, raw: str) -> tuple[Path, os.stat_result] | None:
-        """(real path, stat) of ``raw``, as ``os.path.realpath`` + ``os.stat`` give them: its folder's real path
-        (cached) joined with its name, followed further only where the name is itself a symbolic link; a path
-        with "." / ".." parts or ending in a separator goes through realpath whole (".." after a link)."""
-        head, name = os.path.split(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw))
+        """(real path, stat) of the absolute path ``raw``, as ``os.path.realpath`` + ``os.stat`` give them: its
+        folder's real path (cached) joined with its name, followed further only where the name is itself a symbolic
+        link; a path with "." / ".." parts or ending in a separator goes through realpath whole (".." after a
+        link)."""
+        head, name = os.path.split(raw)
         parts = raw.replace(os.sep, "/").split("/")
         try:
             if not name or "." in parts or ".." in parts:
