@@ -129,7 +129,8 @@ class Inputs:
         return ", ".join(parts)
 
 
-_TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))  # guarded on their own (buffers) or left alone
+# guarded on their own (buffers) or left alone
+_TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))
 
 
 class _ModuleState:

@@ -136,11 +136,13 @@ def batch_ones(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | 
             x.shape[0] == 1 and (n, 0) not in pinned]
 
 
-def kept_free(program: Any, model: nn.Module, inputs: Inputs, places: list[tuple[str, int]]) -> bool:
-    """Every place of ``places`` is a symbol in ``program``: a trace at the widened batch that specialized it (a
-    branch on the batch size) made the program static at 2, where the example's own size is 1."""
+def kept_free(program: Any, model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | frozenset = frozenset()
+              ) -> bool:
+    """Every batch ``widened`` traced at 2 is a symbol in ``program`` (a program traced from ``widened``'s example):
+    a trace that specialized it (a branch on the batch size) made the program static at 2, where the example's own
+    size is 1."""
     free = {p for d in found(program, input_names(model, inputs)) for p in d.places}
-    return all(p in free for p in places)
+    return all(p in free for p in batch_ones(model, inputs, pinned))
 
 
 def held(program: Any) -> dict[str, int]:

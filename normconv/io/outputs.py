@@ -423,7 +423,7 @@ def _export(model: nn.Module, inputs: Inputs, shapes: dict | None, pinned: set[t
             continue
         # a batch the widened trace specialized (a branch on it) would make the program static at 2: the example's
         # own batch instead
-        if example is inputs or io_dims.kept_free(ep, model, inputs, io_dims.batch_ones(model, inputs, pinned)):
+        if example is inputs or io_dims.kept_free(ep, model, inputs, pinned):
             return ep
     raise AssertionError("unreachable")
 

@@ -179,8 +179,7 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
             with _quiet(), torch.no_grad():
                 program = torch.onnx.export(model, tuple(example.args), kwargs=dict(example.kwargs) or None, **kwargs)
             ep = getattr(program, "exported_program", None)
-            if i + 1 < len(tries) and ep is not None and not io_dims.kept_free(
-                    ep, model, inputs, io_dims.batch_ones(model, inputs, pinned)):
+            if i + 1 < len(tries) and ep is not None and not io_dims.kept_free(ep, model, inputs, pinned):
                 continue  # the trace at batch 2 specialized the batch (a branch on it): the example's own batch
             break
         except Exception as exc:

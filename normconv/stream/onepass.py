@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from normconv.errors import VerificationError
+from normconv.errors import NormconvError, VerificationError
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.io.inputs import HF_SEQ_LEN
 from normconv.io.write import remove_stale_temps, remove_temp, replace, signals_held, temp_file, write_error
@@ -183,8 +183,7 @@ class _Pass:
         for m, k, name in self.slots[side][0]:
             if type(m) is nn.Embedding and k == "weight" and m.max_norm is None and \
                     len(self.aliases[side].get(name, [name])) == 1 and name in ckpt.key:
-                compute = self.compute
-                self.hooks.append(m.register_forward_hook(lambda mod, args, y, compute=compute: y.to(compute)))
+                self.hooks.append(m.register_forward_hook(lambda mod, args, y, to=self.compute: y.to(to)))
                 keys.add(ckpt.key[name])
         return frozenset(keys)
 
@@ -204,9 +203,13 @@ class _Pass:
         return held[key] if key in held else self.ckpt.get(key)
 
     def _prepare(self, unit: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Read the unit's source tensors once, rewrite them, hand the rewritten ones to the writer: (source
-        tensors, rewritten tensors by stored key). Thread-safe: the loader thread runs it a unit ahead."""
-        keys = self.units[unit]
+        """The unit's tensors read, rewritten and handed to the writer (``_rewrite``). Thread-safe: the loader thread
+        runs it a unit ahead."""
+        return self._rewrite(self.units[unit])
+
+    def _rewrite(self, keys: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Read the source tensors ``keys`` once, rewrite them, hand the rewritten ones to the writer: (source
+        tensors, rewritten tensors by stored key)."""
         held = {k: self.ckpt.get(k) for k in keys}
         out: dict[str, torch.Tensor] = {}
         for k in keys:
@@ -223,11 +226,11 @@ class _Pass:
         dtype (into the dropped block's buffers), lookup tables of the rest kept as stored (``_tables``)."""
         self.cast = cast = {}
         buffers = self.buffers if unit else None  # the rest stays for the whole pass: no block's buffer for it
-        saved = fill(self.slots[0][unit], _Held(self.ckpt.key, held, self.compute, cast, buffers,
-                                                self.tables[0] if not unit else frozenset()), self.aliases[0], self.src)
-        saved += fill(self.slots[1][unit], _Held(self.out_ckpt.key, out, self.compute, cast, buffers,
-                                                 self.tables[1] if not unit else frozenset()), self.aliases[1],
-                      self.src)
+        # (the tables are the rest's: a block's unit holds none of their keys)
+        saved = fill(self.slots[0][unit], _Held(self.ckpt.key, held, self.compute, cast, buffers, self.tables[0]),
+                     self.aliases[0], self.src)
+        saved += fill(self.slots[1][unit], _Held(self.out_ckpt.key, out, self.compute, cast, buffers, self.tables[1]),
+                      self.aliases[1], self.src)
         self.buffers.drop()  # what this block did not reuse
         return saved
 
@@ -277,11 +280,7 @@ class _Pass:
         """Tensors no forward loaded (a block never called, a key no module holds): read, rewritten, written."""
         for k in [k for keys in self.units for k in keys] + list(self.ckpt.weight_map):
             if k not in self.written:
-                held = {k: self.ckpt.get(k)}
-                for c in self.copies.get(k, []):
-                    self.writer.write(c, held[k])
-                self.writer.write(k, self.produce(self.ckpt.name[k], held[k], lambda name: self._source(held, name)))
-                self.written.add(k)
+                self._rewrite([k])
 
     def where(self, key: str) -> str:
         unit = self.unit_of.get(key)
@@ -292,6 +291,8 @@ def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str) -> tuple[list[Va
     """Run the pass (both shapes in lockstep, or one shape at a time where their flows differ) and judge it."""
     try:
         runs = p.run(shapes)
+    except NormconvError:  # normconv's own refusal (a tensor missing): no table is the cause
+        raise
     except Exception:  # noqa: BLE001 - retried once with every table cast where a kept one may be the cause
         if not p.cast_tables():
             raise
