@@ -14,7 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # `import hf_tiny` as well as `f
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# each pytest-xdist worker gets its share of the cores (two workers with two threads each fight over two cores)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture
