@@ -309,6 +309,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     """
     import onnx_ir as ir
 
+    from normconv.onnx.passes.dangling import RegisterDangling
     from normconv.onnx.passes.lower import LowerNorms
     from normconv.onnx.passes.repair import RepairDownconverted
     from normconv.onnx.passes.rewrite import RulesPass
@@ -337,9 +338,14 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         dims = io_dims.name_dims(dims, io_dims.input_shapes(prepared, inputs), dim_names)
     # the ONNX half, one pass set with ONNX files in: repair the down-conversion, match the norms written inside
     # bigger modules (not replaced in torch) in the ONNX graph, lower normconv's placeholders for the target
-    log, lower = SiteLog(), LowerNorms(target)
+    log, lower, dangling = SiteLog(), LowerNorms(target), RegisterDangling()
     inline = [RulesPass(inline_rules(log), log, "inline")] if fuse_inline else []
-    ir.passes.PassManager([RepairDownconverted(), *inline, lower])(onnx_model)
+    ir.passes.PassManager([dangling, RepairDownconverted(), *inline, lower])(onnx_model)
+    if dangling.made:
+        report.notes.append(f"torch.onnx.export's optimizer left {len(dangling.made)} constant(s) its rewrites made "
+                            f"unregistered (onnxscript's rewriter reuses a taken initializer name), so nodes read "
+                            f"tensors nothing defines; registered as {', '.join(dangling.made[:4])}"
+                            f"{', ...' if len(dangling.made) > 4 else ''}")
     extra["inline_fused"] = sum(1 for _, s in log.sites() if s.applied)
     extra["lowered"] = lower.made
     if target == "ort" and skip_fusion:  # residual add -> norm  =>  one Skip*LayerNormalization (rules/skipnorm)

@@ -27,6 +27,7 @@ from normconv.errors import Code, NormconvError, VerificationError
 from normconv.onnx import parity
 from normconv.onnx.passes.convert import ConvertOpset
 from normconv.onnx.passes.function_types import TypeFunctionBodies
+from normconv.onnx.passes.dangling import RegisterDangling
 from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
@@ -138,7 +139,7 @@ def _rewrite(model: ir.Model, jobs: tuple[str, ...], target: str) -> tuple[ir.Mo
     lower = LowerNorms(target)
     if "fuse" in jobs:
         steps += [RulesPass(fuse_rules(log), log, "fuse"), lower]
-    ir.passes.PassManager(steps)(model)
+    ir.passes.PassManager([*steps, RegisterDangling()])(model)  # a new initializer whose name the file held
     batchnorm.standalone(model, log)
     if "fuse" in jobs:
         list_near_misses(list(batchnorm.all_nodes(model)), log)
