@@ -266,3 +266,22 @@ def test_a_pinned_batch_keeps_the_example_s_size_not_the_widened_trace_s(tmp_pat
     ep = torch.export.load(str(path))
     assert [tuple(n.meta["val"].shape) for n in ep.graph.nodes if n.op == "placeholder"][-1] == (1, 4)
     torch.testing.assert_close(ep.module()(x), model(x))
+
+
+def batch_one():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval(), torch.randn(1, 5, 8)
+
+
+@pytest.mark.parametrize("suffix", [".pt2", ".onnx"])
+def test_a_batch_1_example_is_reported_at_1_and_checked_at_a_second_batch(cli, tmp_path, suffix):
+    """The trace of a batch-1 example runs at batch 2, but the report gives the example's own batch, and the second
+    size the dimension is checked at is another batch (2), not the example's 1 again."""
+    out = tmp_path / f"m{suffix}"
+    command = ("swap", "--to", "rmsnorm", "--approximate") if suffix == ".pt2" else ("export",)
+    code, stdout, stderr = cli(*command, "test_outputs:batch_one", "-o", out, "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    dims = report["extra"].get("dynamic_dims") or report["extra"]["outputs"][out.name]["dynamic_dims"]
+    batch = {d["name"]: d for d in dims}["batch"]
+    assert batch["example"] == 1 and batch["checked"] == [1, 2] and batch["min"] == 1

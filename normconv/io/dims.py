@@ -260,12 +260,17 @@ def candidates(n: int) -> list[int]:
 
 def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable[[Inputs], Any],
           candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any]) -> list[tuple[Dim, Any]]:
-    """Check each Dim at a second size: the first size of ``candidates`` the ``reference`` (the original model)
-    accepts, the ``candidate`` (the written model) compared with it. Returns (Dim, Validation) per Dim checked; a
-    Dim the reference takes at no other size, or whose candidate fails or differs, gets ``pinned`` (its reason)."""
+    """Check each Dim at a second size (after the caller validated the example): the first size of ``candidates``
+    of the example's own size the ``reference`` (the original model) accepts, the ``candidate`` (the written model)
+    compared with it. Returns (Dim, Validation) per Dim checked; a Dim the reference takes at no other size, or whose
+    candidate fails or differs, gets ``pinned`` (its reason)."""
     checks = []
     for d in dims:
+        # the example's own size (the program may have been traced at a widened batch), which the caller validated
+        d.size = example_size(model, inputs, d)
         d.checked = [d.size]
+        if d.low is not None and d.size < d.low:
+            d.low = d.size  # torch.export's range starts at 2 (0/1 specialization); the example ran at 1
         for size in candidates(d.size):
             if d.high is not None and size > d.high:
                 continue  # beyond the program's own range

@@ -393,7 +393,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
             break
         pinned |= {p for d in failed for p in d.places}
         info.setdefault("notes", []).extend(f"dimension {d.name} pinned to the example's "
-                                            f"{io_dims.example_size(model, inputs, d)}: with it free, {d.pinned}"
+                                            f"{d.size}: with it free, {d.pinned}"
                                             for d in failed)
     info["dynamic_dims"] = [d.to_json() for d in dims]
     if _plain_outputs(ep):

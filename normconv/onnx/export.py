@@ -512,7 +512,7 @@ def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, in
     pinned = [d for d in dims if d.pinned]
     for d in pinned:
         report.notes.append(f"dimension {d.name} ({', '.join(f'{i}[{a}]' for i, a in d.places)}) pinned to "
-                            f"the example's {io_dims.example_size(prepared, inputs, d)}: with it free, {d.pinned}")
+                            f"the example's {d.size}: with it free, {d.pinned}")
     return frozenset(p for d in pinned for p in d.places)
 
 
