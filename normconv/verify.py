@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import gc
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -131,6 +132,9 @@ class Inputs:
 
 # guarded on their own (buffers) or left alone
 _TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))
+_CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
+_MISSING = object()
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float compared as its bits: NaN == NaN, -0.0 != 0.0
 
 
 class _ModuleState:
@@ -176,8 +180,59 @@ class _ModuleState:
                     v.update(items)
 
 
-_CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
-_MISSING = object()
+class _Buffers:
+    """Every buffer of ``modules`` with its values saved: one flat copy per (dtype, device) for the plain (strided)
+    ones, each buffer's saved values a view of it; a clone each for the rest (sparse, quantized)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.slots = [(m, name, b) for m in modules for name, b in m._buffers.items()
+                      if isinstance(b, torch.Tensor) and not b.is_meta]  # a meta buffer holds no values to guard
+        self.saved: list[torch.Tensor] = [None] * len(self.slots)  # type: ignore[list-item]
+        plain: dict[tuple, list[int]] = {}
+        for i, (_, _, b) in enumerate(self.slots):
+            if b.layout is torch.strided and not b.is_quantized:
+                plain.setdefault((b.dtype, b.device), []).append(i)
+            else:
+                self.saved[i] = b.detach().clone()
+        self.groups: list[tuple[list[int], torch.Tensor]] = []
+        for idx in plain.values():
+            flat, at = torch.cat([self.slots[i][2].detach().reshape(-1) for i in idx]), 0
+            for i in idx:
+                shape = self.slots[i][2].shape
+                self.saved[i], at = flat[at:at + shape.numel()].view(shape), at + shape.numel()
+            self.groups.append((idx, flat))
+
+    def restore(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every buffer object and value put back; returns the changed ones by module path, as the forward left
+        them."""
+        untouched: set[int] = set()
+        for idx, flat in self.groups:  # the common case: one compare for a whole group
+            nows = [self.slots[i][0]._buffers.get(self.slots[i][1]) for i in idx]
+            if all(n is self.slots[i][2] and n.shape == self.saved[i].shape for i, n in zip(idx, nows)) and \
+                    _same(torch.cat([n.detach().reshape(-1) for n in nows]), flat):
+                untouched.update(idx)
+        mutated: dict[str, torch.Tensor] = {}
+        paths: dict[int, str] | None = None  # module paths, looked up once a buffer changed
+        for i, ((m, name, b), saved) in enumerate(zip(self.slots, self.saved)):
+            if i in untouched:
+                continue
+            now = m._buffers.get(name)
+            if now is not None and (now is not b or not _same(now, saved)):
+                paths = paths or {id(x): p for p, x in model.named_modules(remove_duplicate=False)}
+                mutated[f"{paths[id(m)]}.{name}".lstrip(".")] = now.detach().clone()
+            m._buffers[name] = b  # a forward that re-bound the buffer gets the original object back
+            if not _same(b, saved):
+                with torch.no_grad():
+                    b.set_(saved.clone()) if b.shape != saved.shape else b.copy_(saved)
+        return mutated
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit: a float compared as the integers of its bits (NaN equals itself, -0.0 differs from 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = _BITS.get(a.element_size()) if a.is_floating_point() and a.layout is torch.strided else None
+    return bool(torch.equal(a.view(bits), b.view(bits)) if bits is not None else torch.equal(a, b))
 
 
 class _Guard:
@@ -187,41 +242,50 @@ class _Guard:
         self.mutated: dict[str, torch.Tensor] = {}
 
 
+def _set_training(m: nn.Module, flag: bool) -> None:
+    """``m.training = flag``, past nn.Module.__setattr__'s slow checks where the class does not override it."""
+    if type(m).__setattr__ is nn.Module.__setattr__:
+        object.__setattr__(m, "training", flag)
+    else:
+        m.training = flag
+
+
 @contextlib.contextmanager
 def forward_guard(model: nn.Module):
     """normconv's own forwards change nothing: eval mode and no autograd inside; on exit every module's training
-    flag and every buffer (BatchNorm statistics, counters, caches) is back bit for bit, and every module's Python
-    attributes and hook dicts are as they were (``_ModuleState``: what a forward or a trace added is removed).
-
-    Flags are set on each module directly, never through ``.eval()``: an exported program's module refuses
-    ``.eval()``, and a user's override of ``train()`` is not ours to call."""
+    flag, buffer (bit for bit; ``_Buffers``), Python attribute and hook dict or cache (``_ModuleState``) is as it
+    was; ``mutated`` names the buffers the forward changed. Flags are set on each module, never through ``.eval()``:
+    an exported program's module refuses it, and a user's override of ``train()`` is not ours to call."""
     modules = list(model.modules())
     flags = [m.training for m in modules]
-    state = [_ModuleState(m) for m in modules]
-    buffers = [(m, name, b, b.detach().clone()) for m in modules for name, b in m._buffers.items()
-               if isinstance(b, torch.Tensor) and not b.is_meta]  # a meta buffer holds no values to guard
+    collecting = gc.isenabled()
+    gc.disable()  # the snapshots are thousands of small lists: the cyclic collector would walk the model for each
+    try:
+        state = [_ModuleState(m) for m in modules]
+        buffers = _Buffers(modules)
+    finally:
+        if collecting:
+            gc.enable()
     guard = _Guard()
     try:
-        for m in modules:
-            m.training = False
+        for m, flag in zip(modules, flags):
+            if flag:
+                _set_training(m, False)
         with torch.no_grad():
             yield guard
     finally:
-        for m, flag in zip(modules, flags):
-            m.training = flag
-        for saved_state in state:
-            saved_state.restore()
-        paths: dict[int, str] | None = None  # module paths, looked up once a buffer changed
-        for m, name, b, saved in buffers:
-            now = m._buffers.get(name)
-            if now is not None and (now is not b or now.shape != saved.shape or not torch.equal(now, saved)):
-                if paths is None:
-                    paths = {id(x): p for p, x in model.named_modules(remove_duplicate=False)}
-                guard.mutated[f"{paths[id(m)]}.{name}".lstrip(".")] = now.detach().clone()
-            m._buffers[name] = b  # a forward that re-bound the buffer gets the original object back
-            if b.shape != saved.shape or not torch.equal(b, saved):
-                with torch.no_grad():
-                    b.set_(saved) if b.shape != saved.shape else b.copy_(saved)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for m, flag in zip(modules, flags):
+                if m.training is not flag:
+                    _set_training(m, flag)
+            for saved_state in state:
+                saved_state.restore()
+            guard.mutated.update(buffers.restore(model))
+        finally:
+            if collecting:
+                gc.enable()
 
 
 @dataclass
