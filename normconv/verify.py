@@ -130,8 +130,7 @@ class Inputs:
         return ", ".join(parts)
 
 
-# guarded on their own (buffers) or left alone
-_TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))
+_TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))  # guarded on their own (buffers) or left alone
 _CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
 _MISSING = object()
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float compared as its bits: NaN == NaN, -0.0 != 0.0
@@ -203,8 +202,7 @@ class _Buffers:
             self.groups.append((idx, flat))
 
     def restore(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Every buffer object and value put back; returns the changed ones by module path, as the forward left
-        them."""
+        """Every buffer object and value put back; returns the changed ones by module path, as the forward left them."""
         untouched: set[int] = set()
         for idx, flat in self.groups:  # the common case: one compare for a whole group
             nows = [self.slots[i][0]._buffers.get(self.slots[i][1]) for i in idx]
@@ -251,6 +249,18 @@ def _set_training(m: nn.Module, flag: bool) -> None:
 
 
 @contextlib.contextmanager
+def _gc_paused():
+    """The cyclic collector off (if on): a snapshot's thousands of small lists would make it walk the whole model."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def forward_guard(model: nn.Module):
     """normconv's own forwards change nothing: eval mode and no autograd inside; on exit every module's training
     flag, buffer (bit for bit; ``_Buffers``), Python attribute and hook dict or cache (``_ModuleState``) is as it
@@ -258,14 +268,9 @@ def forward_guard(model: nn.Module):
     an exported program's module refuses it, and a user's override of ``train()`` is not ours to call."""
     modules = list(model.modules())
     flags = [m.training for m in modules]
-    collecting = gc.isenabled()
-    gc.disable()  # the snapshots are thousands of small lists: the cyclic collector would walk the model for each
-    try:
+    with _gc_paused():
         state = [_ModuleState(m) for m in modules]
         buffers = _Buffers(modules)
-    finally:
-        if collecting:
-            gc.enable()
     guard = _Guard()
     try:
         for m, flag in zip(modules, flags):
@@ -274,18 +279,13 @@ def forward_guard(model: nn.Module):
         with torch.no_grad():
             yield guard
     finally:
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with _gc_paused():
             for m, flag in zip(modules, flags):
                 if m.training is not flag:
                     _set_training(m, flag)
             for saved_state in state:
                 saved_state.restore()
             guard.mutated.update(buffers.restore(model))
-        finally:
-            if collecting:
-                gc.enable()
 
 
 @dataclass
