@@ -29,6 +29,7 @@ from normconv.quiet import phase
 from normconv.io import outputs
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.io.load import Loaded
+from normconv.io.pickles import describe
 from normconv.io.write import check_output_path, output_format, save
 from normconv.kinds import KINDS
 from normconv.options import Options
@@ -214,8 +215,11 @@ def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Input
         alt = other_shape(loaded.model, inputs)
         expected = [(inputs, loaded.checked_output())] + ([alt] if alt else [])
 
-    def proven(tmp: str) -> None:  # before the folder is renamed into place
-        checks = hf_output.check(tmp, type(loaded.model), expected, opts.atol, opts.rtol)
+    def proven(tmp: str) -> None:  # before the folder is renamed into place (while the disk writes it)
+        try:
+            checks = hf_output.check(tmp, type(loaded.model), expected, opts.atol, opts.rtol)
+        except Exception as exc:  # noqa: BLE001 - a folder from_pretrained cannot load or run is not written
+            raise NormconvError(f"cannot write {opts.output}: {describe(exc)}", Code.WRITE_FAILED) from None
         report.validation.extend(checks)
         failed = next((v for v in checks if not v.passed), None)
         if failed is not None and not failed.drift:

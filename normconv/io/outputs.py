@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normconv.clone import clone_sharing_tensors, release
+from normconv.io import durable
 from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
                                  FrozenBatchNorm, InputScale, MovedDimNorm)
 from normconv.kinds import KINDS
@@ -274,10 +275,8 @@ class LatchedFile(io.RawIOBase):
         if not self._f.closed:
             self.flush()
             try:
-                if self.error is None:
-                    os.fsync(self._f.fileno())  # the bytes are on the device before the rename makes them the output
-            except OSError as exc:
-                self.error = exc
+                if self.error is None:  # the disk starts now; io.write.save syncs before the rename
+                    durable.start_writeback(self._f.fileno())
             finally:
                 try:
                     self._f.close()

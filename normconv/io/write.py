@@ -6,7 +6,7 @@ one line (a full disk as "no space left on device"). SIGINT / SIGTERM wait while
 removed (``signals_held``), so an interrupt never leaves one behind.
 
 One of the io room's lowest modules (onnx.export uses ``check_writable`` and the temp names): it imports
-io.pickles (``describe``), io.ledger and io.outputs (one writer per format) only.
+io.pickles (``describe``), io.ledger, io.durable (fsync, write-back) and io.outputs (one writer per format) only.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.io import durable
 from normconv.io.ledger import Ledger
 from normconv.io.outputs import WRITERS, config_mismatch, unpicklable
 from normconv.io.pickles import describe
@@ -234,7 +235,8 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
     file under ``out`` and no temp file beside it. ``static``: a .pt2 keeps the example's shapes (else its dynamic
     dimensions, see ``io.dims``); ``overwrite``: an existing output (a folder too) is replaced; ``info`` receives
     what a writer found (a .pt2's ``dynamic_dims``); ``before_rename(temp path)``: a last check of what was written
-    (a Hugging Face folder loaded back), whose exception leaves nothing."""
+    (a Hugging Face folder loaded back), run while the disk writes it (``io.durable``), whose exception, as it is,
+    leaves nothing. The bytes are on the device (fsync) before the rename publishes them."""
     path = check_output_path(loaded, out, in_place, overwrite, model=False)  # the rename's check: pickling is tried
     fmt = output_format(loaded, path)
     if fmt == "hf":
@@ -244,19 +246,35 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
     try:
         with signals_held():
             tmp = temp_file(path, folder=fmt == "hf")
+        _write(loaded, model, out, path, fmt, tmp, inputs, static, info)
+        if before_rename is not None:
+            before_rename(tmp)
+        try:
+            durable.sync(tmp)
+            # again just before the rename: nothing read was put there since
+            loaded.ledger.check_write(path, in_place, overwrite=overwrite)
+            with signals_held():
+                replace(tmp, path)
+                tmp = None
+        except OSError as exc:
+            raise write_error(out, exc) from None
+    finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
+        remove_temp(tmp)
+    return path
+
+
+def _write(loaded: Source, model: nn.Module, out: Any, path: Path, fmt: str, tmp: str, inputs: Inputs | None,
+           static: bool, info: dict | None) -> None:
+    """The format's writer into ``tmp``; what fails said in one line (a full disk, a model that does not pickle)."""
+    try:
         given = inputs or (loaded.require_inputs() if fmt == "pt2" else loaded.inputs)
         if fmt == "pt2":
             WRITERS[fmt](model, tmp, given, static=static, info=info)
         else:
             WRITERS[fmt](model, tmp, given)
-        if before_rename is not None:
-            before_rename(tmp)
-        # again just before the rename: nothing read was put there since
-        loaded.ledger.check_write(path, in_place, overwrite=overwrite)
-        with signals_held():
-            replace(tmp, path)
-            tmp = None
-    except NormconvError:  # a VerificationError of ``before_rename`` too
+        if fmt == "hf":  # save_pretrained's files: the disk starts on them now (the other writers close through
+            durable.start_writeback_under(tmp)  # a LatchedFile, which does it)
+    except NormconvError:
         raise
     except OSError as exc:
         raise write_error(out, exc) from None
@@ -268,9 +286,6 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
             raise NormconvError(f"cannot write {out}: the rewritten {type(model).__name__} does not pickle ({why}); "
                                 f"write {_other_formats(path)} instead") from None
         raise NormconvError(f"cannot write {out}: {describe(exc)}{hint}") from None
-    finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
-        remove_temp(tmp)
-    return path
 
 
 def _check_hf_folder_output(loaded: Source, model: nn.Module, path: Path, overwrite: bool = False) -> None:

@@ -9,7 +9,7 @@ after an fsync, every shard read back sequentially (its header bytes, its size, 
 disk are the bytes that were verified in memory, or the first tensor that differs is named. The folder's other
 files (config.json, the index, copies) are checked the same way by ``digests`` / ``changed``.
 
-Imports stream.checkpoint only.
+Imports stream.checkpoint and io.durable (the disk's write-back started after each tensor) only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from normconv.io import durable
 from normconv.stream.checkpoint import _DTYPES, Checkpoint, shard_header, tensor_bytes
 
 _CHUNK = 64 << 20  # read-back buffer
@@ -95,6 +96,7 @@ class PositionedWriter:
                 done = 0
                 while done < data.nbytes:  # pwrite may write less than asked
                     done += os.pwrite(self.fds[shard], data[done:], offset + done)
+                durable.start_writeback(self.fds[shard], offset, data.nbytes)  # the disk writes while blocks compute
                 self.sums[key] = zlib.crc32(data)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by write / finish
                 self._error = exc

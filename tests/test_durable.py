@@ -1,0 +1,59 @@
+"""Bytes on the device before the rename (io.durable, io.write.save): a writer starts the disk's write-back when it
+closes its file, the last check before the rename (a folder loaded back) runs while the disk writes, and the fsync
+comes just before the rename. What must hold: a check that fails leaves no output and no temp file in any format;
+a written file holds exactly the verified model; the write-back and the sync work on files, ranges and folders."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from normconv.io import durable
+from normconv.io.load import load
+
+FORMATS = ("out.pt", "out.pt2", "out.safetensors")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_check_that_fails_leaves_nothing_in_every_format(cli, tmp_path, name):
+    code, _, stderr = cli("fold", "zoo:deconv", "-o", tmp_path / name, "--atol", "0", "--rtol", "0")
+    assert code == 1 and "beyond tolerance" in stderr and "nothing written" in stderr
+    assert list(tmp_path.iterdir()) == []  # neither the output nor the temp file its bytes went to
+
+
+def test_the_written_file_is_the_verified_model(cli, tmp_path):
+    """The file holds the model the check passed, on an input neither saw."""
+    out = tmp_path / "f.pt"
+    code, _, stderr = cli("fold", "zoo:resnet", "-o", out)
+    assert code == 0, stderr
+    original, folded = load("zoo:resnet"), load(str(out), trust_pickle=True)
+    x = torch.randn(3, *original.inputs.args[0].shape[1:], generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(folded.model.eval()(x), original.model.eval()(x), atol=1e-4, rtol=1e-4)
+    assert sum(type(m).__name__ == "BatchNorm2d" for m in folded.model.modules()) == 0
+
+
+def test_writeback_and_sync_on_a_file_a_range_and_a_folder(tmp_path):
+    f = tmp_path / "a.bin"
+    data = os.urandom(1 << 20)
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, data)
+        kicked = durable.start_writeback(fd)
+        assert durable.start_writeback(fd, 4096, 8192) == kicked
+    finally:
+        os.close(fd)
+    if sys.platform.startswith("linux"):
+        assert kicked  # sync_file_range exists on every Linux libc
+    durable.sync(f)
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "b.json").write_text("{}")
+    durable.start_writeback_under(folder)
+    durable.sync(folder)  # every file and folder under it, then the folder holding it
+    assert f.read_bytes() == data and (folder / "sub" / "b.json").read_text() == "{}"
+    with pytest.raises(OSError):
+        durable.sync(tmp_path / "missing")
