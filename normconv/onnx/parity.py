@@ -150,12 +150,10 @@ def feeds(specs: list[Spec], sizes: dict, seed: int) -> dict[str, np.ndarray]:
 
 
 def _runs(sess, specs, sizes) -> bool:
-    import onnxruntime as ort
+    from normconv.onnx.validate import run_quietly
 
-    quiet = ort.RunOptions()
-    quiet.log_severity_level = 4
     try:
-        sess.run(None, feeds(specs, sizes, 0), quiet)
+        run_quietly(sess, feeds(specs, sizes, 0))
         return True
     except Exception:  # noqa: BLE001 - the model refuses this size: try another
         return False

@@ -140,6 +140,17 @@ def session(path: str, provider: str, level: str, spin: bool = True, tf32: bool 
     return ort.InferenceSession(path, opts, providers=[(provider, options)])
 
 
+def run_quietly(sess, feed: dict) -> list:
+    """``sess.run`` on a size that may be refused (a dimension tried at a second size): a refusal raises as usual but
+    onnxruntime logs nothing (its executor would print the kernel's error on stderr, for a failure normconv
+    handles and reports itself)."""
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # fatal only
+    return sess.run(None, feed, quiet)
+
+
 def latency_ms(sess, feed: dict, repeats: int = 10, warmup: int = 2) -> float:
     for _ in range(warmup):
         sess.run(None, feed)
