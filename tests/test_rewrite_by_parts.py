@@ -110,6 +110,46 @@ def test_the_whole_model_is_tried_once_however_many_passes_modify_it(monkeypatch
     assert tried.count("Branchy") == 1, tried
 
 
+class NumpyBlock(nn.Module):
+    """A submodule that does not capture alone either (numpy in its own forward); its children do."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1))
+
+    def forward(self, x):
+        y = self.body(x)
+        return y / float(np.abs(y.detach().numpy()).max())
+
+
+def test_a_part_that_failed_is_tried_once_however_many_passes_run(monkeypatch):
+    """By parts, each pass captures the parts again; a submodule whose capture failed for the first pass is split
+    at once for the next (a detector's RoIHeads: a failed draft_export each time), and the rewrite is the same."""
+    from normconv.graph import parts as graph_parts
+
+    tried = []
+    real = graph_parts.capture
+
+    def counted(model, *args, **kwargs):
+        tried.append(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    model, x = branchy()
+    model.vision.append(NumpyBlock())
+    randomize_bn(model)
+    monkeypatch.setattr(graph_parts, "capture", counted)
+    folded, report = normconv.fold(model, x, eval_mode=True)
+    assert report.passed and tried.count("NumpyBlock") == 1, tried
+    assert tried.count("Sequential") > 1  # the parts that captured are captured again after a pass changed them
+    # vision (now holding the numpy block) is split too: its BN captured alone has no layer to fold into
+    assert [(s.target, s.applied) for s in report.sites if s.pass_name == "fold"] == [
+        ("vision.1", False), ("vision.3.body.1", True)]
+    assert [n for n, m in folded.named_modules() if isinstance(m, nn.BatchNorm2d)] == ["vision.1"]
+    with torch.no_grad():
+        other = (torch.randn(3, 3, 8, 8), torch.randint(0, 50, (3, 5)))
+        torch.testing.assert_close(folded(*other), model(*other), atol=1e-5, rtol=1e-4)
+
+
 def test_canonicalize_by_parts_makes_the_handwritten_norm_native():
     model, x = branchy()
     new, report = normconv.canonicalize(model, x)

@@ -101,6 +101,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
         cap = out.saw(capture(work, inputs, method, reference))
         on_first_capture(cap)
     whole: NormconvError | None = None  # why the whole model does not capture, once seen
+    failed_parts: dict[str, str] = {}  # the same for submodules captured alone (by parts): path -> why
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
         if cap is None or cap.model is not work:
@@ -117,7 +118,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
                 if exc.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
                     raise
                 whole = exc
-                _by_parts(p, work, inputs, method, whole, out, model)
+                _by_parts(p, work, inputs, method, whole, out, model, failed_parts)
                 inherit_training_flags(before, work)
                 continue
         if whole_export and cap.method == "torch.export" and cap.specialized:  # a draft: branches on values
@@ -154,15 +155,17 @@ def _no_whole_export(output: str, model: nn.Module, why: str) -> NormconvError:
 
 
 def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: NormconvError, out: Run,
-              original: nn.Module) -> None:
+              original: nn.Module, failed_parts: dict[str, str]) -> None:
     """One pass on each submodule of ``work`` captured alone (``capture_parts``), for a model no method captures
     whole (a VLM whose merge of image features is data-dependent). Each part's graph holds everything the pass
     proves about the part: a stream that enters the part as an input has writers the pass cannot see, so a swap
     refuses there, as it refuses at any graph input. The caller verifies the whole rewritten model as always.
-    Code between the parts (the failed modules' own forward) is not rewritten, and a note says so."""
+    Code between the parts (the failed modules' own forward) is not rewritten, and a note says so. ``failed_parts``:
+    the submodules an earlier pass already failed to capture (not tried again; this pass's failures are added)."""
     from normconv.graph.parts import capture_parts
 
-    parts = capture_parts(work, inputs, method)
+    parts = capture_parts(work, inputs, method, failed_parts)
+    failed_parts.update(parts.failed)
     if not parts.parts:
         raise NormconvError(f"{whole}; no submodule captures alone either", Code.CANNOT_CAPTURE)
     for part in parts.parts:

@@ -69,8 +69,12 @@ def _record(model: nn.Module, inputs: Inputs, wanted: dict[str, nn.Module]) \
     return seen, calls, order
 
 
-def capture_parts(model: nn.Module, inputs: Inputs, method: str = "auto") -> Parts:
-    """Graphs of the largest submodules that capture alone, level by level (see the module docstring)."""
+def capture_parts(model: nn.Module, inputs: Inputs, method: str = "auto",
+                  known_failed: dict[str, str] | None = None) -> Parts:
+    """Graphs of the largest submodules that capture alone, level by level (see the module docstring).
+    ``known_failed``: paths whose capture already failed in this run (path -> why), split without being tried again:
+    a pass rewrites layers, not the control flow that kept a module from capturing."""
+    known_failed = known_failed or {}
     result = Parts()
     pending = [(n, c) for n, c in model.named_children()]
     order: dict[str, int] = {}
@@ -83,6 +87,8 @@ def capture_parts(model: nn.Module, inputs: Inputs, method: str = "auto") -> Par
                 pending.extend((f"{name}.{n}", c) for n, c in module.named_children())
                 continue
             try:
+                if name in known_failed:
+                    raise NormconvError(known_failed[name])
                 cap = capture(module, recorded[name], method)
             except NormconvError as exc:
                 result.failed[name] = str(exc)
