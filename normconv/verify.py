@@ -455,12 +455,14 @@ def scale_tolerance(dtype: torch.dtype) -> float | None:
 
 
 def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: float | None = None,
-            label: str = "torch", squashed: dict[str, Squashed] | None = None) -> Validation:
+            label: str = "torch", squashed: dict[str, Squashed] | None = None,
+            floors: dict[str, float] | None = None) -> Validation:
     """Compare two model outputs leaf by leaf (module docstring): relative to each output's scale unless
     ``atol`` / ``rtol`` are given (then element-wise; a missing one defaults from the reference's dtype). A
     ``Traced`` reference with a candidate that replayed it (``run(..., replay=reference)``) is judged with the
     original's selections, and the selections' inputs are compared too. ``squashed``: outputs (by leaf name) a
-    squashing op made, judged through its input where the rule is the scale's."""
+    squashing op made, judged through its input where the rule is the scale's. ``floors``: per leaf (and selection
+    input) name, an absolute error the original's own float32 rounding allows (``engine.rounding``)."""
     ref, cand = output_leaves(reference), output_leaves(candidate)
     if not ref:  # a check that compared nothing is not a pass
         return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
@@ -481,13 +483,14 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
     rtol = d_rtol if rtol is None else rtol
     scales = [_scale(t) if t.is_floating_point() else float("nan") for _, t in ref]  # one pass over each leaf
     whole = max((s for s in scales if not math.isnan(s)), default=0.0)
-    errs = [_leaf_error(name, r, c, atol, rtol, by_scale, whole, scale)
+    floors = floors or {}
+    errs = [_leaf_error(name, r, c, atol, rtol, by_scale, whole, scale, floors.get(name))
             for (name, r), (_, c), scale in zip(ref, cand, scales)]
     if by_scale and squashed:
         errs = [_through(e, squashed[e.name], r.dtype == c.dtype) if e.name in squashed and
                 math.isfinite(e.tolerance) else e for e, (_, r), (_, c) in zip(errs, ref, cand)]
     if isinstance(reference, Traced) and isinstance(candidate, Traced):
-        errs, label = _with_selections(errs, reference.trace, candidate.trace, atol, rtol, by_scale, label)
+        errs, label = _with_selections(errs, reference.trace, candidate.trace, atol, rtol, by_scale, label, floors)
     ruled = [e for e in errs if math.isfinite(e.tolerance)]
     return Validation(
         max_abs_error=max((e.max_abs_error for e in errs), default=0.0),
@@ -513,7 +516,7 @@ def _scale(t: torch.Tensor) -> float:
 
 
 def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float, by_scale: bool = False,
-                whole: float = 0.0, scale: float | None = None) -> OutputError:
+                whole: float = 0.0, scale: float | None = None, floor: float | None = None) -> OutputError:
     """One leaf's errors and verdict: relative to its scale where ``by_scale`` and its dtype has a bound
     (``scale_tolerance``), else element-wise; ``whole``: the scale of an all-zero leaf (the output's largest);
     ``scale``: ``_scale(ref)`` when the caller has it."""
@@ -539,6 +542,8 @@ def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, r
     scale_error = (max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))) \
         if ref.is_floating_point() else float("nan")
     bound = scale_tolerance(ref.dtype) if by_scale and ref.is_floating_point() else None
+    raised = bound is not None and floor is not None and scale > 0 and floor / scale > bound
+    bound = floor / scale if raised else bound  # the original's own float32 rounding, where larger (a floor)
     if not ref.is_floating_point() and not ref.is_complex():
         passed = bool(torch.equal(ref, cand))  # labels, indices, masks: equal or not
     elif bound is not None:
@@ -547,7 +552,8 @@ def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, r
         passed = not mismatch and bool((diff <= atol + rtol * r.abs()).all())
     passed = passed and ref.dtype == cand.dtype
     return OutputError(name, max_abs, max_rel, cosine, passed, scale=scale, scale_error=scale_error, rms_error=rms,
-                       tolerance=float("nan") if bound is None else bound)
+                       tolerance=float("nan") if bound is None else bound,
+                       note="bound: 2x the original's own float32 error (float64 run)" if raised else "")
 
 
 def _through(out: OutputError, sq: Squashed, same_dtype: bool) -> OutputError:
@@ -563,7 +569,7 @@ def _through(out: OutputError, sq: Squashed, same_dtype: bool) -> OutputError:
 
 
 def _with_selections(errs: list[OutputError], ref: Trace, cand: Trace, atol: float, rtol: float, by_scale: bool,
-                     label: str) -> tuple[list[OutputError], str]:
+                     label: str, floors: dict[str, float]) -> tuple[list[OutputError], str]:
     """The outputs of a forward that replayed the original's selections, plus one entry for the selections' own
     floating inputs (each within the same rule as an output): a flip is within rounding only if its inputs are.
     The label names the selections that flipped and where a replay stopped matching the original's ops."""
@@ -580,7 +586,8 @@ def _with_selections(errs: list[OutputError], ref: Trace, cand: Trace, atol: flo
         if cand.lost is not None and k >= cand.lost or a.inputs is None or b.inputs is None:
             break
         whole = max((_scale(t) for t in a.inputs), default=0.0)
-        inputs += [_leaf_error(f"{cand.describe(k)} input {i}", x, y, atol, rtol, by_scale, whole)
+        inputs += [_leaf_error(f"{cand.describe(k)} input {i}", x, y, atol, rtol, by_scale, whole,
+                               floor=floors.get(f"{cand.describe(k)} input {i}"))
                    for i, (x, y) in enumerate(zip(a.inputs, b.inputs))]
     if inputs:
         worst = max(inputs, key=lambda e: (not e.passed, e.scale_error if not math.isnan(e.scale_error) else 0.0))
@@ -591,10 +598,3 @@ def _with_selections(errs: list[OutputError], ref: Trace, cand: Trace, atol: flo
     if cand.flipped:
         errs = [replace(e, note=e.note or "with the original's selections") for e in errs]
     return errs, label + (f" ({'; '.join(said)})" if said else "")
-
-
-def verify(original: nn.Module, rewritten: nn.Module, inputs: Inputs, atol: float | None = None,
-           rtol: float | None = None, reference_output: Any = None) -> Validation:
-    """Run both models on ``inputs`` and compare; pass ``reference_output`` to reuse a computed one."""
-    ref = with_selections(original, inputs, run(original, inputs) if reference_output is None else reference_output)
-    return compare(ref, run(rewritten, inputs, replay=ref), atol, rtol)
