@@ -14,6 +14,8 @@ from normconv.engine import rounding
 from normconv.passes import fold_batchnorm
 from normconv.verify import Inputs, compare, run, scale_tolerance
 
+from fold_helpers import randomize_bn
+
 
 class Amplifying(nn.Module):
     """conv -> BN -> pooled features -> sin(30000 x): the argument's float32 rounding (~1e-3) is the output's error."""
@@ -28,13 +30,7 @@ class Amplifying(nn.Module):
 
 def amplifying():
     torch.manual_seed(0)
-    model = Amplifying().eval()
-    with torch.no_grad():
-        model.bn.running_mean.normal_(0, 0.1)
-        model.bn.running_var.uniform_(0.5, 2.0)
-        model.bn.weight.normal_(1, 0.2)
-        model.bn.bias.normal_(0, 0.1)
-    return model, (torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1)),)
+    return randomize_bn(Amplifying()), (torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1)),)
 
 
 def test_the_model_errs_in_float32_beyond_the_fixed_bound_whatever_is_done():
