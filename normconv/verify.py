@@ -553,7 +553,7 @@ def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, r
     passed = passed and ref.dtype == cand.dtype
     return OutputError(name, max_abs, max_rel, cosine, passed, scale=scale, scale_error=scale_error, rms_error=rms,
                        tolerance=float("nan") if bound is None else bound,
-                       note="bound: 2x the original's own float32 error (float64 run)" if raised else "")
+                       note="bound: the original's own float32 error (a float64 run)" if raised else "")
 
 
 def _through(out: OutputError, sq: Squashed, same_dtype: bool) -> OutputError:

@@ -1,7 +1,7 @@
 """The original's own float32 rounding as the floor of a check (``engine.rounding``): a model whose outputs amplify
 rounding (here a sine of a large argument, as a detector's box decoding amplifies its regressions) errs in float32
 by more than the fixed bound of 2^10 u of its scale whatever is done to it; an exact fold of it is judged against
-twice what float32 costs the original itself (a float64 run), and passes. A wrong fold is still refused."""
+a multiple of what float32 costs the original itself (a float64 run), and passes. A wrong fold is still refused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn as nn
 import normconv
 from normconv.engine import rounding
 from normconv.passes import fold_batchnorm
-from normconv.verify import Inputs, compare, run, scale_tolerance
+from normconv.verify import Inputs, compare, run, scale_tolerance, with_selections
 
 from fold_helpers import randomize_bn
 
@@ -36,7 +36,7 @@ def amplifying():
 def test_the_model_errs_in_float32_beyond_the_fixed_bound_whatever_is_done():
     model, x = amplifying()
     floors = rounding.own_rounding(model, Inputs(x), run(model, Inputs(x)))
-    assert floors is not None and floors["output"] / 2 > 4 * scale_tolerance(torch.float32)  # own error, scale 1
+    assert floors is not None and floors["output"] / rounding.OWN_FACTOR > 4 * scale_tolerance(torch.float32)  # scale 1
 
 
 def test_an_exact_fold_within_its_own_rounding_passes_and_says_why():
@@ -65,3 +65,25 @@ def test_not_measured_where_the_model_is_not_float32_or_too_large(monkeypatch):
     monkeypatch.setattr(rounding, "BUDGET_BYTES", 16)
     model, x = amplifying()
     assert not rounding.measurable(model) and rounding.own_rounding(model, Inputs(x), run(model, Inputs(x))) is None
+
+
+class TwoSelections(Amplifying):
+    """Two top-k calls on the amplified features: one over 16 values, one over a single value."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y.topk(2, dim=-1).indices, y[:, :1].topk(1, dim=-1).values
+
+
+def test_every_call_of_a_selection_gets_its_op_s_rate_at_its_own_scale():
+    """A call over one element says little alone (its own error can be 0 by chance): each call's floor is the op's
+    largest relative own error over all its calls, at the call's scale."""
+    torch.manual_seed(0)
+    model, x = randomize_bn(TwoSelections()), amplifying()[1]
+    ref = with_selections(model, Inputs(x), run(model, Inputs(x)))
+    floors = rounding.own_rounding(model, Inputs(x), ref)
+    picks = {k: v for k, v in floors.items() if k.startswith("aten.topk")}
+    assert sorted(picks) == ["aten.topk #1 input 0", "aten.topk #2 input 0"], floors
+    inputs = [p.inputs[0] for p in ref.trace.picks]
+    rates = [picks[f"aten.topk #{k + 1} input 0"] / float(t.abs().max()) for k, t in enumerate(inputs)]
+    assert rates[0] > 0 and abs(rates[0] - rates[1]) <= 1e-9 * rates[0]

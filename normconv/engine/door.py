@@ -128,7 +128,7 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
 
 def _within_own_rounding(original: nn.Module, rewritten: nn.Module, inputs: Inputs, reference: Any, candidate: Any,
                          alt: tuple[Inputs, Any] | None, label: str, checks: list[Validation]) -> list[Validation]:
-    """The checks again, each leaf's bound raised to twice the original's own float32 error where that is larger
+    """The checks again, each leaf's bound raised to a multiple of the original's own float32 error where larger
     (``engine.rounding``: a float64 run of the original); the checks as they were where it cannot be measured."""
     floors = rounding.own_rounding(original, inputs, reference)
     if floors is None:
