@@ -394,26 +394,34 @@ def test_functional_layer_norm_becomes_a_module_then_swaps_exactly(cli, tmp_path
     assert plans["layer_norm"]["canonicalize"]["reason"] == "already native (functional layernorm)"
 
 
-def test_disposable_model_is_rewritten_in_place_with_the_same_result():
-    """The command line's own model (Loaded.disposable) is written in place instead of copied; the result is bit
-    for bit the copying path's, and a caller's model (the API path) is left untouched."""
+def test_disposable_model_is_rewritten_in_place_with_the_same_result(monkeypatch):
+    """The command line's own model (Loaded.disposable) is written in place instead of copied, once it is over
+    engine.rounding's budget; the result is bit for bit the copying path's, and a caller's model (the API path) is
+    left untouched. Under the budget the original is kept (its own rounding may be measured after the passes)."""
     from normconv.commands.swap import swap
+    from normconv.engine import rounding
     from normconv.io.load import load
 
-    results = {}
-    for disposable in (False, True):
+    def run_swap(disposable):
         loaded = load("zoo:gpt")
         loaded.disposable = disposable
         before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
         report, model = swap(loaded)
         assert report.validation[0].passed and report.extra["exact"]
         after = loaded.model.state_dict()
-        changed = [k for k in before if not torch.equal(before[k], after[k])]
-        assert bool(changed) == disposable  # centered writers land in the loaded tensors only when disposable
-        results[disposable] = model.state_dict()
+        return [k for k in before if not torch.equal(before[k], after[k])], model.state_dict()
+
+    results = {}
+    with monkeypatch.context() as m:
+        m.setattr(rounding, "BUDGET_BYTES", 0)  # zoo:gpt counts as large
+        for disposable in (False, True):
+            changed, results[disposable] = run_swap(disposable)
+            assert bool(changed) == disposable  # centered writers land in the loaded tensors only when disposable
     copied, in_place = results[False], results[True]
     assert copied.keys() == in_place.keys()
     assert all(torch.equal(copied[k], in_place[k]) for k in copied)
+    changed, kept = run_swap(True)  # the default budget: zoo:gpt is small, its original stays as it was
+    assert not changed and all(torch.equal(copied[k], kept[k]) for k in copied)
 
 
 class _MeanPooled(nn.Module):
