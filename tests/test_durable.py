@@ -53,7 +53,9 @@ def test_writeback_and_sync_on_a_file_a_range_and_a_folder(tmp_path):
     (folder / "sub").mkdir(parents=True)
     (folder / "sub" / "b.json").write_text("{}")
     durable.start_writeback_under(folder)
-    durable.sync(folder)  # every file and folder under it, then the folder holding it
+    durable.sync(folder)  # every file and folder under it
+    durable.sync_entry(folder)  # the folder holding it (after a rename)
     assert f.read_bytes() == data and (folder / "sub" / "b.json").read_text() == "{}"
     with pytest.raises(OSError):
         durable.sync(tmp_path / "missing")
+    durable.sync_entry(tmp_path / "missing" / "x")  # best effort: a folder that is gone is not a failed write

@@ -4,8 +4,8 @@
                           sync_file_range(SYNC_FILE_RANGE_WRITE); elsewhere nothing: the sync below does it all)
     start_writeback_under(folder)   the same for every file under a folder
     sync(path)            fsync of a file, or of every file and folder under a folder (a Hugging Face folder
-                          written by save_pretrained), then of the folder holding it: what the rename publishes is
-                          on the device
+                          written by save_pretrained), before the rename
+    sync_entry(path)      fsync of the folder holding it, after the rename: the new name is on the device too
 
 A writer kicks the write-back when it closes its file (the streaming writer: after each tensor it writes); what
 follows (a Hugging Face folder loaded back by from_pretrained, the next blocks computed) runs while the disk writes;
@@ -52,33 +52,40 @@ def start_writeback_under(folder: str | os.PathLike) -> None:
     """``start_writeback`` on every file under ``folder`` (what save_pretrained wrote)."""
     for root, _, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                start_writeback(fd)
-            finally:
-                os.close(fd)
+            _on_fd(os.path.join(root, name), os.O_RDONLY, start_writeback)
 
 
 def sync(path: str | os.PathLike) -> None:
-    """fsync ``path`` (a file; for a folder, every file and folder under it), then the folder that holds it, so that
-    a crash after the rename finds the bytes the rename published. OSError propagates (the caller says it)."""
+    """fsync ``path`` (a file; for a folder, every file and folder under it): its bytes are on the device before
+    it is renamed into place. OSError propagates (the caller says it)."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        for root, dirs, files in os.walk(path):
+        for root, _, files in os.walk(path):
             for name in files:
-                _fsync(os.path.join(root, name), os.O_RDONLY)
-            _fsync(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+                _on_fd(os.path.join(root, name), os.O_RDONLY, os.fsync)
+            _on_fd(root, _DIRECTORY, os.fsync)
     else:
-        _fsync(path, os.O_RDONLY)
-    _fsync(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        _on_fd(path, os.O_RDONLY, os.fsync)
 
 
-def _fsync(path: str, flags: int) -> None:
+def sync_entry(path: str | os.PathLike) -> None:
+    """fsync the folder holding ``path``, after the rename that put it there: the new name is on the device too.
+    Best effort: the output is in place, and a file system that refuses a folder's fsync has not failed the write."""
+    try:
+        _on_fd(os.path.dirname(os.path.abspath(os.fspath(path))), _DIRECTORY, os.fsync)
+    except OSError:
+        pass
+
+
+_DIRECTORY = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+
+
+def _on_fd(path: str, flags: int, fn) -> None:
     fd = os.open(path, flags)
     try:
-        os.fsync(fd)
+        fn(fd)
     finally:
         os.close(fd)
 
 
-__all__ = ["start_writeback", "start_writeback_under", "sync"]
+__all__ = ["start_writeback", "start_writeback_under", "sync", "sync_entry"]

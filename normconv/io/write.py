@@ -258,6 +258,7 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
                 tmp = None
         except OSError as exc:
             raise write_error(out, exc) from None
+        durable.sync_entry(path)
     finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
         remove_temp(tmp)
     return path
