@@ -131,12 +131,13 @@ def _within_own_rounding(original: nn.Module, rewritten: nn.Module, inputs: Inpu
                          alt: tuple[Inputs, Any] | None, label: str, checks: list[Validation]) -> list[Validation]:
     """The checks again, each leaf's bound raised to a multiple of the original's own float32 error where larger
     (``engine.rounding``: a float64 run of the original); the checks as they were where it cannot be measured."""
-    floors = rounding.own_rounding(original, inputs, reference)
+    wide = rounding.widened(original)  # one float64 copy for both shapes
+    floors = None if wide is None else rounding.floors(wide, inputs, reference)
     if floors is None:
         return checks
     out = [compare(reference, candidate, label=label, floors=floors)]
     if alt is not None:
-        alt_floors = rounding.own_rounding(original, alt[0], alt[1])
+        alt_floors = rounding.floors(wide, alt[0], alt[1])
         out += second_shape(alt, rewritten, None, None, label, floors=alt_floors) if alt_floors is not None else \
             checks[1:]
     return out

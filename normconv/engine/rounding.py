@@ -15,7 +15,7 @@ measured: 2.2x on Faster R-CNN's RPN scores, 85,050 of them):
   floor(an input of a selection call) = OWN_FACTOR x r(op, input) x the call's scale, where r is the largest
       max |float32 - float64| / scale over every call of that op at that input (an NMS of one box says little alone)
 
-The door measures it only for a check the fixed bound failed (one float64 forward of a copy of the original) and
+The door measures it only for a check the fixed bound failed (one float64 copy of the original, a forward per shape) and
 judges each leaf by max(the fixed bound, its floor); the report says so. A real error stays refused: it is a change
 of the real function, which the float64 run does not make (a fold wrong by 1e-3 of the output's scale is still 16x
 over the fixed bound on a well-conditioned model, whose own error is 1e-6 of its scale; tests/test_rounding.py
@@ -47,19 +47,34 @@ def measurable(model: nn.Module) -> bool:
         sum(t.numel() * t.element_size() for t in tensors) <= BUDGET_BYTES
 
 
-def own_rounding(model: nn.Module, inputs: Inputs, reference: Any) -> dict[str, float] | None:
-    """Per output leaf of ``reference`` (the model's float32 output on ``inputs``, ``Traced`` where it selects) and
-    per floating input of each selection: the floor OWN_FACTOR x max |float32 - float64| of the original, by the
-    names ``verify.compare`` gives them (its ``floors``); None where it cannot be measured (module docstring)."""
+def widened(model: nn.Module) -> nn.Module | None:
+    """A float64 copy of ``model`` (the user's model untouched), or None where it cannot be measured."""
     if not measurable(model):
         return None
+    try:
+        return copy.deepcopy(model).double()
+    except Exception:  # noqa: BLE001 - a model that does not copy: not measured, the fixed bound stands
+        return None
+
+
+def own_rounding(model: nn.Module, inputs: Inputs, reference: Any) -> dict[str, float] | None:
+    """``floors`` of ``model`` itself (its float64 copy made here); None where it cannot be measured."""
+    wide = widened(model)
+    return None if wide is None else floors(wide, inputs, reference)
+
+
+def floors(wide: nn.Module, inputs: Inputs, reference: Any) -> dict[str, float] | None:
+    """Per output leaf of ``reference`` (the original's float32 output on ``inputs``, ``Traced`` where it selects)
+    and per floating input of each selection: the floor OWN_FACTOR x max |float32 - float64| of the original, by the
+    names ``verify.compare`` gives them (its ``floors``), ``wide`` being its float64 copy (``widened``); None where
+    it does not run in float64 (module docstring)."""
     wide_inputs = Inputs(*tree_map(_wide, (tuple(inputs.args), dict(inputs.kwargs))))
     try:
-        out = run(copy.deepcopy(model).double(), wide_inputs, replay=reference)
+        out = run(wide, wide_inputs, replay=reference)
     except Exception:  # noqa: BLE001 - an op with no float64 kernel: not measured, the fixed bound stands
         return None
-    floors = {name: OWN_FACTOR * _worst(r, c) for (name, r), (_, c) in
-              zip(output_leaves(reference), output_leaves(out)) if r.is_floating_point() and r.shape == c.shape}
+    found = {name: OWN_FACTOR * _worst(r, c) for (name, r), (_, c) in
+             zip(output_leaves(reference), output_leaves(out)) if r.is_floating_point() and r.shape == c.shape}
     if isinstance(reference, Traced) and isinstance(out, Traced):
         picked: list[tuple[str, str, float]] = []  # (name, the op and input it is one call of, its scale)
         relative: dict[str, float] = {}  # per op and input: the largest own error relative to the call's scale
@@ -74,8 +89,8 @@ def own_rounding(model: nn.Module, inputs: Inputs, reference: Any) -> dict[str, 
                     if scale > 0:
                         relative[group] = max(relative.get(group, 0.0), _worst(x, y) / scale)
         # one call's few elements (an NMS of one box) say little: each call gets its op's rate, at its own scale
-        floors.update({name: OWN_FACTOR * relative.get(group, 0.0) * scale for name, group, scale in picked})
-    return floors
+        found.update({name: OWN_FACTOR * relative.get(group, 0.0) * scale for name, group, scale in picked})
+    return found
 
 
 def _wide(x: Any) -> Any:
@@ -89,4 +104,4 @@ def _worst(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.where(torch.isfinite(d), d, torch.zeros_like(d)).max())
 
 
-__all__ = ["own_rounding", "measurable", "OWN_FACTOR", "BUDGET_BYTES"]
+__all__ = ["own_rounding", "widened", "floors", "measurable", "OWN_FACTOR", "BUDGET_BYTES"]
