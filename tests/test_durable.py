@@ -59,3 +59,21 @@ def test_writeback_and_sync_on_a_file_a_range_and_a_folder(tmp_path):
     with pytest.raises(OSError):
         durable.sync(tmp_path / "missing")
     durable.sync_entry(tmp_path / "missing" / "x")  # best effort: a folder that is gone is not a failed write
+
+
+def test_onnx_outputs_are_synced_before_their_rename(cli, tmp_path, monkeypatch):
+    """Both ONNX writers (a torch model exported, an .onnx file rewritten) fsync every file they publish while it
+    is still under its temp name, and the folder holding it after the rename: the same as io.write.save."""
+    from tests import onnx_in_graphs as G
+
+    synced, entries = [], []
+    monkeypatch.setattr(durable, "sync", lambda p: synced.append((os.fspath(p), os.path.exists(p))))
+    monkeypatch.setattr(durable, "sync_entry", lambda p: entries.append((os.fspath(p), os.path.exists(p))))
+    src = G.save(G.layernorm_torch(13), tmp_path / "ln.onnx")
+    for args, name in ((("export", "zoo:resnet"), "torch.onnx"), (("export", src, "--target", "onnx"), "in.onnx")):
+        synced.clear(), entries.clear()
+        code, _, stderr = cli(*args, "-o", tmp_path / name)
+        assert code == 0, stderr
+        assert [os.path.basename(p) for p, there in synced] == [name] and all(there for _, there in synced)
+        assert all(os.path.dirname(p) != str(tmp_path) for p, _ in synced)  # under the temp folder, not yet published
+        assert entries == [(str(tmp_path / name), True)]

@@ -34,6 +34,7 @@ from normconv import kinds
 from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
 from normconv.quiet import phase, quiet
+from normconv.io import durable
 from normconv.io.write import check_writable
 from normconv.report import Report, Site, Why
 from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET, OPSETS, TARGETS
@@ -408,6 +409,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         phase("write", detail=out.name)
         with _quiet():
             ir.save(onnx_model, str(tmp), external_data=(out.name + ".data") if external else None)
+        durable.start_writeback_under(tmpdir)  # the disk writes while onnxruntime validates
         extra["external_data"] = (out.name + ".data") if external else None
         extra["checker"] = _check(tmp, onnx_model)
         extra["runtimes"] = runtimes(onnx_model, opset)
@@ -456,9 +458,12 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         extra["dynamic_dims"] = [d.to_json() for d in dims]
         from normconv.io.write import replace
 
-        for f in tmpdir.iterdir():
-            if f.is_file() and f.name != "baseline.onnx":
-                replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite (checked first)
+        written = [f for f in tmpdir.iterdir() if f.is_file() and f.name != "baseline.onnx"]
+        for f in written:
+            durable.sync(f)  # the bytes on the device before the rename publishes them
+        for f in written:
+            replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite (checked first)
+        durable.sync_entry(out)
         report.output = str(out)
     except (VerificationError, NormconvError):
         raise

@@ -254,6 +254,7 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
         report.sites = [s.__class__(s.pass_name, s.target, s.applied, ("would be " if s.applied else "") + s.reason,
                                     s.code) for s in report.sites]
         return report
+    from normconv.io import durable
     from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, replace, temp_name, write_error
 
     where = out if out is not None else src.path
@@ -281,6 +282,7 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
         external = bool(src.external) or sum(len(t.raw_data) for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES
         tmp = tmpdir / (out.name if out is not None else "out.onnx")
         _save(proto, tmp, external)
+        durable.start_writeback_under(tmpdir)  # the disk writes while onnxruntime compares
         report.extra["external_data"] = (tmp.name + ".data") if external else None
         ok, report.extra["checker"] = _check(tmp, target, src)
         if not ok:
@@ -292,9 +294,12 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
             raise VerificationError(f"{command}: {bad.label} differs from the input beyond tolerance ({bad.worst}; "
                                     f"{bad.criterion}); nothing written", report)
         if out is not None:
-            for f in (tmp, tmpdir / (tmp.name + ".data")):
-                if f.exists():
-                    replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite
+            written = [f for f in (tmp, tmpdir / (tmp.name + ".data")) if f.exists()]
+            for f in written:
+                durable.sync(f)  # the bytes on the device before the rename publishes them
+            for f in written:
+                replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite
+            durable.sync_entry(out)
             report.output = str(out)
     except (VerificationError, NormconvError):
         raise
