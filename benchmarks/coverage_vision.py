@@ -27,7 +27,9 @@ values, same shape), never by normconv:
   inspect does not name, neither as a site nor as a norm-like module it explains, such as a GRN);
 - fold / canonicalize / swap: the written file loaded back with torch alone (``torch.load`` / ``torch.export.load``)
   and run against the original: each float output within 1e-4 of its largest |value| (this sweep's own bound, not
-  normconv's), integer outputs equal. A detector's outputs follow its selections (NMS, top-k), which rounding may
+  normconv's), integer outputs equal; an output past that bound is judged again against 4x the original's own
+  float32 error, measured here on the same input by a float64 copy of the original (``own_rounding``: a Mask R-CNN
+  mask head's own float32 error is 7e-4 of its scale, which no fold can beat). A detector's outputs follow its selections (NMS, top-k), which rounding may
   flip: the loaded model runs with the original's selections replayed (``normconv.selections.Recorder``, the
   mechanism only; the comparison is this file's);
 - export: the ONNX in onnxruntime (CPU) against the original torch model, the same bound (a detector whose labels
@@ -65,6 +67,7 @@ MARK = "<!-- vision sweep: benchmarks/coverage_vision.py writes from here on -->
 COMMANDS = ("inspect", "fold", "canonicalize", "swap", "export")
 REWRITES = ("fold", "canonicalize", "swap")
 BOUND = 1e-4  # this sweep's own bound: max |a - b| <= BOUND x max |b| per float output
+OWN_FACTOR = 4  # past BOUND: each output within 4x the original's own float32 error against float64 (own_rounding)
 REPRESENTATIVE = ("timm:repvgg_a0", "timm:mobileone_s0", "tv:inception_v3", "timm:levit_128s",
                   "timm:efficientformer_l1", "tv:resnet18", "tv:mobilenet_v3_small", "tv:efficientnet_b0",
                   "tv:convnext_tiny", "timm:vit_tiny_patch16_224", "tv:swin_t", "tv:ssdlite320_mobilenet_v3_large",
@@ -283,7 +286,39 @@ def judge_written(path: Path, model, new) -> tuple[str, str]:
     got, theirs = forward(loaded, new, trace)
     ok, err, why = close(ref, got)
     flips = f", {len(theirs.flipped)} selections replayed" if theirs.flipped else ""
+    if not ok:
+        ok, why = own_rounding(model, new, trace, ref, got)
+        if ok:
+            return "ok", f"{path.suffix} {why}{flips}"
     return ("ok", f"{path.suffix} within {err:.2g}{flips}") if ok else ("failed", f"{path.suffix}: {why}{flips}")
+
+
+def own_rounding(model, new, trace, ref: list, got: list) -> tuple[bool, str]:
+    """The second judge, for a rewrite past BOUND: each float output's error against OWN_FACTOR x the original's own
+    float32 error (the same model run in float64 on the same input, the float32 run's selections replayed: what
+    float32 evaluation of the original itself costs). Computed here, by this file, never by normconv."""
+    import copy
+
+    import torch
+
+    widened = tuple([x.double() for x in a] if isinstance(a, list) else
+                    a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in new)
+    try:
+        exact, _ = forward(copy.deepcopy(model).double(), widened, trace)
+    except Exception as e:  # noqa: BLE001 - a model that does not run in float64: the fixed bound's verdict stands
+        return False, f"beyond {BOUND:g} of the output's scale; no float64 run ({first(e)})"
+    worst = 0.0
+    for i, (a, b, x) in enumerate(zip(ref, got, exact)):
+        if not torch.is_tensor(a) or not a.is_floating_point() or not a.numel():
+            continue
+        scale = float(x.abs().nan_to_num(0.0).max()) or 1.0
+        own = float((a.double() - x.double()).abs().nan_to_num(0.0).max()) / scale
+        err = float((a.double() - torch.as_tensor(b).double()).abs().nan_to_num(0.0).max()) / scale
+        if err > OWN_FACTOR * own:
+            return False, (f"output {i}: error {err:.3g} of the output's scale, beyond {BOUND:g} and beyond "
+                           f"{OWN_FACTOR}x the original's own float32 error ({own:.3g})")
+        worst = max(worst, err / own if own else 0.0)
+    return True, f"within {worst:.2g}x the original's own float32 error (a float64 run), past {BOUND:g}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
