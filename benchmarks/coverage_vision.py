@@ -26,14 +26,10 @@ values, same shape), never by normconv:
 - inspect: norm calls it reports against forward hooks on the innermost norm modules (``missed`` = a hooked module
   inspect does not name, neither as a site nor as a norm-like module it explains, such as a GRN);
 - fold / canonicalize / swap: the written file loaded back with torch alone (``torch.load`` / ``torch.export.load``)
-  and run against the original: each float output within 1e-4 of its largest |value| (this sweep's own bound, not
-  normconv's), integer outputs equal; an output past that bound is judged again against 4x the original's own
-  float32 error, measured here on the same input by a float64 copy of the original (``own_rounding``: a Mask R-CNN
-  mask head's own float32 error is 7e-4 of its scale, which no fold can beat). A detector's outputs follow its selections (NMS, top-k), which rounding may
-  flip: the loaded model runs with the original's selections replayed (``normconv.selections.Recorder``, the
-  mechanism only; the comparison is this file's);
-- export: the ONNX in onnxruntime (CPU) against the original torch model, the same bound (a detector whose labels
-  differ there is "unjudged": onnxruntime cannot replay selections).
+  and run against the original, the original's selections (NMS, top-k) replayed; export: the ONNX in onnxruntime
+  (CPU) against the original. The judge is ``benchmarks/vision_judge.py`` (this sweep's own bound, 1e-4 of each
+  output's scale, then 4x the original's own float32 error measured by a float64 copy; the tensors before each
+  selection compared too; a check that compared nothing fails).
 
 Verdicts: ok, n/a (nothing to rewrite), refused (a NormconvError: its one-line reason; for an exact rewrite that is
 a false refusal unless the model really cannot be rewritten), failed (anything else: an exception, a file that
@@ -46,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
@@ -66,8 +61,6 @@ COVERAGE = ROOT / "COVERAGE.md"
 MARK = "<!-- vision sweep: benchmarks/coverage_vision.py writes from here on -->"
 COMMANDS = ("inspect", "fold", "canonicalize", "swap", "export")
 REWRITES = ("fold", "canonicalize", "swap")
-BOUND = 1e-4  # this sweep's own bound: max |a - b| <= BOUND x max |b| per float output
-OWN_FACTOR = 4  # past BOUND: each output within 4x the original's own float32 error against float64 (own_rounding)
 REPRESENTATIVE = ("timm:repvgg_a0", "timm:mobileone_s0", "tv:inception_v3", "timm:levit_128s",
                   "timm:efficientformer_l1", "tv:resnet18", "tv:mobilenet_v3_small", "tv:efficientnet_b0",
                   "tv:convnext_tiny", "timm:vit_tiny_patch16_224", "tv:swin_t", "tv:ssdlite320_mobilenet_v3_large",
@@ -76,6 +69,7 @@ SIZES = {"tv:inception_v3": 96, "tv:swin_t": 64, "tv:r3d_18": 32}  # image size 
 VIDEO_FRAMES = {"mvit_v1_b": 16, "mvit_v2_s": 16, "s3d": 16}
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
+from vision_judge import BOUND, first, judge_onnx, judge_written  # noqa: E402
 OBSERVED = (
     "tv:ssdlite320_mobilenet_v3_large: `normconv.fold(model, [image])` (API, 320 px) passed: 181 of 271 discrete "
     "selections (its per-class top-k) flipped by rounding on these near-uniform random scores and were replayed; "
@@ -226,109 +220,7 @@ def factory():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# verdicts, outside normconv
-
-
-def leaves(out) -> list:
-    """Every tensor of an output, flattened as the transformers sweep flattens them (one judge for both sweeps)."""
-    from coverage_transformers import flat_tensors
-
-    return flat_tensors(out)
-
-
-def close(ref: list, got: list) -> tuple[bool, float, str]:
-    """(ok, worst error relative to the output's largest |value|, why not)."""
-    import torch
-
-    if len(ref) != len(got):
-        return False, math.inf, f"{len(got)} outputs, expected {len(ref)}"
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(ref, got)):
-        b = torch.as_tensor(b)
-        if a.shape != b.shape:
-            return False, math.inf, f"output {i}: shape {tuple(b.shape)}, expected {tuple(a.shape)}"
-        if not a.is_floating_point():
-            if not torch.equal(a, b.to(a.dtype)):
-                return False, math.inf, f"output {i} ({a.dtype}) differs"
-            continue
-        a, b = a.double(), b.double()
-        scale = float(a[torch.isfinite(a)].abs().max()) if torch.isfinite(a).any() else 0.0
-        err = float((a - b).abs().nan_to_num(0.0).max()) if a.numel() else 0.0
-        worst = max(worst, err / scale if scale else (0.0 if err == 0 else math.inf))
-    return worst <= BOUND, worst, "" if worst <= BOUND else f"error {worst:.3g} of the output's scale"
-
-
-def forward(model, inputs, replay=None):
-    """The model's output leaves on ``inputs`` (eval, no grad); ``replay``: a trace whose selections it takes.
-    Returns (leaves, trace)."""
-    import copy
-
-    import torch
-    from normconv.selections import Recorder
-
-    rec = Recorder(replay)
-    with torch.no_grad(), rec:
-        out = model(*copy.deepcopy(inputs))
-    return leaves(out), rec.trace
-
-
-def judge_written(path: Path, model, new) -> tuple[str, str]:
-    import torch
-
-    try:
-        loaded = torch.export.load(str(path)).module() if path.suffix == ".pt2" else \
-            torch.load(str(path), weights_only=False)
-        if path.suffix != ".pt2":
-            loaded.eval()
-    except Exception as e:  # noqa: BLE001
-        return "failed", f"written {path.suffix} does not load: {first(e)}"
-    ref, trace = forward(model, new)
-    got, theirs = forward(loaded, new, trace)
-    ok, err, why = close(ref, got)
-    flips = f", {len(theirs.flipped)} selections replayed" if theirs.flipped else ""
-    if not ok:
-        ok, why = own_rounding(model, new, trace, ref, got)
-        if ok:
-            return "ok", f"{path.suffix} {why}{flips}"
-    return ("ok", f"{path.suffix} within {err:.2g}{flips}") if ok else ("failed", f"{path.suffix}: {why}{flips}")
-
-
-def own_rounding(model, new, trace, ref: list, got: list) -> tuple[bool, str]:
-    """The second judge, for a rewrite past BOUND: each float output's error against OWN_FACTOR x the original's own
-    float32 error (the same model run in float64 on the same input, the float32 run's selections replayed: what
-    float32 evaluation of the original itself costs). Computed here, by this file, never by normconv."""
-    import copy
-
-    import torch
-
-    widened = tuple([x.double() for x in a] if isinstance(a, list) else
-                    a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in new)
-    try:
-        exact, _ = forward(copy.deepcopy(model).double(), widened, trace)
-    except Exception as e:  # noqa: BLE001 - a model that does not run in float64: the fixed bound's verdict stands
-        return False, f"beyond {BOUND:g} of the output's scale; no float64 run ({first(e)})"
-    worst = 0.0
-    for i, (a, b, x) in enumerate(zip(ref, got, exact)):
-        if not torch.is_tensor(a) or not a.is_floating_point() or not a.numel():
-            continue
-        scale = float(x.abs().nan_to_num(0.0).max()) or 1.0
-        own = float((a.double() - x.double()).abs().nan_to_num(0.0).max()) / scale
-        err = float((a.double() - torch.as_tensor(b).double()).abs().nan_to_num(0.0).max()) / scale
-        if err > OWN_FACTOR * own:
-            return False, (f"output {i}: error {err:.3g} of the output's scale, beyond {BOUND:g} and beyond "
-                           f"{OWN_FACTOR}x the original's own float32 error ({own:.3g})")
-        worst = max(worst, err / own if own else 0.0)
-    return True, f"within {worst:.2g}x the original's own float32 error (a float64 run), past {BOUND:g}"
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # running one model
-
-
-def first(e: BaseException | str) -> str:
-    text = (str(e) if not isinstance(e, BaseException) else str(e)).strip().splitlines()
-    head = f"{type(e).__name__}: " if isinstance(e, BaseException) else ""
-    return f"{head}{text[0][:300] if text else ''}"
 
 
 def cli(*args) -> tuple[int, str, str]:
@@ -468,11 +360,7 @@ def export(model, example, new, tmp: Path, timeout: int) -> tuple[str, str]:
     flat = [t for x in new for t in (x if isinstance(x, (list, tuple)) else [x])]
     feed = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), flat)}
     got = [torch.from_numpy(v) for v in sess.run(None, feed)]
-    ref, _ = forward(model, new)
-    ok, err, why = close(ref, got)
-    if not ok and any(not t.is_floating_point() for t in ref):
-        return "unjudged", f"onnxruntime: {why} (outputs after a selection: cannot replay it there)"
-    return ("ok", f"onnxruntime within {err:.2g}") if ok else ("failed", f"onnxruntime: {why}")
+    return judge_onnx(model, new, got)
 
 
 def run_model(spec: str, commands: list[str], timeout: int) -> None:
