@@ -5,6 +5,7 @@ GPT-2 models are built from ``GPT2Config`` with random weights (no download) and
 run interleaved, round after round, and each keeps its best of ``--rounds``, so machine noise hits all alike:
 
     floor          load the folder with from_pretrained, save_pretrained it (the bytes in, the bytes out)
+    floor + fsync  the same, then its files fsynced (normconv fsyncs before its rename; save_pretrained does not)
     swap           normconv swap FOLDER --to rmsnorm -o out.pt
     fold           normconv fold FOLDER -o out.pt          (GPT-2 has no BatchNorm: capture + verify + save)
     canonicalize   normconv canonicalize FOLDER -o out.pt  (GPT-2's norms are native: capture + verify + save)
@@ -41,6 +42,17 @@ FLOOR = """
 import sys, torch, transformers
 m = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1], local_files_only=True)
 m.save_pretrained(sys.argv[2], safe_serialization=True)
+"""
+
+DURABLE_FLOOR = FLOOR + """
+import os
+for name in os.listdir(sys.argv[2]):  # what normconv's writers do before their rename: the bytes on the device
+    fd = os.open(os.path.join(sys.argv[2], name), os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+fd = os.open(sys.argv[2], os.O_RDONLY)
+os.fsync(fd)
+os.close(fd)
 """
 
 PLAIN_EXPORT = """
@@ -91,6 +103,7 @@ def commands(folder: Path, work: Path, only: set[str] | None, extra: list[str],
     nc = [PY, "-m", "normconv.cli"]
     cmds = {
         "floor": [PY, "-c", FLOOR, str(folder), str(work / "floor")],
+        "floor + fsync": [PY, "-c", DURABLE_FLOOR, str(folder), str(work / "floor")],
         "swap": nc + ["swap", str(folder), "--to", "rmsnorm", "-o", str(work / "swap.pt")] + extra,
         "fold": nc + ["fold", str(folder), "-o", str(work / "fold.pt")] + extra,
         "canonicalize": nc + ["canonicalize", str(folder), "-o", str(work / "canon.pt")] + extra,
@@ -126,7 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="124m")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default=None, help="comma-separated case names (floor and plain-export are kept)")
+    ap.add_argument("--only", default=None, help="comma-separated case names (the floors and plain-export are kept)")
     ap.add_argument("--extra", default="", help="extra flags for every normconv command")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "normconv_bench_scale"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/scale.md"))
@@ -135,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    only = None if args.only is None else set(args.only.split(",")) | {"floor", "plain-export"}
+    only = None if args.only is None else set(args.only.split(",")) | {"floor", "floor + fsync", "plain-export"}
     rows, raw = [], {}
     for size in args.sizes.split(","):
         folder = build(size, cache)
@@ -157,17 +170,20 @@ def main() -> None:
                     "rc": max(x["rc"] for x in v)} for k, v in runs.items()}
         raw[size] = {"weights_bytes": weight_bytes, "runs": runs, "best": best}
         for name, b in best.items():
-            floor = best["plain-export" if name.split(" ")[0] in ("export", "plain-export") else "floor"]
+            export = name.split(" ")[0] in ("export", "plain-export")
+            floor = best["plain-export" if export else "floor"]
+            durable = "" if export else f"{b['wall_s'] / best['floor + fsync']['wall_s']:.2f}x"
             rows.append(f"| {size} | {name} | {b['rc']} | {b['wall_s']:.1f} | {b['rss'] / 2**30:.2f} | "
-                        f"{b['wall_s'] / floor['wall_s']:.2f}x | {b['rss'] / floor['rss']:.2f}x |")
+                        f"{b['wall_s'] / floor['wall_s']:.2f}x | {durable} | {b['rss'] / floor['rss']:.2f}x |")
     load = os.getloadavg()
     head = [f"# real_sizes_vs_floor {args.label}".rstrip(), "",
             f"`{' '.join([Path(PY).name] + sys.argv)}` — {time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, "
             f"{os.cpu_count()} cores (shared), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "
             f"best of {args.rounds} interleaved rounds, each a fresh subprocess; ratios against `floor` "
-            f"(from_pretrained + save_pretrained) or, for export, `plain-export` (load + torch.onnx.export + save).", "",
-            "| model | case | rc | wall s | peak RSS GiB | time / floor | RSS / floor |",
-            "|---|---|---|---|---|---|---|"]
+            f"(from_pretrained + save_pretrained) or, for export, `plain-export` (load + torch.onnx.export + save); "
+            f"`floor + fsync`: the same with its files fsynced, as normconv's writers do before their rename.", "",
+            "| model | case | rc | wall s | peak RSS GiB | time / floor | time / (floor + fsync) | RSS / floor |",
+            "|---|---|---|---|---|---|---|---|"]
     text = "\n".join(head + rows) + "\n"
     print(text)
     out = Path(args.out)
