@@ -6,7 +6,8 @@ The user's model is never written: the passes get ``clone_sharing_tensors(model)
 until a pass takes one through ``clone.owned`` (copy-on-write). One capture serves every pass that leaves the model
 unchanged; a pass that modified it makes the next one capture again. A model no method captures whole is run part
 by part (``by_parts=True`` and every pass declares ``by_parts``): each submodule captured alone gets the pass,
-and the whole result is verified by the caller as always. The whole is tried once: the passes after the first
+and the whole result is verified by the caller as always; the parts' captures, too, serve every pass until one
+changes the model. The whole is tried once: the passes after the first
 rewrite layers, not the control flow that kept it from capturing (a detector's draft_export costs minutes).
 
 A capture that decided a branch on a tensor's value (``Captured.guards``) is remembered in ``Run.guards`` (the door
@@ -102,6 +103,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
         on_first_capture(cap)
     whole: NormconvError | None = None  # why the whole model does not capture, once seen
     failed_parts: dict[str, str] = {}  # the same for submodules captured alone (by parts): path -> why
+    parts = None  # the parts' captures while no pass has changed the model since (by parts)
     for p in passes:
         before = {path: (id(m), m.training) for path, m in work.named_modules()}
         if cap is None or cap.model is not work:
@@ -118,7 +120,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
                 if exc.code is not Code.CANNOT_CAPTURE or not parts_allowed or on_first_capture is not None:
                     raise
                 whole = exc
-                _by_parts(p, work, inputs, method, whole, out, model, failed_parts)
+                parts = _by_parts(p, work, inputs, method, whole, out, model, failed_parts, parts)
                 inherit_training_flags(before, work)
                 continue
         if whole_export and cap.method == "torch.export" and cap.specialized:  # a draft: branches on values
@@ -155,16 +157,20 @@ def _no_whole_export(output: str, model: nn.Module, why: str) -> NormconvError:
 
 
 def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: NormconvError, out: Run,
-              original: nn.Module, failed_parts: dict[str, str]) -> None:
+              original: nn.Module, failed_parts: dict[str, str], parts: Any = None) -> Any:
     """One pass on each submodule of ``work`` captured alone (``capture_parts``), for a model no method captures
     whole (a VLM whose merge of image features is data-dependent). Each part's graph holds everything the pass
     proves about the part: a stream that enters the part as an input has writers the pass cannot see, so a swap
     refuses there, as it refuses at any graph input. The caller verifies the whole rewritten model as always.
     Code between the parts (the failed modules' own forward) is not rewritten, and a note says so. ``failed_parts``:
-    the submodules an earlier pass already failed to capture (not tried again; this pass's failures are added)."""
+    the submodules an earlier pass already failed to capture (not tried again; this pass's failures are added).
+    ``parts``: the previous pass's captures when it changed nothing (reused, as one whole capture serves every pass
+    that leaves the model unchanged). Returns the captures for the next pass, or None when this pass changed the
+    model."""
     from normconv.graph.parts import capture_parts
 
-    parts = capture_parts(work, inputs, method, failed_parts)
+    if parts is None:
+        parts = capture_parts(work, inputs, method, failed_parts)
     failed_parts.update(parts.failed)
     if not parts.parts:
         raise NormconvError(f"{whole}; no submodule captures alone either", Code.CANNOT_CAPTURE)
@@ -174,6 +180,7 @@ def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: Norm
         copy_on_write(work, original)
     p.begin_parts()
     results = []
+    changed = False
     for part in parts.parts:
         module = work.get_submodule(part.path)
         try:
@@ -184,6 +191,7 @@ def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: Norm
                                 exc.code, hint=exc.hint, pass_name=exc.pass_name) from None
         results.append(result)
         whole_part = result.model is not module  # the part itself was replaced (it was the norm)
+        changed = changed or result.modified or whole_part
         if whole_part:
             replace_module(work, part.path, result.model)
         owned = dict(module.named_modules())
@@ -200,6 +208,7 @@ def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: Norm
             f"between them is not rewritten")
     if note not in out.notes:
         out.notes.append(note)
+    return None if changed else parts
 
 
 def inherit_training_flags(before: dict[str, tuple[int, bool]], model: nn.Module) -> None:
