@@ -74,6 +74,9 @@ _MODULE_OPS: tuple[tuple[type, str], ...] = (
 
 # ops that pass a value through unchanged for placement purposes
 TRANSPARENT = frozenset({"cast", "dropout", "identity"})
+# torchvision.ops.stochastic_depth(input, p, mode, training): torch.fx.wrap'ed by torchvision, so symbolic_trace keeps
+# the call (MViT, MaxViT, Swin's residual branches); named by where it lives, never imported here
+_STOCHASTIC_DEPTH = ("torchvision.ops.stochastic_depth", "stochastic_depth")
 
 # Op families by call name (``call_name(node)``: x.view, torch.reshape and aten.view.default alike), declared once:
 # what an op does to the elements of its first input. Passes and graph analyses compose them; none re-types them.
@@ -107,6 +110,9 @@ def op_of(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str | N
         t = node.target
         if t in _BY_FUNCTION:
             return _BY_FUNCTION[t]
+        if (getattr(t, "__module__", None), getattr(t, "__name__", None)) == _STOCHASTIC_DEPTH:
+            off = arg(node, 3, "training", True) is False or arg(node, 1, "p") == 0
+            return "identity" if off else None  # eval (or p 0): its input itself, as dropout off
         packet = getattr(t, "overloadpacket", None)
         if packet is not None and packet in _BY_PACKET:
             return _BY_PACKET[packet]
