@@ -118,6 +118,20 @@ def resized(model: nn.Module, inputs: Inputs, places: list[tuple[str, int]], siz
     return Inputs(args, kwargs)
 
 
+def unmarked(inputs: Inputs) -> Inputs:
+    """The same inputs with every tensor a new object over the same storage (``detach``), for one torch.export call:
+    an export given ``dynamic_shapes`` marks the tensors it was handed (``_dynamo_weak_dynamic_indices``) and, when
+    it fails, leaves the marks there (torch 2.13), so that a later *static* export of the same tensors is dynamic
+    again and fails the same way (timm's DLA, torchvision's S3D: an inequality sympy cannot solve). Each call gets
+    tensors nothing marked, and the user's own tensors are never marked."""
+    from torch.utils._pytree import tree_map
+
+    def fresh(x):
+        return x.detach() if isinstance(x, torch.Tensor) else x
+
+    return Inputs(tree_map(fresh, tuple(inputs.args)), tree_map(fresh, dict(inputs.kwargs)))
+
+
 def widened(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | frozenset = frozenset()) -> Inputs | None:
     """The example at batch 2 where its batch is 1 (torch.export specializes a size of 1): every tensor input whose
     dim 0 is 1 gets its values cycled to 2, except where dim 0 is ``pinned`` (a pinned dimension keeps the example's

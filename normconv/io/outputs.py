@@ -413,8 +413,9 @@ def _export(model: nn.Module, inputs: Inputs, shapes: dict | None, pinned: set[t
     wide = io_dims.widened(model, inputs, pinned) if shapes is not None else None
     for example in ([wide] if wide is not None else []) + [inputs]:
         try:
+            fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
             with quiet(("torch",), stderr=True):  # a failing export logs the whole graph
-                ep = torch.export.export(model, tuple(example.args), dict(example.kwargs), dynamic_shapes=shapes,
+                ep = torch.export.export(model, tuple(fresh.args), dict(fresh.kwargs), dynamic_shapes=shapes,
                                          strict=False)
         except Exception:
             if example is inputs:

@@ -178,7 +178,8 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
     for i, example in enumerate(tries):
         try:
             with _quiet(), torch.no_grad():
-                program = torch.onnx.export(model, tuple(example.args), kwargs=dict(example.kwargs) or None, **kwargs)
+                fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
+                program = torch.onnx.export(model, tuple(fresh.args), kwargs=dict(fresh.kwargs) or None, **kwargs)
             ep = getattr(program, "exported_program", None)
             if i + 1 < len(tries) and ep is not None and not io_dims.kept_free(ep, model, inputs, pinned):
                 continue  # the trace at batch 2 specialized the batch (a branch on it): the example's own batch
