@@ -261,3 +261,39 @@ def test_a_branch_that_reads_what_the_rewrite_changed_is_refused():
     new.shift.enabled = model.shift.enabled = torch.tensor(False)
     with torch.no_grad():
         assert (new(x) - model(x)).abs().max() > 1e-3
+
+
+class Pick(nn.Module):
+    """An argmax between two channels that are equal in exact arithmetic (a detector's top-k over near-equal
+    scores): float32 rounding decides each tie, and the fold rounds differently from the original."""
+
+    def forward(self, x):
+        return torch.stack([x[:, 0], x[:, 1]]).argmax(0).float() * 100 + x[:, 2]
+
+
+class GateFoldPick(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.conv, self.bn, self.pick = Gate(), nn.Conv2d(3, 3, 3), _bn(3), Pick()
+        with torch.no_grad():  # channel 1 = channel 0 in exact arithmetic: twice the conv, half the BN scale
+            self.conv.weight[1] = 2 * self.conv.weight[0]
+            self.conv.bias[1] = 2 * self.conv.bias[0]
+            bn = self.bn
+            bn.running_mean[1] = 2 * bn.running_mean[0]
+            bn.running_var[1] = 4 * bn.running_var[0] + 3 * bn.eps
+            bn.weight[1], bn.bias[1] = bn.weight[0], bn.bias[0]
+
+    def forward(self, x):
+        return self.pick(self.bn(self.conv(self.gate(x))))
+
+
+def test_a_selection_flipped_by_rounding_downstream_is_no_change_of_the_rewrite():
+    """The locality proof runs the rewrite with the original's selections, as the door's check does: an argmax
+    that rounding flips after the fold is not taken for a module computing other values."""
+    torch.manual_seed(0)
+    model = GateFoldPick().eval()
+    x = torch.randn(2, 3, 16, 16).abs() + 0.1
+    new, report = normconv.fold(model, x)
+    assert report.passed and report.extra["specialized"][0]["owner"] == "gate"
+    assert any("proven for the other branches" in n for n in report.notes), report.notes
+    assert not isinstance(new.bn, nn.BatchNorm2d)

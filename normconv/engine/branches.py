@@ -9,7 +9,8 @@ The proof, for each guard (a Python branch in the forward of module G, decided o
   2. every module the rewrite did not change computes, on the example inputs, what it computed before (the rewrite is
      local: a fold's conv + identity equals conv + BN, a canonicalized norm equals the norm): so G, and everything
      around it, sees the same values whichever branch G takes, and the changed parts compute the same function of
-     what they see (each pass's own proof), on any branch.
+     what they see (each pass's own proof), on any branch. The rewritten forward takes the original's discrete
+     selections (top-k, NMS), as the door's own check does: a flip by rounding is no change of the rewrite.
 A swap that centers the residual stream fails 2 (every block's output changes); a rewrite of the graph itself (a
 GraphModule of the specialized graph) fails 1 at the model's root. Unproven, the rewrite is refused (exit 2) naming
 the guard, unless ``--accept-specialized`` (``Options.accept_specialized``) accepts it for inputs that take the
@@ -80,19 +81,22 @@ def _within(path: str, owner: str) -> bool:
     return path == owner or owner == "" or path == "" or path.startswith(owner + ".") or owner.startswith(path + ".")
 
 
-def module_outputs(model: nn.Module, inputs: Inputs) -> dict[str, list[Any]]:
-    """Every module's outputs (one per call, in call order) on ``inputs``, from one guarded forward."""
+def module_outputs(model: nn.Module, inputs: Inputs, replay: Any = None) -> tuple[dict[str, list[Any]], Any]:
+    """Every module's outputs (one per call, in call order) on ``inputs``, from one guarded forward, and that
+    forward's discrete selections (``verify.run(trace=True)``); ``replay``: another forward's selections, taken
+    here (a rewritten detector's RPN then keeps the original's top-k and NMS, so that rounding which flips one of
+    them is not taken for a change the rewrite made)."""
     seen: dict[str, list[Any]] = {}
     handles = []
     for path, m in model.named_modules():
         handles.append(m.register_forward_hook(
             lambda mod, args, out, path=path: seen.setdefault(path, []).append(_detached(out))))
     try:
-        run(model, inputs)
+        traced = run(model, inputs, trace=True, replay=replay)
     finally:
         for h in handles:
             h.remove()
-    return seen
+    return seen, traced
 
 
 def _detached(out: Any) -> Any:
@@ -115,7 +119,8 @@ def unproven(original: nn.Module, rewritten: nn.Module, inputs: Inputs, guards: 
             what = "the model itself" if hit == "" else hit
             return (f"the rewrite changes {what}, which the code of the branch not taken "
                     f"({g.owner or 'the model'}'s forward) can reach")
-    before, after = module_outputs(original, inputs), module_outputs(rewritten, inputs)
+    before, traced = module_outputs(original, inputs)
+    after, _ = module_outputs(rewritten, inputs, replay=traced)  # the original's selections
     for path, outs in before.items():
         if path in changed:
             continue
