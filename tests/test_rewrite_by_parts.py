@@ -122,9 +122,9 @@ class NumpyBlock(nn.Module):
         return y / float(np.abs(y.detach().numpy()).max())
 
 
-def test_a_part_that_failed_is_tried_once_however_many_passes_run(monkeypatch):
-    """By parts, each pass captures the parts again; a submodule whose capture failed for the first pass is split
-    at once for the next (a detector's RoIHeads: a failed draft_export each time), and the rewrite is the same."""
+@pytest.fixture
+def part_captures(monkeypatch):
+    """The class name of every submodule captured alone (``graph.parts``), in order."""
     from normconv.graph import parts as graph_parts
 
     tried = []
@@ -134,10 +134,17 @@ def test_a_part_that_failed_is_tried_once_however_many_passes_run(monkeypatch):
         tried.append(type(model).__name__)
         return real(model, *args, **kwargs)
 
+    monkeypatch.setattr(graph_parts, "capture", counted)
+    return tried
+
+
+def test_a_part_that_failed_is_tried_once_however_many_passes_run(part_captures):
+    """By parts, each pass captures the parts again; a submodule whose capture failed for the first pass is split
+    at once for the next (a detector's RoIHeads: a failed draft_export each time), and the rewrite is the same."""
     model, x = branchy()
     model.vision.append(NumpyBlock())
     randomize_bn(model)
-    monkeypatch.setattr(graph_parts, "capture", counted)
+    tried = part_captures
     folded, report = normconv.fold(model, x, eval_mode=True)
     assert report.passed and tried.count("NumpyBlock") == 1, tried
     assert tried.count("Sequential") > 1  # the parts that captured are captured again after a pass changed them
@@ -150,21 +157,12 @@ def test_a_part_that_failed_is_tried_once_however_many_passes_run(monkeypatch):
         torch.testing.assert_close(folded(*other), model(*other), atol=1e-5, rtol=1e-4)
 
 
-def test_parts_are_captured_once_while_the_passes_change_nothing(monkeypatch):
+def test_parts_are_captured_once_while_the_passes_change_nothing(part_captures):
     """fold's first passes (weight standardization, fold through an activation) find nothing in Branchy: the parts'
     captures serve the fold pass too, as one whole capture serves every pass that leaves the model unchanged (a
     detector's parts took 15-17 s a pass); the rewrite is the same and is verified."""
-    from normconv.graph import parts as graph_parts
-
-    tried = []
-    real = graph_parts.capture
-
-    def counted(model, *args, **kwargs):
-        tried.append(type(model).__name__)
-        return real(model, *args, **kwargs)
-
     model, x = branchy()
-    monkeypatch.setattr(graph_parts, "capture", counted)
+    tried = part_captures
     folded, report = normconv.fold(model, x, eval_mode=True)
     assert report.passed and [s.target for s in report.sites if s.applied] == ["vision.1"]
     assert sorted(tried) == ["HandLayerNorm", "PreLNStack", "Sequential"], tried  # each part once, for 3 passes
