@@ -59,8 +59,7 @@ def compared(ref: list, got: list, ref_trace, got_trace) -> dict[str, list]:
 
     groups = {f"output {i}": [(a, torch.as_tensor(b))] for i, (a, b) in enumerate(zip(ref, got))
               if a.is_floating_point() and a.numel()}
-    last = len(ref_trace.picks) if got_trace.lost is None else got_trace.lost
-    for p, q in list(zip(ref_trace.picks, got_trace.picks))[:last]:
+    for _, p, q in got_trace.pairs(ref_trace):
         for j, (a, b) in enumerate(zip(p.inputs or (), q.inputs or ())):
             if a.shape == b.shape and a.numel():
                 groups.setdefault(f"selection inputs {p.op} #{j}", []).append((a, b))

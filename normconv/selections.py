@@ -19,7 +19,10 @@ rewrite; comparing the tensors *before* the selection does.
   the selected regions, still shows. The selections whose own result differed are ``flipped``; its floating inputs
   are kept too, so the caller can check that each flip is within rounding (a selection's inputs may reach no
   output: an RPN's objectness). Where the op sequence itself differs (Python branching on a float's value), replay
-  stops there and says so (``lost``).
+  stops there and says so (``lost``). A *scalar* selection (every floating input 0-dim: a number computed once and
+  cached, as torchvision's MultiScaleRoIAlign does with its scales on its first forward) that one forward makes and
+  the other does not is passed over on either side, not a lost replay; each replayed pick names the original's pick
+  it was matched with (``ref``), and ``Trace.pairs`` gives them side by side.
 
 Continuous results are never replayed: a ``topk``'s values, ``max``'s value, a float ``.item()``.
 """
@@ -52,6 +55,8 @@ class Pick:
     results: tuple[torch.Tensor, ...]
     inputs: tuple[torch.Tensor, ...] | None
     flipped: bool = False
+    scalar: bool = False  # every floating input 0-dim (module docstring)
+    ref: int | None = None  # replaying: the index of the original's pick this one was matched with
 
 
 @dataclass
@@ -69,6 +74,12 @@ class Trace:
 
     def describe(self, k: int) -> str:
         return f"{self.picks[k].op} #{k + 1}"
+
+    def pairs(self, original: Trace) -> list[tuple[int, Pick, Pick]]:
+        """This replay's picks matched with ``original``'s, up to where it was lost: (the original's index, its pick,
+        this forward's)."""
+        last = len(self.picks) if self.lost is None else self.lost
+        return [(p.ref, original.picks[p.ref], p) for p in self.picks[:last] if p.ref is not None]
 
 
 def _name(func: Any) -> str:
@@ -100,6 +111,7 @@ class Recorder(TorchDispatchMode):
         self.replay = replay
         self.trace = Trace()
         self.kept = 0
+        self.at = 0  # replaying: the original's next pick not yet matched
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -119,18 +131,31 @@ class Recorder(TorchDispatchMode):
         else:
             self.trace.truncated = True
         results = tuple(t for t in tensors if not t.is_floating_point() or _base(name) in STEPS)
-        pick = Pick(name, tuple(t.detach().clone() for t in results), inputs)
+        pick = Pick(name, tuple(t.detach().clone() for t in results), inputs, scalar=all(t.dim() == 0 for t in floats))
         self.trace.picks.append(pick)
         if self.replay is None or self.trace.lost is not None:
             return out
-        theirs = self.replay.picks[k] if k < len(self.replay.picks) else None
-        if theirs is None or theirs.op != name or len(theirs.results) != len(results):
-            self.trace.lost = k  # another op sequence from here: nothing after it is replayed
-            return out
+        j = self._match(pick)
+        if j is None:
+            if not pick.scalar:
+                self.trace.lost = k  # another op sequence from here: nothing after it is replayed
+            return out  # a scalar selection the original did not make: passed over
+        theirs, self.at, pick.ref = self.replay.picks[j], j + 1, j
         if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(results, theirs.results)):
             return out
         pick.flipped = True
         return tree_unflatten(_replayed(name, outs, theirs.results, args, kwargs), spec)
+
+
+    def _match(self, pick: Pick) -> int | None:
+        """The original's pick this one replays: its next one, past scalar picks this forward does not make."""
+        for j in range(self.at, len(self.replay.picks)):
+            theirs = self.replay.picks[j]
+            if theirs.op == pick.op and len(theirs.results) == len(pick.results) and theirs.scalar == pick.scalar:
+                return j
+            if not theirs.scalar:
+                return None
+        return None
 
 
 def _replayed(name: str, outs: list, theirs: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> list:

@@ -582,12 +582,12 @@ def _with_selections(errs: list[OutputError], ref: Trace, cand: Trace, atol: flo
         said.append(f"the rewritten forward's ops stopped matching the original's at {cand.describe(cand.lost)}: "
                     f"nothing after it was replayed")
     inputs = []
-    for k, (a, b) in enumerate(zip(ref.picks, cand.picks)):
-        if cand.lost is not None and k >= cand.lost or a.inputs is None or b.inputs is None:
+    for k, a, b in cand.pairs(ref):
+        if a.inputs is None or b.inputs is None:
             break
         whole = max((_scale(t) for t in a.inputs), default=0.0)
-        inputs += [_leaf_error(f"{cand.describe(k)} input {i}", x, y, atol, rtol, by_scale, whole,
-                               floor=floors.get(f"{cand.describe(k)} input {i}"))
+        inputs += [_leaf_error(f"{ref.describe(k)} input {i}", x, y, atol, rtol, by_scale, whole,
+                               floor=floors.get(f"{ref.describe(k)} input {i}"))
                    for i, (x, y) in enumerate(zip(a.inputs, b.inputs))]
     if inputs:
         worst = max(inputs, key=lambda e: (not e.passed, e.scale_error if not math.isnan(e.scale_error) else 0.0))

@@ -160,3 +160,47 @@ def test_only_outputs_with_a_discrete_tensor_are_traced():
     plain = nn.Sequential(nn.Conv2d(3, 4, 1)).eval()
     y = run(plain, inputs)
     assert with_selections(plain, inputs, y) is y
+
+
+class LazyScale(nn.Module):
+    """A scale computed once, from shapes, on the first forward and cached (torchvision's MultiScaleRoIAlign:
+    ``float(torch.tensor(s).log2().round())``), then a top-k: a fresh model and a copy that already ran make
+    different op sequences, one scalar ``round`` apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = None
+
+    def forward(self, x):
+        if self.scale is None:
+            self.scale = 2 ** float(torch.tensor(x.shape[-1] / 3.0).log2().round())
+        values, idx = (x * self.scale).topk(2)
+        return values, idx, (x > 0.5).sum()
+
+
+@pytest.mark.parametrize("fresh_first", [True, False])
+def test_a_scalar_selection_made_once_does_not_lose_the_replay(fresh_first):
+    x = torch.tensor([[1.0, 3.0, 2.0, 3.0 + 1e-6]])
+    swapped = x.clone()
+    swapped[0, 1] += 2e-6  # the top-k's order flips
+    fresh, warm = LazyScale(), LazyScale()
+    warm(x)
+    first, second = (fresh, warm) if fresh_first else (warm, fresh)
+    with Recorder() as rec:
+        ref = first(x)
+    with Recorder(rec.trace) as again:
+        got = second(swapped)
+    assert again.trace.lost is None  # the round the other forward did not make is passed over, on either side
+    pairs = again.trace.pairs(rec.trace)
+    assert [(a.op, b.op) for _, a, b in pairs] == [("aten.topk", "aten.topk"), ("aten.gt", "aten.gt")]
+    assert [k for k, _, _ in pairs] == ([1, 2] if fresh_first else [0, 1])  # the original's own indices
+    assert torch.equal(got[1], ref[1])  # the top-k after it is still replayed
+
+
+def test_a_selection_of_another_op_still_loses_the_replay():
+    x = torch.tensor([[1.0, 3.0, 2.0]])
+    with Recorder() as rec:
+        x.topk(2), x.argmax(-1)
+    with Recorder(rec.trace) as again:
+        x.argmax(-1), x.topk(2)
+    assert again.trace.lost == 0 and again.trace.pairs(rec.trace) == []

@@ -78,14 +78,13 @@ def floors(wide: nn.Module, inputs: Inputs, reference: Any) -> dict[str, float] 
     if isinstance(reference, Traced) and isinstance(out, Traced):
         picked: list[tuple[str, str, float]] = []  # (name, the op and input it is one call of, its scale)
         relative: dict[str, float] = {}  # per op and input: the largest own error relative to the call's scale
-        trace = out.trace
-        for k, (a, b) in enumerate(zip(reference.trace.picks, trace.picks)):
-            if trace.lost is not None and k >= trace.lost or a.inputs is None or b.inputs is None:
+        for k, a, b in out.trace.pairs(reference.trace):
+            if a.inputs is None or b.inputs is None:
                 break
             for i, (x, y) in enumerate(zip(a.inputs, b.inputs)):
                 if x.is_floating_point() and x.shape == y.shape and x.numel():
-                    group, scale = f"{trace.picks[k].op} input {i}", float(x.detach().abs().nan_to_num(0, 0, 0).max())
-                    picked.append((f"{trace.describe(k)} input {i}", group, scale))
+                    group, scale = f"{a.op} input {i}", float(x.detach().abs().nan_to_num(0, 0, 0).max())
+                    picked.append((f"{reference.trace.describe(k)} input {i}", group, scale))
                     if scale > 0:
                         relative[group] = max(relative.get(group, 0.0), _worst(x, y) / scale)
         # one call's few elements (an NMS of one box) say little: each call gets its op's rate, at its own scale
