@@ -214,6 +214,21 @@ def replace(tmp: str | os.PathLike, path: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
 
 
+def publish(moves: list[tuple[str | os.PathLike, Path]], check: Callable[[], None] | None = None) -> None:
+    """Put written temp files (or folders) at their paths, durably: each fsynced first (its bytes on the device before
+    a rename shows them), then ``check()`` (the last look before publishing), then every rename (``replace``) with
+    interrupts held, then the folders holding them fsynced (the new names on the device too). OSError propagates."""
+    for tmp, _ in moves:
+        durable.sync(tmp)
+    if check is not None:
+        check()
+    with signals_held():
+        for tmp, path in moves:
+            replace(tmp, path)
+    for path in {path.parent: path for _, path in moves}.values():  # one per folder
+        durable.sync_entry(path)
+
+
 def _exchange(a: str, b: str) -> bool:
     """Swap two paths in one atomic step (renameat2 with RENAME_EXCHANGE); False where the system has no such call."""
     import ctypes
@@ -249,16 +264,11 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
         _write(loaded, model, out, path, fmt, tmp, inputs, static, info)
         if before_rename is not None:
             before_rename(tmp)
-        try:
-            durable.sync(tmp)
-            # again just before the rename: nothing read was put there since
-            loaded.ledger.check_write(path, in_place, overwrite=overwrite)
-            with signals_held():
-                replace(tmp, path)
-                tmp = None
+        try:  # the ledger again just before the rename: nothing read was put there since
+            publish([(tmp, path)], check=lambda: loaded.ledger.check_write(path, in_place, overwrite=overwrite))
+            tmp = None
         except OSError as exc:
             raise write_error(out, exc) from None
-        durable.sync_entry(path)
     finally:  # every exit path, KeyboardInterrupt and SystemExit (SIGTERM) included
         remove_temp(tmp)
     return path

@@ -457,14 +457,10 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if pins:  # a dimension the file does not really take at another size: pinned, exported again
             return _export_again(pins)
         extra["dynamic_dims"] = [d.to_json() for d in dims]
-        from normconv.io.write import replace
+        from normconv.io.write import publish
 
         written = [f for f in tmpdir.iterdir() if f.is_file() and f.name != "baseline.onnx"]
-        for f in written:
-            durable.sync(f)  # the bytes on the device before the rename publishes them
-        for f in written:
-            replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite (checked first)
-        durable.sync_entry(out)
+        publish([(f, out.parent / f.name) for f in written])  # over a folder of that name only with --overwrite
         report.output = str(out)
     except (VerificationError, NormconvError):
         raise

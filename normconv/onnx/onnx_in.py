@@ -255,7 +255,7 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
                                     s.code) for s in report.sites]
         return report
     from normconv.io import durable
-    from normconv.io.write import TEMP_SUFFIX, remove_stale_temps, replace, temp_name, write_error
+    from normconv.io.write import TEMP_SUFFIX, publish, remove_stale_temps, temp_name, write_error
 
     where = out if out is not None else src.path
     remove_stale_temps(where)
@@ -295,11 +295,7 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
                                     f"{bad.criterion}); nothing written", report)
         if out is not None:
             written = [f for f in (tmp, tmpdir / (tmp.name + ".data")) if f.exists()]
-            for f in written:
-                durable.sync(f)  # the bytes on the device before the rename publishes them
-            for f in written:
-                replace(f, out.parent / f.name)  # over a folder of that name only with --overwrite
-            durable.sync_entry(out)
+            publish([(f, out.parent / f.name) for f in written])  # over a folder of that name only with --overwrite
             report.output = str(out)
     except (VerificationError, NormconvError):
         raise
