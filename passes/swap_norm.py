@@ -37,7 +37,7 @@ from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.residual import (Consumer, Edits, Refused, Replaced, ResidualWhy, Stream, apply_, bias_consumers,
-                                     hidden, norm_module, param_readers, streams, walk)
+                                     hidden, moved_dims, norm_module, param_readers, streams, walk)
 from normconv.graph.residual import edits as _edits
 from normconv.graph.residual import add_, bias_delta, center_  # noqa: F401  (normconv.stream applies them too)
 from normconv.report import PassResult, Site, Why
@@ -78,6 +78,7 @@ class SitePlan:
     beta_problem: Refused | None = None  # why b cannot fold (then it is kept: ``keep_bias``)
     keep_bias: bool = False  # b stays an add after the RMSNorm (BiasAfterNorm)
     detail: ResidualWhy | None = None  # the residual analysis's own rule behind STREAM / BIAS
+    moved: tuple[int, ...] | None = None  # a channels-first norm module: the dim it normalizes (``MovedDimNorm``)
 
 
 @dataclass
@@ -113,7 +114,13 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
     kind = SOURCE_KIND[to]
     sites = [s for s in norms if s.kind == kind]
     readers = param_readers(cap)
-    plans = [SitePlan(s, norm_module(cap, s), False, "") for s in sites]
+    plans = []
+    for s in sites:
+        # a channels-first norm module (permute, norm, permute back)  =>  replaced by MovedDimNorm(the new norm)
+        module, moved = norm_module(cap, s), None
+        if module is None and (moved := moved_dims(cap, s)) is not None:
+            module = s.owner
+        plans.append(SitePlan(s, module, False, "", moved=moved))
     walks = [walk(cap, s) for s in sites]
     found = streams(cap, sites, walks, readers, to == "rmsnorm", read)
     for i, p in enumerate(plans):
@@ -328,7 +335,7 @@ class SwapPass(Pass):
                                 pass_name=NAME)
 
     def _replacement(self, cap: Captured, p: SitePlan) -> nn.Module:
-        from normconv.nn.modules import BiasAfterNorm
+        from normconv.nn.modules import BiasAfterNorm, MovedDimNorm
         from normconv.nn.rmsnorm import make_rmsnorm
 
         old = cap.modules[p.module]
@@ -346,6 +353,8 @@ class SwapPass(Pass):
                                dtype=dtype, device=weight.device if weight is not None else None)
             if weight is not None:
                 new.weight.data.copy_(weight.detach())
+        if p.moved is not None:  # channels-first: the same permutes around the new norm
+            new = MovedDimNorm(new, p.moved)
         new.train(old.training)
         return new
 

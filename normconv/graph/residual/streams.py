@@ -66,6 +66,30 @@ def norm_module(cap: Captured, site: NormSite) -> str | None:
     return None
 
 
+def moved_dims(cap: Captured, site: NormSite) -> tuple[int, ...] | None:
+    """A channels-first norm module (timm's and torchvision's LayerNorm2d: ``permute`` one dim last, the norm over it,
+    the inverse ``permute``), where that forward computes nothing else: the dim of its input it normalizes (negative,
+    as ``MovedDimNorm`` takes it); else None."""
+    mod = cap.modules.get(site.owner)
+    if not (site.source == "functional" and site.owner and isinstance(mod, (nn.LayerNorm, nn.RMSNorm))
+            and not list(mod.children()) and hidden(site) is not None):
+        return None
+    before, users = cap.nodes[site.input], cap.users(cap.nodes[site.node])
+    after = users[0] if len(users) == 1 else None
+    if after is None or call_name(before) != "permute" or call_name(after) != "permute" or after.args[0] is not \
+            cap.nodes[site.node]:
+        return None
+    perm, back = (list(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else list(n.args[1:])
+                  for n in (before, after))
+    rank = len(perm)
+    perm, back = [d % rank for d in perm], [d % rank for d in back]
+    moved = perm[-1]
+    # one dim moved last, the others in order; then back where it was  =>  MovedDimNorm(norm, (moved - rank,))
+    if perm != [d for d in range(rank) if d != moved] + [moved] or [perm[d] for d in back] != list(range(rank)):
+        return None
+    return (moved - rank,) if owns_only(cap, site.owner, set(site.nodes) | {before.name, after.name}) else None
+
+
 def _casts_back(cap: Captured, site: NormSite) -> set[str]:
     """Pass-through ops right after the site (casts, identities) that give back the site input's dtype."""
     out, node = set(), cap.nodes[site.node]
