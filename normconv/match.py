@@ -93,7 +93,12 @@ PAD = frozenset({"pad", "constant_pad_nd"})  # rows added along an axis
 CAT = frozenset({"cat", "concat", "concatenate"})  # tensors joined along an axis
 SPLIT = frozenset({"split", "chunk", "split_with_sizes", "tensor_split"})  # one tensor cut along an axis
 # resampling over the spatial axes with weights summing to one, each channel alone
-RESAMPLE = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d", "interpolate"})
+# spatial resampling, channels first: the same linear map (weights summing to one) for every channel; torch's and
+# aten's names (F.interpolate lowers to one of the aten ops, antialiased ones to the ``_aa`` forms)
+RESAMPLE = frozenset({"interpolate", "upsample", "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+                      "upsample_trilinear3d", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                      "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+                      "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"})
 TEMPLATE = frozenset({"expand_as", "view_as", "reshape_as", "type_as"})  # the second operand gives a shape / dtype only
 LIKE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like"})  # the operand gives a shape / dtype only
 

@@ -66,10 +66,12 @@ def _expand(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int 
     return j if j >= 0 and a[j] == b[axis] else None
 
 
+_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear", "area")
+
+
 def _resample(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int | None:
-    if call_name(node) == "interpolate" and node.kwargs.get("mode", "nearest") not in ("nearest", "bilinear",
-                                                                                       "bicubic"):
-        return None
+    if call_name(node) in ("interpolate", "upsample") and node.kwargs.get("mode", "nearest") not in _MODES:
+        return None  # a mode whose weights do not sum to one (or an unknown one): not followed
     return axis if axis == 1 and len(a) == len(b) > 2 and a[1] == b[1] else None
 
 
