@@ -71,12 +71,18 @@ def _named(inputs: Inputs, names: list[str]) -> dict[str, Any]:
 def export_shapes(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] = frozenset()) -> dict | None:
     """torch.export's ``dynamic_shapes``: Dim.AUTO on every dimension of every tensor input but the ``pinned``
     (input, axis) places; None where the inputs have no names."""
+    from torch.utils._pytree import tree_map
+
     names = input_names(model, inputs)
     if names is None:
         return None
     auto = torch.export.Dim.AUTO
 
     def spec(name: str, x: Any):
+        if isinstance(x, (list, tuple, dict)):
+            # a nested input (a detector's list of images): the same structure, every tensor in it static (the
+            # check at a second size resizes top-level tensors only; torch.export wants the structure mirrored)
+            return tree_map(lambda _: None, x)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return None
         return {axis: auto for axis in range(x.dim()) if (name, axis) not in pinned}

@@ -84,7 +84,7 @@ def feeds(session, model: torch.nn.Module, inputs: Inputs) -> dict[str, np.ndarr
     for i, value in enumerate(inputs.args):
         named[params[i] if i < len(params) else f"arg{i}"] = value
     named.update(inputs.kwargs)
-    tensors = [(k, v) for k, v in named.items() if isinstance(v, torch.Tensor)]
+    tensors = [leaf for k, v in named.items() for leaf in _leaves(k, v)]
     by_name = dict(tensors)
     out = {}
     wanted = session.get_inputs()
@@ -96,6 +96,18 @@ def feeds(session, model: torch.nn.Module, inputs: Inputs) -> dict[str, np.ndarr
             raise ValueError(f"cannot match ONNX input {spec.name!r} to an example input ({', '.join(by_name)})")
         out[spec.name] = value.detach().cpu().numpy()
     return out
+
+
+def _leaves(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one input under the names torch.onnx gives a nested input's leaves: ``images_0``, ``images_1``
+    for a list (a detector's images), ``x_key`` for a dict."""
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(f"{name}_{i}", v)]
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{name}_{k}", v)]
+    return []
 
 
 def _min_tolerances(reference: list[torch.Tensor], outputs: list[np.ndarray], atol: float, rtol: float):
