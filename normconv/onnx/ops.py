@@ -117,8 +117,9 @@ def translation_table() -> dict:
 
 
 def missing_translations() -> dict:
-    """aten ops the torch exporter has no ONNX function for, that models call where no norm is involved: without
-    them the whole export fails (``torch._check`` in Hugging Face VLMs emits ``aten._is_all_true``)."""
+    """aten ops (or forms of them) the torch exporter has no ONNX function for, that models call where no norm is
+    involved: without them the whole export fails (``torch._check`` in Hugging Face VLMs emits ``aten._is_all_true``;
+    timm's Hiera, NesT, Twins and SAM call SDPA on 3-D or 5-D tensors, which torch.onnx takes only in 4-D)."""
     import torch
 
     def is_all_true(self):
@@ -127,7 +128,27 @@ def missing_translations() -> dict:
 
         return op.Cast(op.ReduceMin(op.Cast(self, to=ir.DataType.INT32), keepdims=0), to=ir.DataType.BOOL)
 
-    return {torch.ops.aten._is_all_true.default: is_all_true}
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        # torch.onnx's SDPA takes 4-D q, k, v only (Hiera, NesT, Twins, SAM call it on 3-D or 5-D ones):
+        # (..., L, E)  =>  (1, prod(...), L, E), SDPA, then back to (..., L, Ev); a mask of rank <= 2 broadcasts
+        from onnxscript import opset18 as op
+        from onnxscript.function_libs.torch_lib.ops.nn import aten_scaled_dot_product_attention as sdpa
+
+        ranks = {len(t.shape) for t in (query, key, value)}
+        lead = [tuple(t.shape)[:-2] for t in (query, key, value)]
+        if ranks == {4} or len(ranks) != 1 or enable_gqa or lead[0] != lead[1] or lead[1] != lead[2] or \
+                (attn_mask is not None and len(attn_mask.shape) > 2):
+            return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)  # as torch.onnx does
+        head = op.Constant(value_ints=[1, -1])
+        four = [op.Reshape(t, op.Concat(head, op.Shape(t, start=-2), axis=0)) for t in (query, key, value)]
+        for t, f in zip((query, key, value), four):  # the rank the exporter's SDPA asserts, known before inference
+            f.shape, f.dtype = ir.Shape([1, None, *tuple(t.shape)[-2:]]), t.dtype
+        out = sdpa(*four, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return op.Reshape(out, op.Concat(op.Shape(query, end=-1), op.Shape(value, start=-1), axis=0))
+
+    return {torch.ops.aten._is_all_true.default: is_all_true,
+            torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention}
 
 
 # ---------------------------------------------------------------------------------------------------------
