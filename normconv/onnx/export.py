@@ -543,7 +543,7 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     """Plain torch.onnx.export of the original model: op counts, and its latency at ORT's default level."""
     import onnx_ir as ir
 
-    from normconv.onnx.validate import available, feeds, latency_ms, session
+    from normconv.onnx.validate import REPORT_BUDGET_S, available, feeds, latency_ms, session
 
     try:
         plain = torch_export(model, inputs, opset, normconv_ops=False, dynamic=dynamic)
@@ -564,7 +564,7 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
             from normconv.onnx.validate import PROVIDERS
 
             sess = session(str(path), PROVIDERS[name], "default")
-            lat[name] = latency_ms(sess, feeds(sess, model, inputs), repeats)
+            lat[name] = latency_ms(sess, feeds(sess, model, inputs), repeats, budget_s=REPORT_BUDGET_S)
     report.extra["baseline_latency_ms"] = lat
 
 
