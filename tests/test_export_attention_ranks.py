@@ -16,7 +16,7 @@ import normconv
 
 
 class Attention(nn.Module):
-    def __init__(self, rank: int, mask: bool = False):
+    def __init__(self, rank: int, mask: bool | str = False):
         super().__init__()
         self.rank, self.mask = rank, mask
         self.norm, self.qkv, self.proj = nn.LayerNorm(8), nn.Linear(8, 24), nn.Linear(8, 8)
@@ -28,12 +28,14 @@ class Attention(nn.Module):
         elif self.rank == 5:
             q, k, v = (t.reshape(t.shape[0], 2, -1, 4, 4).transpose(2, 3) for t in (q, k, v))
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril() if self.mask else None
+        if self.mask == "bias":  # a float bias with q's rank (SAM's relative positions: (B, L, S) beside 3-D q)
+            mask = (q[..., :1] - k[..., :1].transpose(-2, -1)).tanh()
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(o.transpose(-3, -2).reshape(x.shape) if self.rank == 5 else
                          o.transpose(1, 2).reshape(x.shape) if self.rank == 4 else o)
 
 
-@pytest.mark.parametrize("rank, mask", [(3, False), (3, True), (4, False), (5, False)])
+@pytest.mark.parametrize("rank, mask", [(3, False), (3, True), (3, "bias"), (4, False), (5, False), (5, "bias")])
 def test_attention_of_any_rank_exports_and_runs(tmp_path, rank, mask):
     import onnxruntime as ort
 

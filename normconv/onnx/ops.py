@@ -137,13 +137,21 @@ def missing_translations() -> dict:
 
         ranks = {len(t.shape) for t in (query, key, value)}
         lead = [tuple(t.shape)[:-2] for t in (query, key, value)]
+        # a mask of rank <= 2 broadcasts as it is; one of q's rank is reshaped with it where its leading dims are
+        # q's or all 1 (SAM's relative-position bias: (B * heads, L, S) beside 3-D q, k, v)
+        mask_lead = tuple(attn_mask.shape)[:-2] if attn_mask is not None else ()
+        folds_mask = attn_mask is not None and len(attn_mask.shape) > 2
         if ranks == {4} or len(ranks) != 1 or enable_gqa or lead[0] != lead[1] or lead[1] != lead[2] or \
-                (attn_mask is not None and len(attn_mask.shape) > 2):
+                folds_mask and (len(mask_lead) != len(lead[0]) or
+                                mask_lead != lead[0] and any(d != 1 for d in mask_lead)):
             return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)  # as torch.onnx does
         head = op.Constant(value_ints=[1, -1])
-        four = [op.Reshape(t, op.Concat(head, op.Shape(t, start=-2), axis=0)) for t in (query, key, value)]
-        for t, f in zip((query, key, value), four):  # the rank the exporter's SDPA asserts, known before inference
+        folded = (query, key, value) + ((attn_mask,) if folds_mask else ())
+        four = [op.Reshape(t, op.Concat(head, op.Shape(t, start=-2), axis=0)) for t in folded]
+        for t, f in zip(folded, four):  # the rank the exporter's SDPA asserts, known before inference
             f.shape, f.dtype = ir.Shape([1, None, *tuple(t.shape)[-2:]]), t.dtype
+        if folds_mask:
+            *four, attn_mask = four
         out = sdpa(*four, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return op.Reshape(out, op.Concat(op.Shape(query, end=-1), op.Shape(value, start=-1), axis=0))
 
