@@ -92,7 +92,6 @@ PICK = frozenset({"select", "slice", "narrow", "index_select", "getitem"})  # so
 PAD = frozenset({"pad", "constant_pad_nd"})  # rows added along an axis
 CAT = frozenset({"cat", "concat", "concatenate"})  # tensors joined along an axis
 SPLIT = frozenset({"split", "chunk", "split_with_sizes", "tensor_split"})  # one tensor cut along an axis
-# resampling over the spatial axes with weights summing to one, each channel alone
 # spatial resampling, channels first: the same linear map (weights summing to one) for every channel; torch's and
 # aten's names (F.interpolate lowers to one of the aten ops, antialiased ones to the ``_aa`` forms)
 RESAMPLE = frozenset({"interpolate", "upsample", "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
@@ -187,6 +186,12 @@ def dims_of(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, (list, tuple)) and all(isinstance(d, int) for d in value):
         return tuple(value)
     return None
+
+
+def permute_dims(node: fx.Node) -> tuple:
+    """The dims of a permute call as written: ``permute(x, dims)`` (torch, aten) or ``x.permute(*dims)``."""
+    args = node.args
+    return tuple(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else tuple(args[1:])
 
 
 def call_name(node: fx.Node) -> str:

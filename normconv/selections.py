@@ -146,7 +146,6 @@ class Recorder(TorchDispatchMode):
         pick.flipped = True
         return tree_unflatten(_replayed(name, outs, theirs.results, args, kwargs), spec)
 
-
     def _match(self, pick: Pick) -> int | None:
         """The original's pick this one replays: its next one, past scalar picks this forward does not make."""
         for j in range(self.at, len(self.replay.picks)):

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
-from normconv.match import EXPAND, PAD, PICK, RESAMPLE, SWAP, TRANSPARENT, VIEW, call_name
+from normconv.match import EXPAND, PAD, PICK, RESAMPLE, SWAP, TRANSPARENT, VIEW, call_name, permute_dims
 
 Shape = tuple[int, ...]
 # (cap, node, output hidden axis, input shape, output shape) -> the input's hidden axis, or None: not followed
@@ -57,8 +57,7 @@ def _swap(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int | 
 
 
 def _permute(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int | None:
-    dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-    return int(dims[axis]) % len(a)
+    return int(permute_dims(node)[axis]) % len(a)
 
 
 def _expand(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int | None:

@@ -23,7 +23,7 @@ import torch.nn as nn
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite
 from normconv.graph.handwritten import owns_only
-from normconv.match import CAT, TRANSPARENT, call_name
+from normconv.match import CAT, TRANSPARENT, call_name, permute_dims
 from normconv.nn.rmsnorm import RMSNorm
 
 from .walk import Leaf, cat_on_last, live_users, reader, stream_end
@@ -54,9 +54,8 @@ def norm_module(cap: Captured, site: NormSite) -> str | None:
     """Path of the norm module computing the site (module sites; our own RMSNorm traced as F.rms_norm)."""
     if site.source == "module":
         return site.target
-    mod = cap.modules.get(site.owner)
-    if not (site.source == "functional" and site.owner and isinstance(mod, (nn.LayerNorm, nn.RMSNorm))
-            and not list(mod.children())):
+    mod = _norm_owner(cap, site)
+    if mod is None:
         return None
     # a norm subclass whose own forward does more (DINOv3 ConvNeXt channels_first: permute, LayerNorm, permute
     # back) is replaceable only where that forward computed the norm call alone (ESM-C's cast back to the input's
@@ -70,24 +69,27 @@ def moved_dims(cap: Captured, site: NormSite) -> tuple[int, ...] | None:
     """A channels-first norm module (timm's and torchvision's LayerNorm2d: ``permute`` one dim last, the norm over it,
     the inverse ``permute``), where that forward computes nothing else: the dim of its input it normalizes (negative,
     as ``MovedDimNorm`` takes it); else None."""
-    mod = cap.modules.get(site.owner)
-    if not (site.source == "functional" and site.owner and isinstance(mod, (nn.LayerNorm, nn.RMSNorm))
-            and not list(mod.children()) and hidden(site) is not None):
+    if _norm_owner(cap, site) is None or hidden(site) is None:
         return None
     before, users = cap.nodes[site.input], cap.users(cap.nodes[site.node])
     after = users[0] if len(users) == 1 else None
     if after is None or call_name(before) != "permute" or call_name(after) != "permute" or after.args[0] is not \
             cap.nodes[site.node]:
         return None
-    perm, back = (list(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else list(n.args[1:])
-                  for n in (before, after))
-    rank = len(perm)
-    perm, back = [d % rank for d in perm], [d % rank for d in back]
+    rank = len(permute_dims(before))
+    perm, back = ([int(d) % rank for d in permute_dims(n)] for n in (before, after))
     moved = perm[-1]
     # one dim moved last, the others in order; then back where it was  =>  MovedDimNorm(norm, (moved - rank,))
     if perm != [d for d in range(rank) if d != moved] + [moved] or [perm[d] for d in back] != list(range(rank)):
         return None
     return (moved - rank,) if owns_only(cap, site.owner, set(site.nodes) | {before.name, after.name}) else None
+
+
+def _norm_owner(cap: Captured, site: NormSite) -> nn.Module | None:
+    """The LayerNorm / RMSNorm module (no submodules) whose own forward made this functional site, else None."""
+    mod = cap.modules.get(site.owner)
+    return mod if site.source == "functional" and site.owner and isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) \
+        and not list(mod.children()) else None
 
 
 def _casts_back(cap: Captured, site: NormSite) -> set[str]:

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, is_ancestor, producer_of
-from normconv.match import COPY, RESHAPE, SPLIT, TRANSPARENT, call_name as _name
+from normconv.match import COPY, RESHAPE, SPLIT, TRANSPARENT, call_name as _name, permute_dims
 from normconv.report import Why
 
 
@@ -367,7 +367,7 @@ def _keeps_last_axis(cap: Captured, v: fx.Node, width: int | None) -> bool:
     if name not in ("transpose", "permute"):
         return True
     # an axis move must leave the last axis in place: permute(x, dims) / permute(x, *dims) / transpose(x, a, b)
-    dims = v.args[1] if name == "permute" and len(v.args) == 2 and isinstance(v.args[1], (list, tuple)) else v.args[1:]
+    dims = permute_dims(v) if name == "permute" else v.args[1:]
     if not all(isinstance(d, int) for d in dims):
         return False
     last = len(shape) - 1
