@@ -179,7 +179,10 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
         try:
             with _quiet(), torch.no_grad():
                 fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
-                program = torch.onnx.export(model, tuple(fresh.args), kwargs=dict(fresh.kwargs) or None, **kwargs)
+                args = tuple(fresh.args)
+                if args and isinstance(args[-1], dict) and not fresh.kwargs:
+                    args += ({},)  # torch.onnx takes a last dict as keyword inputs; its documented escape: an empty one
+                program = torch.onnx.export(model, args, kwargs=dict(fresh.kwargs) or None, **kwargs)
             ep = getattr(program, "exported_program", None)
             if i + 1 < len(tries) and ep is not None and not io_dims.kept_free(ep, model, inputs, pinned):
                 continue  # the trace at batch 2 specialized the batch (a branch on it): the example's own batch
