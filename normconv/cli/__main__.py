@@ -1,5 +1,5 @@
 """``python -m normconv.cli``: the same command line as the ``normconv`` script."""
 
-from normconv.cli import main
+from normconv.cli import entry
 
-main()
+entry()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from normconv.report import Report
 
 EXIT_INTERNAL = 3
+EXIT_READER_GONE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose pipe's reader went away
 
 ModelArg = Annotated[str, typer.Argument(
     metavar="MODEL", help="zoo:NAME, a Hugging Face folder, a .pt2 program, a pickled module (.pt), "
@@ -207,6 +208,16 @@ def fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def reader_gone() -> None:
+    """Exit quietly, as a shell's SIGPIPE does: what is left for stdout goes nowhere (flushing it at exit would fail
+    again); anything the command wrote is already in place."""
+    end_progress()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    raise typer.Exit(EXIT_READER_GONE)
+
+
 def user_errors(fn: Callable) -> Callable:
     """Turn NormconvError into one line on stderr and its exit code; a verification failure prints its report."""
 
@@ -225,6 +236,8 @@ def user_errors(fn: Callable) -> Callable:
             fail(str(exc), exc.exit_code)
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except BrokenPipeError:  # stdout's reader went away (`normconv inspect --json | head -1`): not a bug
+            reader_gone()
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except Exception as exc:  # a bug in normconv, not the user's mistake: say so, trace on request
@@ -236,6 +249,6 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["EXIT_BAD_INPUT", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt", "EXIT_INTERNAL", "user_errors", "emit",
+__all__ = ["EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt", "EXIT_INTERNAL", "user_errors", "emit",
            "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx",
            "show_progress", "progress_wanted"]

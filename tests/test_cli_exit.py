@@ -1,0 +1,55 @@
+"""The ``normconv`` script ends the process at once after a command (``normconv.cli.entry``): what it wrote, printed
+and registered to run at exit must all be there, and its exit codes mean what they meant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from normconv.io.load import load
+
+
+def _script(tmp_path, argv: list[str], before: str = "") -> subprocess.CompletedProcess:
+    code = f"import sys\n{before}\nsys.argv = {['normconv', *argv]!r}\nfrom normconv.cli import entry\nentry()\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_a_written_model_and_its_json_report_are_whole(tmp_path):
+    out = tmp_path / "folded.pt"
+    r = _script(tmp_path, ["fold", "zoo:resnet", "-o", str(out), "--json"])
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)  # the whole report reached the pipe
+    assert report["passed"] and report["output"] == str(out)
+    folded = torch.load(out, weights_only=False)
+    original = load("zoo:resnet")
+    x = torch.randn(3, 3, 40, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), original.model.eval()(x), atol=1e-4, rtol=1e-4)
+
+
+def test_exit_handlers_run_and_codes_are_kept(tmp_path):
+    marker = tmp_path / "ran"
+    handler = f"import atexit\natexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))"
+    r = _script(tmp_path, ["inspect", "zoo:gpt", "--json"], before=handler)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["sites"] and marker.read_text() == "yes"
+    marker.unlink()
+    bad = _script(tmp_path, ["fold", "zoo:no-such-model"], before=handler)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+    assert marker.read_text() == "yes"
+
+
+def test_a_reader_that_went_away_exits_141_quietly(tmp_path):
+    # `normconv fold ... --json | head -c 10`: the output is written, the rest of the report goes nowhere, no
+    # "internal error" (it was exit 3 with one), exit 141 as a shell reports a writer's SIGPIPE
+    out = tmp_path / "folded.pt"
+    p = subprocess.Popen([sys.executable, "-m", "normconv.cli", "fold", "zoo:resnet", "-o", str(out), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert err == "" and out.is_file()
+    torch.load(out, weights_only=False)
