@@ -275,3 +275,29 @@ def test_same_model_same_sites_in_every_form(cli, tmp_path, name, command):
         answers[form] = sorted((s.get("pass", ""), s["target"], s.get("applied", s.get("kind"))) for s in rep["sites"]
                                if s.get("pass", command) != "lift")  # a .pt2's functional convs lifted to modules first
     assert answers["zoo"] == answers[".pt"] == answers[".pt2"], answers
+
+
+def test_dynamic_dimensions_are_checked_on_validations_own_session(tmp_path, monkeypatch):
+    """The file is loaded into onnxruntime twice (emitted graph, default optimizations), not a third time for the
+    dimensions' second sizes; the second sizes are still checked against torch."""
+    from typer.testing import CliRunner
+
+    from normconv.cli import app
+    from normconv.onnx import validate
+
+    made = []
+    real = validate.session
+
+    def counted(*a, **k):
+        made.append(a[1:3])
+        return real(*a, **k)
+
+    monkeypatch.setattr(validate, "session", counted)
+    out = tmp_path / "gpt.onnx"
+    r = CliRunner().invoke(app, ["export", "zoo:gpt", "-o", str(out), "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert made == [("CPUExecutionProvider", "disabled"), ("CPUExecutionProvider", "default")]
+    second = [v for v in rep["validation"] if "second shape" in v["label"]]
+    assert {d["name"] for d in rep["extra"]["dynamic_dims"]} == {"batch", "sequence"} and len(second) >= 2
+    assert all(v["passed"] for v in second)

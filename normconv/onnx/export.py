@@ -456,7 +456,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
         pins = _check_dims(str(tmp), dims, prepared, truth or prepared, inputs, reference, atol, rtol, report,
-                           validate)
+                           validate, sess=result.cpu_session)
+        result.cpu_session = None
         if pins:  # a dimension the file does not really take at another size: pinned, exported again
             return _export_again(pins)
         extra["dynamic_dims"] = [d.to_json() for d in dims]
@@ -489,11 +490,12 @@ def _no_kernel(exc: BaseException) -> bool:
 
 
 def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, inputs, reference: Any, atol, rtol,
-                report: Report, validate: Sequence[str] = ("cpu",)) -> frozenset:
+                report: Report, validate: Sequence[str] = ("cpu",), sess: Any = None) -> frozenset:
     """Each dynamic dimension checked in onnxruntime (CPU, default optimizations) at a second size against
     ``truth`` at that size; the checks join the report's validation. Returns the places of the dimensions that
     failed (to be pinned), empty when every one held. Without the CPU provider among ``validate`` (--validate
-    none / cuda) the dimensions are kept unchecked, and the report says so."""
+    none / cuda) the dimensions are kept unchecked, and the report says so. ``sess``: validation's CPU session at
+    the default level on ``path``, reused (else one is made)."""
     from normconv.io import dims as io_dims
     from normconv.onnx.validate import _like, available, feeds, run_quietly, session
     from normconv.verify import compare, run
@@ -505,7 +507,7 @@ def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, in
         report.notes.append(f"dynamic dimensions {', '.join(d.name for d in dims)} not checked at a second size "
                             f"({why}); --static pins them")
         return frozenset()
-    sess = session(path, "CPUExecutionProvider", "default")
+    sess = sess if sess is not None else session(path, "CPUExecutionProvider", "default")
 
     def candidate(alt):  # onnxruntime's outputs in the structure of torch's
         return _like(reference, run_quietly(sess, feeds(sess, prepared, alt)))  # a refusal pins, said in the notes

@@ -44,6 +44,9 @@ class OrtResult:
     runs: list[OrtRun] = field(default_factory=list)
     unavailable: dict[str, str] = field(default_factory=dict)  # requested provider -> why it did not run
     notes: list[str] = field(default_factory=list)
+    # the CPU session at the default level, kept for the dynamic dimensions' checks (loading the file again in a
+    # new session cost GPT-2 124M 0.8 s of its export)
+    cpu_session: Any = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -208,6 +211,8 @@ def validate(path: str, model: torch.nn.Module, inputs: Inputs, reference: Any, 
             lat = latency_ms(sess, feed, repeats, budget_s=REPORT_BUDGET_S) if level == "default" and repeats > 0 \
                 else None
             result.runs.append(OrtRun(name, level, v, ma, mr, lat))
+            if name == "cpu" and level == "default":
+                result.cpu_session = sess
         if name == "cuda" and any(t.dtype == torch.float32 for _, t in ref_leaves):
             sess = session(path, provider, "default", tf32=True)
             outs = sess.run(None, feeds(sess, model, inputs))
