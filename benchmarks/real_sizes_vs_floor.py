@@ -10,8 +10,10 @@ run interleaved, round after round, and each keeps its best of ``--rounds``, so 
     fold           normconv fold FOLDER -o out.pt          (GPT-2 has no BatchNorm: capture + verify + save)
     canonicalize   normconv canonicalize FOLDER -o out.pt  (GPT-2's norms are native: capture + verify + save)
     deepnorm       normconv deepnorm FOLDER --rescale -o out.pt (GPT-2 is pre-LN: refused, timed anyway)
-    plain-export   load + torch.onnx.export (dynamo, opset 20, the same inputs) + save: export's floor
-    export         normconv export FOLDER -o out.onnx
+    plain-export   load + torch.onnx.export (dynamo, opset 20, the same inputs, static) + save: --static's floor
+    plain-export-dynamic   the same with batch and sequence dynamic (Dim.AUTO), opset 23: export's floor
+    export         normconv export FOLDER -o out.onnx           (dynamic batch and sequence, opset 23: the default)
+    export --static   normconv export FOLDER --static -o out.onnx
 
     python benchmarks/real_sizes_vs_floor.py [--sizes 124m,355m] [--rounds 2] [--out benchmarks/results/scale.md]
                                      [--before COMMIT]   (each normconv case also as COMMIT's code, interleaved)
@@ -66,6 +68,15 @@ with torch.no_grad():
 p.save(sys.argv[2])
 """
 
+# what `normconv export` writes by default: batch and sequence dynamic, at normconv's default opset
+PLAIN_EXPORT_DYNAMIC = PLAIN_EXPORT.replace(
+    "opset_version=20,", "opset_version=23, dynamic_shapes={'input_ids': {0: torch.export.Dim.AUTO, "
+    "1: torch.export.Dim.AUTO}, 'attention_mask': {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}},")
+assert PLAIN_EXPORT_DYNAMIC != PLAIN_EXPORT
+# each export case's floor: the plain export of the same kind of file
+EXPORT_FLOORS = {"export": "plain-export-dynamic", "export --static": "plain-export", "plain-export": "plain-export",
+                 "plain-export-dynamic": "plain-export-dynamic"}
+
 
 def build(size: str, cache: Path) -> Path:
     """The GPT-2 folder of ``size`` with random weights (seed 0), built once into ``cache``."""
@@ -109,7 +120,9 @@ def commands(folder: Path, work: Path, only: set[str] | None, extra: list[str],
         "canonicalize": nc + ["canonicalize", str(folder), "-o", str(work / "canon.pt")] + extra,
         "deepnorm": nc + ["deepnorm", str(folder), "--rescale", "-o", str(work / "deepnorm.pt")] + extra,
         "plain-export": [PY, "-c", PLAIN_EXPORT, str(folder), str(work / "plain.onnx")],
+        "plain-export-dynamic": [PY, "-c", PLAIN_EXPORT_DYNAMIC, str(folder), str(work / "plain.onnx")],
         "export": nc + ["export", str(folder), "-o", str(work / "out.onnx")] + extra,
+        "export --static": nc + ["export", str(folder), "--static", "-o", str(work / "out.onnx")] + extra,
     }
     cmds = {k: v for k, v in cmds.items() if only is None or k in only}
     if before is not None:  # the same normconv commands run by the older code, interleaved with these
@@ -148,7 +161,8 @@ def main() -> None:
     args = ap.parse_args()
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    only = None if args.only is None else set(args.only.split(",")) | {"floor", "floor + fsync", "plain-export"}
+    only = None if args.only is None else set(args.only.split(",")) | {"floor", "floor + fsync", "plain-export",
+                                                                         "plain-export-dynamic"}
     rows, raw = [], {}
     for size in args.sizes.split(","):
         folder = build(size, cache)
@@ -170,8 +184,9 @@ def main() -> None:
                     "rc": max(x["rc"] for x in v)} for k, v in runs.items()}
         raw[size] = {"weights_bytes": weight_bytes, "runs": runs, "best": best}
         for name, b in best.items():
-            export = name.split(" ")[0] in ("export", "plain-export")
-            floor = best["plain-export" if export else "floor"]
+            case = name.removesuffix(" (before)")
+            export = case in EXPORT_FLOORS
+            floor = best[EXPORT_FLOORS[case] if export else "floor"]
             durable = "" if export else f"{b['wall_s'] / best['floor + fsync']['wall_s']:.2f}x"
             rows.append(f"| {size} | {name} | {b['rc']} | {b['wall_s']:.1f} | {b['rss'] / 2**30:.2f} | "
                         f"{b['wall_s'] / floor['wall_s']:.2f}x | {durable} | {b['rss'] / floor['rss']:.2f}x |")
@@ -180,7 +195,9 @@ def main() -> None:
             f"`{' '.join([Path(PY).name] + sys.argv)}` — {time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, "
             f"{os.cpu_count()} cores (shared), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "
             f"best of {args.rounds} interleaved rounds, each a fresh subprocess; ratios against `floor` "
-            f"(from_pretrained + save_pretrained) or, for export, `plain-export` (load + torch.onnx.export + save); "
+            f"(from_pretrained + save_pretrained) or, for an export, the plain export of the same kind of file "
+            f"(`export` against `plain-export-dynamic`, `export --static` against `plain-export`: load + "
+            f"torch.onnx.export + save); "
             f"`floor + fsync`: the same with its files fsynced, as normconv's writers do before their rename.", "",
             "| model | case | rc | wall s | peak RSS GiB | time / floor | time / (floor + fsync) | RSS / floor |",
             "|---|---|---|---|---|---|---|---|"]
