@@ -229,6 +229,11 @@ def test_folder_in_folder_out_loads_with_from_pretrained(cli, hf_folders, tmp_pa
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".normconv-tmp")]
     ids = torch.randint(0, 100, (2, 9))
     torch.testing.assert_close(_outputs(out, ids), _outputs(source, ids), atol=1e-4, rtol=1e-4)
+    mask = os.umask(0)
+    os.umask(mask)
+    # every file as open() makes it (save_pretrained leaves its weights 0600: unreadable to a serving user)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o666 & ~mask for p in out.iterdir()}
+    assert any(p.suffix == ".safetensors" for p in out.iterdir())
 
 
 def test_folder_refused_before_any_work_naming_the_form_that_works(cli, hf_folders, tmp_path):

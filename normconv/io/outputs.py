@@ -530,6 +530,9 @@ def write_hf_folder(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o777 & ~mask)
+    for name in os.listdir(path):  # save_pretrained's weights come 0600 (a temp file renamed): as open() makes them
+        if os.path.isfile(os.path.join(path, name)):
+            _follow_umask(os.path.join(path, name))
 
 
 WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
