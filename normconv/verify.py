@@ -233,11 +233,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.view(bits), b.view(bits)) if bits is not None else torch.equal(a, b))
 
 
+@dataclass
 class _Guard:
     """What a guarded forward saw: the buffers the forward changed (compared when the output holds no tensor)."""
-
-    def __init__(self) -> None:
-        self.mutated: dict[str, torch.Tensor] = {}
+    mutated: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _set_training(m: nn.Module, flag: bool) -> None:
@@ -511,7 +510,8 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
 def _scale(t: torch.Tensor) -> float:
     """The largest finite |value| of a floating tensor (0 when it has none)."""
     a = t.detach().abs()
-    a = a[torch.isfinite(a)]
+    if a.numel() and not math.isfinite(float(a.max())):  # a NaN or an infinity: only then select the finite (a copy)
+        a = a[torch.isfinite(a)]
     return float(a.max()) if a.numel() else 0.0
 
 
