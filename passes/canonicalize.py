@@ -110,11 +110,20 @@ def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) 
     for, since it replaces norm modules; on its own canonicalize leaves a native functional call alone)."""
     decisions = [_structural(cap, s, functional) for s in norms]
     candidates = [d for d in decisions if d.applied]
-    if candidates:
-        recorded = _record(cap, candidates)
-        for d in candidates:
+    # a site already checked on this capture keeps its verdict (inspect plans canonicalize, swap's first step and
+    # export on one capture: one recording forward where there were three); its module is built anew each time
+    fresh = [d for d in candidates if (d.key, d.form, d.site.target) not in cap.checked]
+    recorded = _record(cap, fresh) if fresh else {}
+    for d in candidates:
+        seen = cap.checked.get((d.key, d.form, d.site.target))
+        if seen is None:
             _check(d, recorded.get(d.key, []), recorded.get(("call", d.key)),
                    cap.modules.get(d.key) if d.form == "module" else None)
+            cap.checked[(d.key, d.form, d.site.target)] = (d.applied, d.reason, d.code)
+        elif seen[0]:
+            d.reason = seen[1]  # with what the check added (judged in float32)
+        else:
+            d.applied, d.reason, d.code, d.module = False, seen[1], seen[2], None
     return decisions
 
 
@@ -360,6 +369,8 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
             return refuse(f"the native replacement returns {_dt(got.dtype)} where the norm returns {_dt(y.dtype)}",
                           CanonWhy.DTYPE)
         atol, rtol = default_tolerance(y.dtype)
+        if _surely_within(y, got, atol, rtol):  # compare's verdict for certain, without its float64 pass
+            continue
         v = compare(y, got, atol, rtol)
         wide = _float32_form(original, x, y) if not v.passed else None
         if wide is not None:
@@ -376,6 +387,13 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
             return refuse(f"the native replacement differs from the norm on the recorded input "
                           f"(max abs error {v.max_abs_error:.3g}, atol {atol:g})", CanonWhy.DIFFERS)
     return None
+
+
+def _surely_within(y: torch.Tensor, got: torch.Tensor, atol: float, rtol: float) -> bool:
+    """Same shape, every element within half of atol + rtol |y| in their own dtype, ``y`` not all zero: then
+    ``compare``'s element-wise check passes whatever the rounding of this one (a NaN, an infinity: False, and
+    ``compare`` decides). 113 sites of a ViT checked twice spent 12 s in compare's float64 statistics."""
+    return got.shape == y.shape and bool(y.any()) and bool(((got - y).abs() <= 0.5 * (atol + rtol * y.abs())).all())
 
 
 def _float32_form(original: nn.Module | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:

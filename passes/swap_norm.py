@@ -238,7 +238,7 @@ def plan(cap: Captured, norms: Sequence[NormSite], first: Pass | None = None) ->
     under the original site names."""
     if first is not None and any(s.applied for s in first.plan(cap, norms)):
         model = clone_sharing_tensors(cap.model)  # canonicalize builds new modules, writes no shared tensor
-        result = first(model, capture(model, cap.inputs, cap.method))
+        result = first(model, cap.rebound(model) or capture(model, cap.inputs, cap.method))
         cap2 = capture(result.model, cap.inputs, cap.method)
         back = {new: old for old, new in result.extra["renamed"].items()}  # site -> the module that replaced it
         planned = {back.get(s.target, s.target): s for s in _plan_on(cap2, find_norms(cap2))}

@@ -96,10 +96,24 @@ class Captured:
             for spec in self.exported.graph_signature.input_specs:
                 if spec.target is not None:
                     self._params[spec.arg.name] = spec.target
+        # verdicts of value checks on this capture's example run (canonicalize's replacement checks), by site:
+        # what the example run records does not change, and a pass that changes the model is captured anew
+        self.checked: dict[Any, tuple] = {}
         self.module_calls: dict[str, int] = {}
         for n in self.gm.graph.nodes:
             if n.op == "call_module":
                 self.module_calls[n.target] = self.module_calls.get(n.target, 0) + 1
+
+    def rebound(self, model: nn.Module) -> "Captured | None":
+        """This capture read over ``model``, an unchanged tensor-sharing copy of its model (``clone_sharing_tensors``)
+        with the same verdicts checked, without tracing it again: a torch.export graph names parameters by their
+        state_dict names, not modules. None for a symbolic trace, whose graph holds the traced model's modules."""
+        if self.method != "torch.export":
+            return None
+        twin = Captured(model, self.gm, self.method, self.inputs, exported=self.exported, attempts=dict(self.attempts),
+                        specialized=self.specialized, guards=self.guards)
+        twin.checked = self.checked
+        return twin
 
     @functools.cached_property
     def live(self) -> frozenset[str]:
