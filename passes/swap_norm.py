@@ -199,6 +199,10 @@ def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, r
 def _bias(cap: Captured, p: SitePlan, readers, read) -> None:
     """Where the norm's bias b goes: the linears that absorb it, or (none can) an add kept after the RMSNorm."""
     p.consumers, p.beta_problem = bias_consumers(cap, p.module, p.site.node, readers, read)
+    if p.moved is not None and p.beta_problem is not None:
+        # channels-first: the first reader is the module's own permute back  =>  named for what it is
+        p.beta_problem = Refused(ResidualWhy.CHANNELS_FIRST, f"{p.module} puts the normalized dim back in place, "
+                                 f"where no linear layer reads it to take the bias")
     # b has no linear to fold into (a transpose, a cat, the output reads the norm)  =>  keep it as an add
     p.keep_bias = p.beta_problem is not None
 

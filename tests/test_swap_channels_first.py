@@ -58,6 +58,9 @@ def test_a_channels_first_layernorm_after_a_conv_swaps_exactly():
     assert report.passed and report.extra["swapped"] == 1
     assert isinstance(new.norm, MovedDimNorm) and any(isinstance(m, nn.RMSNorm) for m in new.norm.modules())
     assert type(net.norm) is LayerNorm2d  # the user's model untouched
+    (site,) = [s for s in report.to_json()["sites"] if s["pass"] == "swap"]
+    # the bias stays an add; the reason names the module's own permute back, not a reader ("permute reads ...")
+    assert site["code"] == "exact-bias-kept" and "norm puts the normalized dim back in place" in site["reason"]
     for shape in ((1, 3, 16, 16), (3, 3, 24, 20)):  # fresh inputs, two shapes
         other = torch.randn(shape)
         with torch.no_grad():

@@ -42,6 +42,7 @@ class ResidualWhy(Why):
     NOT_PARAM = "weight-not-parameter"  # a reader's weight is not a parameter of the model
     WRITES_STREAM = "norm-writes-stream"  # the norm's output is a writer of a stream: no linear takes its bias
     NO_BIAS = "no-bias-parameter"  # a reader has no bias parameter of its own to take the norm's bias
+    CHANNELS_FIRST = "back-to-channels-first"  # a channels-first norm's output goes back to channels first: no linear
 
 
 @dataclass(frozen=True)
