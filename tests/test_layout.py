@@ -43,6 +43,7 @@ LAYERS = {
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
     "normconv.io.dims": 0.29,  # dynamic dimensions of written models: found, named, checked
     "normconv.io.durable": 0.285,  # fsync before a rename, the disk's write-back started early
+    "normconv.io.time_limit": 0.284,  # a time limit on a library call normconv cannot stop otherwise
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
     "normconv.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds, which read calls with it)
     "normconv.verify": 0.2,  # guarded forwards, comparisons

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from normconv.clone import clone_sharing_tensors, release
 from normconv.io import durable
+from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, time_limit
 from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
                                  FrozenBatchNorm, InputScale, MovedDimNorm)
 from normconv.kinds import KINDS
@@ -378,6 +379,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
                 raise
             # (timm's CPU-bone: NotImplementedError on an inequality sympy cannot decide): every dimension pinned
             first = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:200]
+            first = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else first
             info.setdefault("notes", []).append(f"torch.export failed with dynamic dimensions ({first}): every "
                                                 f"dimension pinned to the example's size")
             static = True
@@ -414,11 +416,12 @@ def _export(model: nn.Module, inputs: Inputs, shapes: dict | None, pinned: set[t
     for example in ([wide] if wide is not None else []) + [inputs]:
         try:
             fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
-            with quiet(("torch",), stderr=True):  # a failing export logs the whole graph
+            # a failing export logs the whole graph; its dynamic-shape reasoning can run for ever (time-limited)
+            with quiet(("torch",), stderr=True), time_limit(DYNAMIC_EXPORT_S if shapes is not None else None):
                 ep = torch.export.export(model, tuple(fresh.args), dict(fresh.kwargs), dynamic_shapes=shapes,
                                          strict=False)
-        except Exception:
-            if example is inputs:
+        except Exception as exc:
+            if example is inputs or isinstance(exc, Overtime):  # past the limit: not a second time
                 raise
             continue
         # a batch the widened trace specialized (a branch on it) would make the program static at 2: the example's

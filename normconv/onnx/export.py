@@ -34,6 +34,7 @@ from normconv import kinds
 from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
 from normconv.quiet import phase, quiet
+from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, time_limit
 from normconv.io import durable
 from normconv.io.write import check_writable
 from normconv.report import Report, Site, Why
@@ -168,16 +169,18 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
             pass
     from normconv.onnx.ops import missing_translations, translation_table
 
-    kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False)
+    # the graph optimizer runs after the export, outside its time limit (MViT's: 137 s of legitimate work)
+    kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False, optimize=False)
     kwargs["custom_translation_table"] = translation_table() if normconv_ops else missing_translations()
     tries = [inputs]
     if dynamic:
         kwargs["dynamic_shapes"] = io_dims.export_shapes(model, inputs, pinned)
         wide = io_dims.widened(model, inputs, pinned)  # batch 1 is specialized by torch.export: trace at batch 2
         tries = [wide, inputs] if wide is not None and kwargs["dynamic_shapes"] is not None else tries
+    limit, optimized = DYNAMIC_EXPORT_S if kwargs.get("dynamic_shapes") is not None else None, False
     for i, example in enumerate(tries):
-        try:
-            with _quiet(), torch.no_grad():
+        try:  # torch.export's reasoning about dynamic dimensions can run for ever (DaViT: sympy): time-limited
+            with _quiet(), torch.no_grad(), time_limit(limit):
                 fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
                 args = tuple(fresh.args)
                 if args and isinstance(args[-1], dict) and not fresh.kwargs:
@@ -188,21 +191,26 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
                 continue  # the trace at batch 2 specialized the batch (a branch on it): the example's own batch
             break
         except Exception as exc:
-            if i + 1 < len(tries):
+            if i + 1 < len(tries) and not isinstance(exc, Overtime):
                 continue  # the model takes no batch 2: export at the example as given
             if kwargs.get("dynamic_shapes") is not None and notes is not None:
                 try:  # torch.export takes the model, not its dynamic shapes: the example's shapes, said
-                    program = torch_export(model, inputs, opset, normconv_ops, False, exported)
+                    program, optimized = torch_export(model, inputs, opset, normconv_ops, False, exported), True
                 except NormconvError:
                     pass
                 else:
-                    notes.append(f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
+                    notes.append(f"torch.export's reasoning about dynamic dimensions {exc} (--static skips it): "
+                                 f"exported with the example's shapes" if isinstance(exc, Overtime) else
+                                 f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
                                  f"exported with the example's shapes")
                     break
             raise NormconvError(f"cannot export {type(model).__name__} to ONNX at opset {opset}: "
                                 f"{_one_line(exc)}") from None
     if program is None or program.model is None:
         raise NormconvError(f"cannot export {type(model).__name__} to ONNX: the exporter returned no model")
+    if not optimized:
+        with _quiet():
+            program.optimize()
     return program
 
 

@@ -1,0 +1,74 @@
+"""A time limit on a library call normconv cannot stop otherwise: torch.export's reasoning about dynamic dimensions
+(timm's DaViT-T: past 20 minutes simplifying sympy expressions, where the same model's static export takes under 2).
+
+    with time_limit(DYNAMIC_EXPORT_S):   # Overtime if the block runs past that many seconds
+        ep = torch.export.export(model, args, dynamic_shapes=shapes)
+
+The limit is a real-time interval timer (SIGALRM) whose handler raises ``_Expired``, a BaseException, so that the
+library's own ``except Exception`` does not take it for one of its failures (torch.onnx tries its next capture
+strategy on any Exception); it leaves the block as ``Overtime``, an Exception with the limit. The library unwinds
+through its own ``finally`` blocks and context managers, as it does for Ctrl-C.
+
+Only in the main thread of a process that has interval timers, and only where no timer is already set (a caller's,
+pytest-timeout's): elsewhere the block runs without a limit, as before. A block that ends within microseconds of its
+limit may be taken as overtime; the caller's fallback then runs, which is never a wrong result, only a slower one.
+One of the io room's lowest modules: it imports nothing of normconv's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
+# torch.export with dynamic dimensions (and, for ONNX, its translation): a capture that is not stuck takes seconds
+# (GPT-2 124M's whole plain dynamic ONNX export: 12 s on 2 cores); past this the caller exports with the example's
+# shapes and says so
+DYNAMIC_EXPORT_S = 180.0
+
+
+class Overtime(Exception):
+    """The block ran past its limit (``seconds``)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"ran past {seconds:g} s")
+        self.seconds = seconds
+
+
+class _Expired(BaseException):
+    """Raised by the timer inside the block: a BaseException, past the library's ``except Exception``."""
+
+
+def available() -> bool:
+    """A limit can be set here and now: the main thread, interval timers, no timer already running."""
+    return (threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+            and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Within the block, ``Overtime`` once ``seconds`` have passed (None, or no limit possible here: no limit)."""
+    if seconds is None or not available():
+        yield
+        return
+    armed = [True]
+
+    def expire(signum, frame):
+        if armed[0]:
+            raise _Expired()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            yield
+        finally:
+            armed[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    except _Expired:
+        raise Overtime(seconds) from None
+
+
+__all__ = ["DYNAMIC_EXPORT_S", "Overtime", "available", "time_limit"]

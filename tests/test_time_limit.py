@@ -1,0 +1,96 @@
+"""A time limit on a library call normconv cannot stop otherwise (``normconv.io.time_limit``): torch.export's
+dynamic-shape reasoning ran past 20 minutes on DaViT-T. Past the limit the export is made with the example's shapes
+and the report says so; the limit never escapes as anything but ``Overtime`` and leaves no timer behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from normconv.io import time_limit as tl
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:  # Python bytecode: where a signal handler runs
+        pass
+
+
+def test_a_block_past_its_limit_ends_as_overtime_even_through_except_exception():
+    before = signal.getsignal(signal.SIGALRM)
+    assert tl.available()
+    t0 = time.perf_counter()
+    with pytest.raises(tl.Overtime) as err:
+        with tl.time_limit(0.2):
+            try:  # a library that takes any Exception for its own failure
+                _spin(5)
+            except Exception:  # noqa: BLE001
+                _spin(5)
+    assert time.perf_counter() - t0 < 2 and err.value.seconds == 0.2 and "ran past 0.2 s" in str(err.value)
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    with tl.time_limit(0.5):  # within its limit: nothing happens, then or later
+        _spin(0.05)
+    _spin(0.6)
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+def test_no_limit_where_a_timer_runs_already_or_off_the_main_thread():
+    previous = signal.signal(signal.SIGALRM, lambda *a: None)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    try:
+        with tl.time_limit(0.05):
+            _spin(0.2)  # the caller's timer is left alone: no limit
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 20
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    seen = []
+
+    def other():
+        seen.append(tl.available())
+        with tl.time_limit(0.05):
+            _spin(0.2)
+        seen.append("done")
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen == [False, "done"]
+
+
+def test_export_past_the_limit_writes_the_static_file_and_says_so(cli, tmp_path, monkeypatch):
+    import onnxruntime as ort
+
+    from normconv.onnx import export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "DYNAMIC_EXPORT_S", 0.01)  # every dynamic attempt runs past it
+    out = tmp_path / "gpt.onnx"
+    code, printed, err = cli("export", "zoo:gpt", "-o", out, "--json")
+    assert code == 0, err
+    rep = json.loads(printed)
+    assert any("dynamic dimensions ran past 0.01 s (--static skips it)" in n for n in rep["notes"]), rep["notes"]
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert all(isinstance(d, int) for i in sess.get_inputs() for d in i.shape)  # the example's shapes
+    assert rep["passed"]
+
+
+def test_pt2_past_the_limit_is_written_static_and_says_so(cli, tmp_path, monkeypatch):
+    from normconv.io import outputs
+    from normconv.io.load import load
+    from normconv.verify import run
+
+    monkeypatch.setattr(outputs, "DYNAMIC_EXPORT_S", 0.01)
+    out = tmp_path / "swapped.pt2"
+    code, printed, err = cli("swap", "zoo:gpt", "--to", "rmsnorm", "--approximate", "-o", out, "--json")
+    assert code == 0, err
+    rep = json.loads(printed)
+    assert any("its reasoning about them ran past 0.01 s; --static skips it" in n for n in rep["notes"]), rep["notes"]
+    program = torch.export.load(str(out)).module()
+    loaded = load("zoo:gpt")
+    got = run(program, loaded.inputs)
+    assert torch.isfinite(got if isinstance(got, torch.Tensor) else got[0]).all()
