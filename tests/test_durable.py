@@ -77,3 +77,25 @@ def test_onnx_outputs_are_synced_before_their_rename(cli, tmp_path, monkeypatch)
         assert [os.path.basename(p) for p, there in synced] == [name] and all(there for _, there in synced)
         assert all(os.path.dirname(p) != str(tmp_path) for p, _ in synced)  # under the temp folder, not yet published
         assert entries == [(str(tmp_path / name), True)]
+
+
+@pytest.mark.parametrize("size", [0, 1, durable.CHUNK - 1, durable.CHUNK, durable.CHUNK + 1, 3 * durable.CHUNK + 5])
+def test_pieces_are_the_bytes_in_order_none_over_a_chunk(size):
+    data = os.urandom(size)
+    parts = list(durable.pieces(data))
+    assert b"".join(p.tobytes() for p in parts) == data
+    assert all(0 < p.nbytes <= durable.CHUNK for p in parts) and len(parts) == -(-size // durable.CHUNK)
+    floats = torch.randn(3 * durable.CHUNK // 4 + 7)  # a tensor's buffer (4-byte items) counts in bytes
+    assert b"".join(p.tobytes() for p in durable.pieces(floats.numpy())) == floats.numpy().tobytes()
+
+
+def test_a_pickle_written_in_pieces_is_torch_saves_own_bytes(tmp_path):
+    """The model file written 1 MiB a call (io.outputs.LatchedFile) is byte for byte what torch.save writes itself."""
+    from normconv.io.outputs import latched
+
+    model = torch.nn.Sequential(torch.nn.Linear(1100, 1000), torch.nn.LayerNorm(1000))  # a 4.4 MB weight
+    with open(tmp_path / "plain.pt", "wb") as f:  # a file object, as the writer gives torch.save
+        torch.save(model.state_dict(), f)
+    with latched(str(tmp_path / "pieces.pt")) as f:
+        torch.save(model.state_dict(), f)
+    assert (tmp_path / "pieces.pt").read_bytes() == (tmp_path / "plain.pt").read_bytes()

@@ -6,6 +6,7 @@
     sync(path)            fsync of a file, or of every file and folder under a folder (a Hugging Face folder
                           written by save_pretrained), before the rename
     sync_entry(path)      fsync of the folder holding it, after the rename: the new name is on the device too
+    pieces(data)          the bytes in 1 MiB views, one write call each (a whole tensor in one call is slow)
 
 A writer kicks the write-back when it closes its file (the streaming writer: after each tensor it writes); what
 follows (a Hugging Face folder loaded back by from_pretrained, the next blocks computed) runs while the disk writes;
@@ -23,8 +24,12 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from typing import Any, Iterator
 
 _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages in the range; do not wait
+# bytes per write call: the kernel takes one write() of a whole tensor (64 MiB) at a fraction of the speed of the same
+# bytes in 1 MiB calls (1.4 GB: 2.05-2.35 s against 0.26-0.54 s here; GPT-2 355M's pickle 2.4-3.1 s against 0.5-0.6 s)
+CHUNK = 1 << 20
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,6 +43,13 @@ def _sync_file_range():
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
     return fn
+
+
+def pieces(data: Any) -> Iterator[memoryview]:
+    """``data`` (a bytes-like object) as consecutive views of at most ``CHUNK`` bytes, for one write call each."""
+    view = memoryview(data).cast("B")
+    for start in range(0, view.nbytes, CHUNK):
+        yield view[start:start + CHUNK]
 
 
 def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> bool:

@@ -244,7 +244,8 @@ class LatchedFile(io.RawIOBase):
         n = memoryview(b).nbytes
         if self.error is None:
             try:
-                self._f.write(b)
+                for piece in durable.pieces(b):  # a whole tensor in one write call is several times slower
+                    self._f.write(piece)
             except OSError as exc:
                 self.error = exc
         self._pos += n

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
-from normconv.io import hf_folder
+from normconv.io import durable, hf_folder
 from normconv.io.hf_folder import safetensors_header, tensor_names
 from normconv.io.ledger import Ledger
 from normconv.io.load import hf_model_class, remote_code
@@ -177,7 +177,8 @@ class ShardWriter:
         n, dtype, shape = self.expected.pop(0)
         if (name, t.dtype, tuple(t.shape)) != (n, dtype, shape):
             raise RuntimeError(f"shard writer expected {n} {dtype} {shape}, got {name} {t.dtype} {tuple(t.shape)}")
-        self.f.write(tensor_bytes(t))
+        for piece in durable.pieces(tensor_bytes(t)):  # 1 MiB a call: a whole tensor at once is slow
+            self.f.write(piece)
 
     def check(self) -> None:
         if self.expected:

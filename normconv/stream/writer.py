@@ -94,8 +94,8 @@ class PositionedWriter:
                 shard, offset, _, _ = self.layout.at[key]
                 data = tensor_bytes(t)
                 done = 0
-                while done < data.nbytes:  # pwrite may write less than asked
-                    done += os.pwrite(self.fds[shard], data[done:], offset + done)
+                while done < data.nbytes:  # 1 MiB a call (durable.CHUNK: a whole tensor at once is slow); pwrite
+                    done += os.pwrite(self.fds[shard], data[done:done + durable.CHUNK], offset + done)  # may write less
                 durable.start_writeback(self.fds[shard], offset, data.nbytes)  # the disk writes while blocks compute
                 self.sums[key] = zlib.crc32(data)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by write / finish
