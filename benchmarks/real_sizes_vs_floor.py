@@ -1,8 +1,9 @@
 """Benchmark: normconv on real model sizes against the floor, in wall time and peak RSS (issue 13).
 
 GPT-2 models are built from ``GPT2Config`` with random weights (no download) and saved as Hugging Face folders
-(safetensors). Every measurement is a fresh subprocess (``os.wait4`` gives that child's own peak RSS); the cases
-run interleaved, round after round, and each keeps its best of ``--rounds``, so machine noise hits all alike:
+(safetensors). Every measurement is a fresh subprocess (``os.wait4`` gives that child's own peak RSS), started
+after ``os.sync()``; the cases run interleaved, round after round, and each keeps its best of ``--rounds``, so
+machine noise hits all alike:
 
     floor          load the folder with from_pretrained, save_pretrained it (the bytes in, the bytes out)
     floor + fsync  the same, then its files fsynced (normconv fsyncs before its rename; save_pretrained does not)
@@ -138,6 +139,9 @@ def measure(cmd: list[str], work: Path) -> dict:
     path = cmd[0].removeprefix("PYTHONPATH=") if cmd[0].startswith("PYTHONPATH=") else str(ROOT)
     cmd = cmd[1:] if cmd[0].startswith("PYTHONPATH=") else cmd
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=path)
+    # no dirty pages of the case before: each case's writes meet an empty write-back queue (torch.save of GPT-2
+    # 355M, 1.4 GB, took 0.5 s in one process and 3.0 s in the next, the same code, as the page cache stood)
+    os.sync()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out = proc.stdout.read()
