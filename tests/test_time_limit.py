@@ -39,6 +39,19 @@ def test_a_block_past_its_limit_ends_as_overtime_even_through_except_exception()
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 
+def test_a_raise_swallowed_where_python_drops_exceptions_is_not_the_last():
+    # a finalizer or a garbage-collector callback prints and drops what is raised in it: the timer fires again
+    swallowed = []
+    with pytest.raises(tl.Overtime):
+        with tl.time_limit(0.1):
+            try:
+                _spin(5)
+            except BaseException as exc:  # noqa: BLE001 - what Python does to an exception raised in a __del__
+                swallowed.append(type(exc).__name__)
+            _spin(5)
+    assert swallowed == ["_Expired"] and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
 def test_no_limit_where_a_timer_runs_already_or_off_the_main_thread():
     previous = signal.signal(signal.SIGALRM, lambda *a: None)
     signal.setitimer(signal.ITIMER_REAL, 30)

@@ -273,13 +273,23 @@ def test_output_errors_are_the_users_situation(cli, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
-def test_export_disk_full_is_one_line_and_leaves_nothing(cli, tmp_path, monkeypatch):
-    import onnx_ir
+class _FullFile:
+    """A file on a device with no room left: every write raises ENOSPC."""
 
-    def disk_full(*a, **k):
+    def __init__(self, path, mode="r", *a, **k):
+        self.f = open(path, mode, *a, **k)
+
+    def write(self, b):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(onnx_ir, "save", disk_full)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_export_disk_full_is_one_line_and_leaves_nothing(cli, tmp_path, monkeypatch):
+    import normconv.io.outputs as outputs
+
+    monkeypatch.setattr(outputs, "open", _FullFile, raising=False)  # the writer the ONNX file goes through
     _one_line_error(cli, "export", "zoo:mlp", "-o", tmp_path / "m.onnx", "--no-baseline", match="no space left")
     assert list(tmp_path.iterdir()) == []
 

@@ -26,6 +26,9 @@ from typing import Iterator
 # (GPT-2 124M's whole plain dynamic ONNX export: 12 s on 2 cores); past this the caller exports with the example's
 # shapes and says so
 DYNAMIC_EXPORT_S = 180.0
+# past the limit the timer fires again this often until the block is left: a raise that lands in a finalizer or a
+# garbage-collector callback, where Python prints and drops exceptions, is not the last
+_AGAIN_S = 0.5
 
 
 class Overtime(Exception):
@@ -61,7 +64,7 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     previous = signal.signal(signal.SIGALRM, expire)
     try:
         try:
-            signal.setitimer(signal.ITIMER_REAL, seconds)
+            signal.setitimer(signal.ITIMER_REAL, seconds, _AGAIN_S)
             yield
         finally:
             armed[0] = False
