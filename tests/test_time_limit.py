@@ -52,13 +52,20 @@ def test_a_raise_swallowed_where_python_drops_exceptions_is_not_the_last():
     assert swallowed == ["_Expired"] and signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 
-def test_no_limit_where_a_timer_runs_already_or_off_the_main_thread():
-    previous = signal.signal(signal.SIGALRM, lambda *a: None)
-    signal.setitimer(signal.ITIMER_REAL, 30)
+def test_a_callers_timer_is_kept_and_no_limit_off_the_main_thread():
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
     try:
-        with tl.time_limit(0.05):
-            _spin(0.2)  # the caller's timer is left alone: no limit
-        assert signal.getitimer(signal.ITIMER_REAL)[0] > 20
+        signal.setitimer(signal.ITIMER_REAL, 30)  # a sweep's limit on the whole command: later than ours
+        with pytest.raises(tl.Overtime):
+            with tl.time_limit(0.05):
+                _spin(2)
+        left = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 25 < left <= 30 and fired == []  # set again with what is left of it, its handler back
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # one that ends before ours: left alone, and it fires
+        with tl.time_limit(5):
+            _spin(0.3)
+        assert fired == [1]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

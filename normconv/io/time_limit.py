@@ -9,9 +9,11 @@ library's own ``except Exception`` does not take it for one of its failures (tor
 strategy on any Exception); it leaves the block as ``Overtime``, an Exception with the limit. The library unwinds
 through its own ``finally`` blocks and context managers, as it does for Ctrl-C.
 
-Only in the main thread of a process that has interval timers, and only where no timer is already set (a caller's,
-pytest-timeout's): elsewhere the block runs without a limit, as before. A block that ends within microseconds of its
-limit may be taken as overtime; the caller's fallback then runs, which is never a wrong result, only a slower one.
+Only in the main thread of a process that has interval timers (elsewhere the block runs without a limit, as before).
+A timer already set (a sweep's limit on a whole command, ``signal.alarm``) is kept: one that ends before this limit is
+left alone, a later one is set again on the way out with what is left of it, its handler restored. A block that ends
+within microseconds of its limit may be taken as overtime; the caller's fallback then runs, which is never a wrong
+result, only a slower one.
 One of the io room's lowest modules: it imports nothing of normconv's.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from typing import Iterator
 
 # torch.export with dynamic dimensions (and, for ONNX, its translation): a capture that is not stuck takes seconds
@@ -44,18 +47,18 @@ class _Expired(BaseException):
 
 
 def available() -> bool:
-    """A limit can be set here and now: the main thread, interval timers, no timer already running."""
-    return (threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-            and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+    """A limit can be set here: the main thread of a process with interval timers."""
+    return threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
 
 
 @contextlib.contextmanager
 def time_limit(seconds: float | None) -> Iterator[None]:
     """Within the block, ``Overtime`` once ``seconds`` have passed (None, or no limit possible here: no limit)."""
-    if seconds is None or not available():
+    outer, every = signal.getitimer(signal.ITIMER_REAL) if available() else (0.0, 0.0)
+    if seconds is None or not available() or 0 < outer <= seconds:  # a caller's timer that ends first stays alone
         yield
         return
-    armed = [True]
+    armed, start = [True], time.monotonic()
 
     def expire(signum, frame):
         if armed[0]:
@@ -70,6 +73,8 @@ def time_limit(seconds: float | None) -> Iterator[None]:
             armed[0] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            if outer:  # the caller's timer (a sweep's limit on the whole command), with what is left of it
+                signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3), every)
     except _Expired:
         raise Overtime(seconds) from None
 
