@@ -51,3 +51,40 @@ def test_attention_of_any_rank_exports_and_runs(tmp_path, rank, mask):
         (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
         with torch.no_grad():
             np.testing.assert_allclose(got, model(x).numpy(), atol=1e-5, rtol=1e-4)
+
+
+class SharedKV(nn.Module):
+    """Multi-query attention as timm's MobileNetV5 writes it: q with 4 heads, one key / value head that broadcasts
+    (no ``enable_gqa``). torch.onnx's opset-23 SDPA asserts "q_num_heads = kv_num_heads"; normconv's translation
+    builds it with onnxscript's SDPA, whose MatMul broadcasts the shared head."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.q, self.kv, self.proj = nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 16)
+
+    def forward(self, x):  # (B, L, 16)
+        b, n, _ = x.shape
+        y = self.norm(x)
+        q = self.q(y).reshape(b, n, 4, 4).transpose(1, 2)
+        k, v = self.kv(y).reshape(b, n, 2, 1, 4).unbind(2)
+        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2))
+        return x + self.proj(o.transpose(1, 2).reshape(b, n, 16))
+
+
+def test_a_shared_key_value_head_exports_where_torch_onnx_refuses_it(tmp_path):
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = SharedKV().eval()
+    x = torch.randn(2, 12, 16)
+    with pytest.raises(Exception, match="step 3/3"):  # the plain exporter's conversion fails on it
+        torch.onnx.export(model, (x,), dynamo=True, opset_version=23, verbose=False)
+    out = tmp_path / "mqa.onnx"
+    report = normconv.export(model, (x,), out)
+    assert report.passed
+    session = ort.InferenceSession(str(out))
+    for shape in ((2, 12, 16), (1, 7, 16)):
+        other = torch.randn(shape)
+        (got,) = session.run(None, {session.get_inputs()[0].name: other.numpy()})
+        with torch.no_grad():
+            np.testing.assert_allclose(got, model(other).numpy(), atol=1e-5, rtol=1e-4)
