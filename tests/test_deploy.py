@@ -306,3 +306,39 @@ def test_dynamic_dimensions_are_checked_on_validations_own_session(tmp_path, mon
     second = [v for v in rep["validation"] if "second shape" in v["label"]]
     assert {d["name"] for d in rep["extra"]["dynamic_dims"]} == {"batch", "sequence"} and len(second) >= 2
     assert all(v["passed"] for v in second)
+
+
+class _CeilPad(torch.nn.Module):
+    """NASNet's size arithmetic in Python: ``math.ceil`` of a symbolic width is a node torch.export cannot save."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        import math
+
+        y = self.bn(self.conv(x))
+        return torch.nn.functional.pad(y, (0, math.ceil(x.shape[-1] / 3) * 3 - x.shape[-1]))
+
+
+def test_a_pt2_torch_export_cannot_save_dynamic_is_written_static_and_says_why(tmp_path):
+    from normconv.api import _loaded
+    from normconv.commands.fold import fold
+    from normconv.options import Options
+
+    torch.manual_seed(0)
+    model = _CeilPad().eval()
+    with torch.no_grad():
+        model.bn.running_mean.normal_()
+        model.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 16, 16)
+    out = tmp_path / "folded.pt2"
+    report, _ = fold(_loaded(model, (x,)), Options(output=str(out)))  # was: exit 2, "SerializeError ... ceil"
+    notes = " ".join(report.notes)
+    assert "torch.export cannot save the program with dynamic dimensions (SerializeError" in notes
+    assert "could not keep them dynamic" in notes and "lets no input dimension vary" not in notes
+    program = torch.export.load(str(out)).module()
+    other = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(program(other), model(other), atol=1e-5, rtol=1e-5)

@@ -210,7 +210,7 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
                              overwrite=opts.overwrite, info=info))
     if "dynamic_dims" in info:  # a .pt2: the dimensions it keeps free, each checked at a second size
         report.extra["dynamic_dims"] = info["dynamic_dims"]
-        report.notes.append(_dims_note(info["dynamic_dims"], opts.static))
+        report.notes.append(_dims_note(info["dynamic_dims"], opts.static, info.get("pinned_all", False)))
     report.notes.extend(info.get("notes", []))
 
 
@@ -256,12 +256,13 @@ def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Input
                              before_rename=proven))
 
 
-def _dims_note(dims: list[dict[str, Any]], static: bool) -> str:
-    """What a written .pt2 takes: its dynamic dimensions with their ranges, or that it is static."""
+def _dims_note(dims: list[dict[str, Any]], static: bool, pinned_all: bool = False) -> str:
+    """What a written .pt2 takes: its dynamic dimensions with their ranges, or that it is static (and why)."""
     free = [d for d in dims if not d.get("pinned")]
     if not free:
-        return "the .pt2 takes the example's shapes only" + (" (--static)" if static else
-                                                              " (the model lets no input dimension vary)")
+        return "the .pt2 takes the example's shapes only" + (
+            " (--static)" if static else " (torch.export could not keep them dynamic, said below)" if pinned_all
+            else " (the model lets no input dimension vary)")
     return "the .pt2 keeps dynamic dimensions (--static pins them): " + ", ".join(
         f"{d['name']} ({', '.join(d['inputs'])}: {d['min'] or 1}..{d['max'] or 'inf'}, checked at "
         f"{', '.join(map(str, d['checked']))})" for d in free)

@@ -361,7 +361,8 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     dynamic (``io.dims``, unless ``static``), each checked at a second size against ``model``; one that fails its
     check is pinned. Keyword inputs that are no tensors (``use_cache=False``) are left out of the program's inputs
     where the model computes the same without them (its config already says so), so the program runs on the
-    tensors the model takes. ``info`` receives ``dynamic_dims`` and ``notes``."""
+    tensors the model takes. ``info`` receives ``dynamic_dims``, ``notes``, and ``pinned_all`` where torch.export
+    could not keep the dimensions free (its reasoning failed or ran past its limit; the program did not save)."""
     from normconv.io import dims as io_dims
     from normconv.quiet import quiet
     from normconv.verify import compare
@@ -383,7 +384,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
             first = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else first
             info.setdefault("notes", []).append(f"torch.export failed with dynamic dimensions ({first}): every "
                                                 f"dimension pinned to the example's size")
-            static = True
+            static = info["pinned_all"] = True
             continue
         dims = [] if shapes is None else io_dims.name_dims(io_dims.found(ep, io_dims.input_names(model, inputs)),
                                                            io_dims.input_shapes(model, inputs))
@@ -402,9 +403,19 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
         info.setdefault("notes", []).append(
             f"the .pt2 returns its outputs as a dict ({', '.join(ep.call_spec.out_spec.context)}): the model's "
             f"{type(run(model, inputs)).__name__} would need transformers to load")
-    # torch's logger warns about the temp file's name (not a .pt2 suffix)
-    with quiet(("torch", "torch.export", "torch.export.pt2_archive._package")), latched(path) as f:
-        torch.export.save(ep, f)
+    try:  # torch's logger warns about the temp file's name (not a .pt2 suffix)
+        with quiet(("torch", "torch.export", "torch.export.pt2_archive._package")), latched(path) as f:
+            torch.export.save(ep, f)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Python arithmetic on a symbolic size (NASNet's math.ceil) is a node
+        if shapes is None:  # torch.export cannot save; with the example's shapes it is computed while tracing
+            raise
+        first = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:160]
+        info.setdefault("notes", []).append(f"torch.export cannot save the program with dynamic dimensions "
+                                            f"({first}): every dimension pinned to the example's size")
+        info["pinned_all"] = True
+        return write_pt2(model, path, inputs, static=True, info=info)
     _follow_umask(path)
 
 
