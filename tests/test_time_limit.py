@@ -83,33 +83,51 @@ def test_a_callers_timer_is_kept_and_no_limit_off_the_main_thread():
     assert seen == [False, "done"]
 
 
-def test_export_past_the_limit_writes_the_static_file_and_says_so(cli, tmp_path, monkeypatch):
-    import onnxruntime as ort
-
+@pytest.fixture
+def stuck(monkeypatch):
+    """torch.export with dynamic shapes stuck in Python for 5 s first (DaViT-T's sympy), under a 0.3 s limit; static
+    exports run as they are. With a real export and a 0.01 s limit the .pt2 test failed in two of three full-suite
+    runs and never alone (cause not found; a raise dropped inside torch is one explanation): a stuck export leaves
+    the limit no race to lose."""
+    from normconv.io import outputs
     from normconv.onnx import export as onnx_export
 
-    monkeypatch.setattr(onnx_export, "DYNAMIC_EXPORT_S", 0.01)  # every dynamic attempt runs past it
+    real = torch.export.export
+
+    def export(*args, **kwargs):
+        if kwargs.get("dynamic_shapes") is not None:
+            _spin(5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", export)
+    monkeypatch.setattr(onnx_export, "DYNAMIC_EXPORT_S", 0.3)
+    monkeypatch.setattr(outputs, "DYNAMIC_EXPORT_S", 0.3)
+
+
+def test_export_past_the_limit_writes_the_static_file_and_says_so(cli, tmp_path, stuck):
+    import onnxruntime as ort
+
     out = tmp_path / "gpt.onnx"
+    t0 = time.perf_counter()
     code, printed, err = cli("export", "zoo:gpt", "-o", out, "--json")
     assert code == 0, err
     rep = json.loads(printed)
-    assert any("dynamic dimensions ran past 0.01 s (--static skips it)" in n for n in rep["notes"]), rep["notes"]
+    assert any("dynamic dimensions ran past 0.3 s (--static skips it)" in n for n in rep["notes"]), rep["notes"]
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert all(isinstance(d, int) for i in sess.get_inputs() for d in i.shape)  # the example's shapes
-    assert rep["passed"]
+    assert rep["passed"] and time.perf_counter() - t0 < 60
 
 
-def test_pt2_past_the_limit_is_written_static_and_says_so(cli, tmp_path, monkeypatch):
-    from normconv.io import outputs
+def test_pt2_past_the_limit_is_written_static_and_says_so(cli, tmp_path, stuck):
     from normconv.io.load import load
     from normconv.verify import run
 
-    monkeypatch.setattr(outputs, "DYNAMIC_EXPORT_S", 0.01)
     out = tmp_path / "swapped.pt2"
     code, printed, err = cli("swap", "zoo:gpt", "--to", "rmsnorm", "--approximate", "-o", out, "--json")
     assert code == 0, err
     rep = json.loads(printed)
-    assert any("its reasoning about them ran past 0.01 s; --static skips it" in n for n in rep["notes"]), rep["notes"]
+    assert any("its reasoning about them ran past 0.3 s; --static skips it" in n for n in rep["notes"]), rep["notes"]
+    assert any("could not keep them dynamic" in n for n in rep["notes"])
     program = torch.export.load(str(out)).module()
     loaded = load("zoo:gpt")
     got = run(program, loaded.inputs)
