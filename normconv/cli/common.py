@@ -249,6 +249,6 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt", "EXIT_INTERNAL", "user_errors", "emit",
-           "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx",
+__all__ = ["EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt",
+           "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx",
            "show_progress", "progress_wanted"]

@@ -380,11 +380,8 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
             if shapes is None:
                 raise
             # (timm's CPU-bone: NotImplementedError on an inequality sympy cannot decide): every dimension pinned
-            first = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:200]
-            first = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else first
-            info.setdefault("notes", []).append(f"torch.export failed with dynamic dimensions ({first}): every "
-                                                f"dimension pinned to the example's size")
-            static = info["pinned_all"] = True
+            why = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else _first(exc)
+            static = _pinned_all(info, f"torch.export failed with dynamic dimensions ({why})")
             continue
         dims = [] if shapes is None else io_dims.name_dims(io_dims.found(ep, io_dims.input_names(model, inputs)),
                                                            io_dims.input_shapes(model, inputs))
@@ -411,12 +408,21 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     except Exception as exc:  # noqa: BLE001 - Python arithmetic on a symbolic size (NASNet's math.ceil) is a node
         if shapes is None:  # torch.export cannot save; with the example's shapes it is computed while tracing
             raise
-        first = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:160]
-        info.setdefault("notes", []).append(f"torch.export cannot save the program with dynamic dimensions "
-                                            f"({first}): every dimension pinned to the example's size")
-        info["pinned_all"] = True
+        _pinned_all(info, f"torch.export cannot save the program with dynamic dimensions ({_first(exc)})")
         return write_pt2(model, path, inputs, static=True, info=info)
     _follow_umask(path)
+
+
+def _first(exc: BaseException) -> str:
+    """An exception's type and the first line of its message, at most 200 characters."""
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:200]
+
+
+def _pinned_all(info: dict, why: str) -> bool:
+    """Say in ``info`` that torch.export could not keep the dimensions free (``why``) and every one is pinned."""
+    info.setdefault("notes", []).append(f"{why}: every dimension pinned to the example's size")
+    info["pinned_all"] = True
+    return True
 
 
 def _export(model: nn.Module, inputs: Inputs, shapes: dict | None, pinned: set[tuple[str, int]] = frozenset()):
