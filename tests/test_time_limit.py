@@ -52,6 +52,20 @@ def test_a_raise_swallowed_where_python_drops_exceptions_is_not_the_last():
     assert swallowed == ["_Expired"] and signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 
+def test_no_raise_inside_an_import(tmp_path, monkeypatch):
+    # a module whose import spins past the limit is imported whole; the limit lands after it
+    (tmp_path / "slow_module_tl.py").write_text("import time\nend = time.perf_counter() + 0.6\n"
+                                                "while time.perf_counter() < end:\n    pass\nDEFINED_LAST = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(tl.Overtime):
+        with tl.time_limit(0.1):
+            import slow_module_tl
+            _spin(5)
+    import sys
+    assert sys.modules["slow_module_tl"].DEFINED_LAST == 1
+    sys.modules.pop("slow_module_tl")
+
+
 def test_a_callers_timer_is_kept_and_no_limit_off_the_main_thread():
     fired = []
     previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))

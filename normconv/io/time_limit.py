@@ -51,6 +51,16 @@ def available() -> bool:
     return threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
 
 
+def _importing(frame) -> bool:
+    """The interrupted code runs inside an import: raising there would leave a module half-run in sys.modules (the
+    suite saw torchlib's ``aten_native_batch_norm`` undefined after an export interrupted while importing it)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float | None) -> Iterator[None]:
     """Within the block, ``Overtime`` once ``seconds`` have passed (None, or no limit possible here: no limit)."""
@@ -61,7 +71,7 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     armed, start = [True], time.monotonic()
 
     def expire(signum, frame):
-        if armed[0]:
+        if armed[0] and not _importing(frame):  # inside an import: the next firing (a half-run module stays broken)
             raise _Expired()
 
     previous = signal.signal(signal.SIGALRM, expire)
