@@ -293,6 +293,38 @@ def test_block_by_block_runs_leave_every_parameter_on_meta(tmp_path):
         assert {p.device.type for p in meta.parameters()} == {"meta"}
 
 
+def test_lockstep_forwards_share_the_cores_and_give_them_back(tmp_path, monkeypatch):
+    """The forwards in lockstep run their products on cores // forwards threads each (at least one), and torch's
+    thread count is the caller's again after, a failed forward included."""
+    src = tmp_path / "in"
+    model = _saved(_gpt2, src)
+    cls, config = model_class(src)
+    meta = build_on_meta(cls, config, torch.float32)
+    shapes = _shapes(model)
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    hook = block_list(meta)[1][0].register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
+    try:
+        for cores in (4, 1):
+            torch.set_num_threads(cores)
+            seen.clear()
+            _block_by_block(meta, Checkpoint(src).rename_for(meta), src, shapes)
+            assert seen == [max(1, cores // len(shapes))] * len(shapes) and torch.get_num_threads() == cores
+        torch.set_num_threads(4)
+
+        def fails(m, a):
+            raise RuntimeError("a forward that fails")
+
+        bad = block_list(meta)[1][1].register_forward_pre_hook(fails)
+        with pytest.raises(RuntimeError, match="fails"):
+            _block_by_block(meta, Checkpoint(src).rename_for(meta), src, shapes)
+        bad.remove()
+        assert torch.get_num_threads() == 4
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
+
+
 def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
     src, out = tmp_path / "in", tmp_path / "out"
     model = _saved(lambda: _opt().to(torch.bfloat16), src)
@@ -306,10 +338,12 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
             assert t.double().mean(-1).abs().max() < 1e-3 < original[name].double().mean(-1).abs().max()
 
 
-def test_half_precision_pass_keeps_an_untied_embedding_as_stored_and_reads_ahead(tmp_path, monkeypatch):
-    """A bf16 checkpoint runs in float32, except an embedding table no head shares: the rewritten model's centered
-    embed_tokens stays bf16 (its output cast: the same rows bit for bit) while the original's, tied to lm_head,
-    is cast. The loader thread reads and rewrites blocks ahead; the verdict is the same."""
+def test_half_precision_pass_keeps_embeddings_and_heads_as_stored_and_reads_ahead(tmp_path, monkeypatch):
+    """A bf16 checkpoint runs in float32, except a weight only embeddings and linear layers read: the rewritten
+    model's centered embed_tokens and its untied lm_head, the original's embed_tokens tied to lm_head, and the
+    blocks' linear weights stay bf16 (an embedding's output cast: the same rows bit for bit; a linear layer's rows
+    cast a slice at a time). The norms' weights and the biases are cast. The loader thread reads and rewrites
+    blocks ahead; the verdict is the same."""
     from normconv.stream import onepass
 
     src, out = tmp_path / "in", tmp_path / "out"
@@ -343,8 +377,13 @@ def test_half_precision_pass_keeps_an_untied_embedding_as_stored_and_reads_ahead
     report = normconv.stream_swap(str(src), str(out))
     assert report.passed
     assert filled[(1, "model.decoder.embed_tokens.weight")] == torch.bfloat16  # rewritten, untied: kept
-    assert filled[(0, "model.decoder.embed_tokens.weight")] == torch.float32  # original, tied to lm_head: cast
-    assert filled[(0, "model.decoder.layers.0.fc1.weight")] == torch.float32
+    assert filled[(1, "lm_head.weight")] == torch.bfloat16  # its head, the original values: kept
+    assert filled[(0, "model.decoder.embed_tokens.weight")] == torch.bfloat16  # original, tied to lm_head: kept
+    assert filled[(0, "lm_head.weight")] == torch.bfloat16
+    assert filled[(0, "model.decoder.layers.0.fc1.weight")] == torch.bfloat16  # a block's linear weights: kept
+    assert filled[(1, "model.decoder.layers.0.fc2.weight")] == torch.bfloat16  # (centered, rewritten only)
+    assert filled[(0, "model.decoder.layers.0.fc1.bias")] == torch.float32  # the rest: cast
+    assert filled[(0, "model.decoder.layers.0.self_attn_layer_norm.weight")] == torch.float32
     assert "normconv-read-ahead" in threads  # blocks were read and rewritten by the loader thread
 
 
@@ -475,8 +514,66 @@ def test_a_model_reading_a_kept_table_s_weight_outside_its_forward_is_run_with_i
 
     monkeypatch.setattr(modeling_opt.OPTDecoder, "forward", reads_the_weight)
     retried = []
-    cast_tables = onepass._Pass.cast_tables
-    monkeypatch.setattr(onepass._Pass, "cast_tables", lambda self: retried.append(1) or cast_tables(self))
+    cast_kept = onepass._Pass.cast_kept
+    monkeypatch.setattr(onepass._Pass, "cast_kept", lambda self: retried.append(1) or cast_kept(self))
     report = normconv.stream_swap(str(src), str(out))
     assert report.passed and retried == [1]
     assert torch.bfloat16 in seen and seen[-1] == torch.float32  # the kept table failed, the retry cast it
+
+
+def test_a_kept_linear_weight_computes_as_its_float32_cast_and_only_plain_modules_keep(monkeypatch):
+    """``_sliced_linear`` (a linear layer kept in bf16, its rows cast a slice at a time into a thread's buffer) gives
+    the float32 product of the cast weight, with and without a bias, a slice smaller than the weight and larger, a
+    smaller weight after a larger one (the buffer reused) and a larger after a smaller (grown); a subclass of
+    nn.Linear or nn.Embedding (its forward may read the weight its own way) and an embedding that renormalizes its
+    rows are never kept."""
+    from normconv.stream import onepass
+
+    g = torch.Generator().manual_seed(0)
+    for slice_bytes in (96 * 4 * 7, 1 << 30):  # 7 rows of 96 a slice (the last one short), the whole weight
+        monkeypatch.setattr(onepass, "_SLICE_BYTES", slice_bytes)
+        for cols, bias in ((96, False), (96, True), (40, True), (300, False)):  # the buffer reused, then grown
+            lin = nn.Linear(cols, 1000, bias=bias).to(torch.bfloat16)
+            x = torch.randn(2, 5, cols, generator=g)
+            want = nn.functional.linear(x, lin.weight.float(), None if lin.bias is None else lin.bias.float())
+            got = onepass._sliced_linear(lin, x, torch.float32)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            lin.float()  # a weight cast after all (``cast_kept``): the plain product
+            torch.testing.assert_close(onepass._sliced_linear(lin, x, torch.float32), want, rtol=0, atol=0)
+    assert onepass._keeps(nn.Linear(2, 2)) and onepass._keeps(nn.Embedding(4, 2))
+
+    class MyLinear(nn.Linear):
+        pass
+
+    assert not onepass._keeps(MyLinear(2, 2)) and not onepass._keeps(nn.Embedding(4, 2, max_norm=1.0))
+    assert not onepass._keeps(nn.LayerNorm(2)) and not onepass._keeps(nn.Conv1d(2, 2, 1))
+
+
+def test_a_weight_a_block_or_another_module_also_reads_is_cast(tmp_path, monkeypatch):
+    """A tied weight is kept only where every reader keeps it: OPT's embed_tokens is tied to lm_head (both kept),
+    but where the original's head is a subclass of nn.Linear it reads the tied weight as float32, so the original's
+    embedding is cast too; the rewritten model's untied ones stay kept."""
+    from normconv.stream import onepass
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    _saved(lambda: _opt().to(torch.bfloat16), src)
+    kept: list[tuple[frozenset, frozenset]] = []
+    kept_by = onepass._Pass._kept
+
+    class Head(nn.Linear):
+        pass
+
+    def spy(self, model, side):
+        if side == 0:
+            model.lm_head.__class__ = Head  # the original's tied head: a subclass
+        got = kept_by(self, model, side)
+        kept.append(got)
+        return got
+
+    monkeypatch.setattr(onepass._Pass, "_kept", spy)
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed
+    original, rewritten = kept
+    assert not any("embed_tokens" in k for k in original)  # tied to a subclass's weight: cast
+    assert any("embed_tokens" in k for k in rewritten) and "lm_head.weight" in rewritten
