@@ -15,8 +15,9 @@
 The reading (stream.checkpoint), the lockstep forwards (stream.blocks), the one pass (stream.onepass) and the
 positioned writer (stream.writer) are shared with ``fold --stream`` (stream.fold).
 
-Peak memory: one block (original and rewritten, float32 for a half-precision checkpoint; the edits in float64
-slices of at most 32 MB) plus the embeddings and head. The output is the same architecture with rewritten
+Peak memory: one block (original and rewritten; for a half-precision checkpoint its linear weights as stored, run
+a slice of rows at a time in float32, its other tensors in float32; the edits in float64 slices of at most 32 MB)
+plus the embeddings and head (as stored). The output is the same architecture with rewritten
 weights: every LayerNorm now reads a zero-mean stream, so it equals RMSNorm(weight, eps) (+ its bias where that
 could not be folded).
 """
