@@ -338,6 +338,18 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_verifies(tmp_path):
             assert t.double().mean(-1).abs().max() < 1e-3 < original[name].double().mean(-1).abs().max()
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_checkpoint_of_every_family_verifies_with_its_weights_kept(tmp_path, family, dtype):
+    """GPT-2 (Conv1D layers: cast), OPT and GPT-NeoX (nn.Linear: kept, run a slice at a time) in bf16 and fp16: every
+    block and the final outputs verify, and the written tensors keep the checkpoint's dtype."""
+    src, out = tmp_path / "in", tmp_path / "out"
+    model = _saved(lambda: FAMILIES[family]().to(dtype), src)
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed and report.extra["blocks"] and all(b["passed"] for b in report.extra["blocks"])
+    assert {t.dtype for t in _streamed_tensors(out, model).values()} == {dtype}
+
+
 def test_half_precision_pass_keeps_embeddings_and_heads_as_stored_and_reads_ahead(tmp_path, monkeypatch):
     """A bf16 checkpoint runs in float32, except a weight only embeddings and linear layers read: the rewritten
     model's centered embed_tokens and its untied lm_head, the original's embed_tokens tied to lm_head, and the
