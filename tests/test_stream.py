@@ -399,6 +399,39 @@ def test_half_precision_pass_keeps_embeddings_and_heads_as_stored_and_reads_ahea
     assert "normconv-read-ahead" in threads  # blocks were read and rewritten by the loader thread
 
 
+def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_output(tmp_path, monkeypatch):
+    """The loader reads a later block's tensors into the buffers of a block already dropped (no page faults for
+    memory met before); the written shards are the bytes of a run that reads every tensor into new memory."""
+    import hashlib
+
+    from normconv.stream import checkpoint
+
+    src = tmp_path / "in"
+    _saved(lambda: _opt().to(torch.bfloat16), src)
+    get = checkpoint.Checkpoint.get
+    reused: list[str] = []
+
+    def spy(self, name, reuse=None):
+        def taking(shape, dtype):
+            t = reuse(shape, dtype) if reuse is not None else None
+            if t is not None:
+                reused.append(name)
+            return t
+
+        return get(self, name, taking)
+
+    monkeypatch.setattr(checkpoint.Checkpoint, "get", spy)
+    assert normconv.stream_swap(str(src), str(tmp_path / "reused")).passed
+    assert any(".layers.2." in n for n in reused)  # block 2 read into block 0's buffers
+    monkeypatch.setattr(checkpoint.Checkpoint, "get", lambda self, name, reuse=None: get(self, name))
+    assert normconv.stream_swap(str(src), str(tmp_path / "fresh")).passed
+
+    def digests(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+    assert digests(tmp_path / "reused") == digests(tmp_path / "fresh")
+
+
 def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypatch):
     """One pass: each source tensor is read once for the rewrite, both verification shapes and both models (plus
     once more where the plan reads it: the norm biases), and the written output is never read into a model (its
@@ -409,10 +442,10 @@ def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypat
     reads: dict[tuple[str, str], int] = {}
     get = Checkpoint.get
 
-    def counted(self, name):
+    def counted(self, name, reuse=None):
         key = (self.folder.name, name)
         reads[key] = reads.get(key, 0) + 1
-        return get(self, name)
+        return get(self, name, reuse)
 
     monkeypatch.setattr(Checkpoint, "get", counted)
     report = streaming.swap(src, out)

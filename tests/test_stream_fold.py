@@ -165,9 +165,9 @@ def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypat
     reads: dict[tuple[str, str], int] = {}
     get = Checkpoint.get
 
-    def counted(self, name):
+    def counted(self, name, reuse=None):
         reads[(self.folder.name, name)] = reads.get((self.folder.name, name), 0) + 1
-        return get(self, name)
+        return get(self, name, reuse)
 
     monkeypatch.setattr(Checkpoint, "get", counted)
     assert streaming.fold(src, out).passed

@@ -17,7 +17,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -103,12 +103,17 @@ class Checkpoint:
         h = self.shards[shard]
         return sorted(_entries(h), key=lambda k: h[k]["data_offsets"][0])
 
-    def get(self, name: str) -> torch.Tensor:
-        """One tensor, read from its shard into a new buffer (positioned read, no mapping)."""
+    def get(self, name: str, reuse: Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None] | None = None
+            ) -> torch.Tensor:
+        """One tensor, read from its shard into a new buffer (positioned read, no mapping), or into the contiguous
+        tensor ``reuse(shape, dtype)`` returns (None: a new one)."""
         shard = self.weight_map[name]
         h = self.shards[shard]
         e = h[name]
-        t = torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
+        shape, dtype = tuple(e["shape"]), _DTYPES[e["dtype"]]
+        t = reuse(shape, dtype) if reuse is not None else None
+        if t is None:
+            t = torch.empty(shape, dtype=dtype)
         start, end = e["data_offsets"]
         if end > start:
             buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())

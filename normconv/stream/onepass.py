@@ -59,27 +59,34 @@ Produce = Callable[[str, torch.Tensor, Callable[[str], torch.Tensor]], torch.Ten
 
 
 class _Buffers:
-    """The compute-dtype tensors of the block just dropped, reused by the next block's casts of the same shape: a
-    cast into fresh memory pays a page fault per 4 KiB (48 ms for a 2048 x 8192 bf16 weight, 42 of them in the
-    kernel, against 8 ms into reused memory). Only a tensor whose storage nothing else holds is reused; what the
-    next block did not take is freed after its fill (peak memory stays one block)."""
+    """Tensors of the block just dropped, reused by a later block's tensors of the same shape and dtype: memory
+    written for the first time pays a page fault per 4 KiB (a cast of a 2048 x 8192 bf16 weight into fresh memory
+    48 ms, 42 of them in the kernel, against 8 ms into reused memory; reading OPT-2.7B's blocks into fresh buffers
+    left the pass 10.7 s of kernel time in 17.8 s). Two pools: the casts (main thread: the next block's casts) and
+    the source tensors read (the loader thread: the block it reads next). Only a tensor whose storage nothing else
+    holds is reused (the writer thread may still hold one); what was not taken is dropped (peak memory stays a
+    block). Thread-safe."""
 
     def __init__(self) -> None:
         self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self.lock = threading.Lock()
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-        pool = self.free.get((tuple(shape), dtype))
-        return pool.pop() if pool else None
+    def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        with self.lock:
+            pool = self.free.get((tuple(shape), dtype))
+            return pool.pop() if pool else None
 
-    def give(self, cast: dict[int, torch.Tensor]) -> None:
-        """Take the tensors of ``cast`` (emptied) for reuse, each one nothing else refers to."""
-        while cast:
-            t = cast.popitem()[1]
+    def give(self, tensors: dict[Any, torch.Tensor]) -> None:
+        """Take the tensors of ``tensors`` (emptied) for reuse, each one nothing else refers to."""
+        while tensors:
+            t = tensors.popitem()[1]
             if sys.getrefcount(t) <= 2 and _alone(t):  # this name and the call's argument: no holder elsewhere
-                self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+                with self.lock:
+                    self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
     def drop(self) -> None:
-        self.free.clear()
+        with self.lock:
+            self.free.clear()
 
 
 def _alone(t: torch.Tensor) -> bool:
@@ -201,6 +208,8 @@ class _Pass:
         self.undo: list[Callable[[], Any]] = []  # the output casts and sliced forwards of the kept weights
         self.kept = (self._kept(original, 0), self._kept(rewritten, 1))
         self.buffers = _Buffers()  # the dropped block's cast tensors, for the next block's casts
+        self.reads = _Buffers()  # the dropped block's source tensors, for the loader's next reads
+        self.sources: dict[str, torch.Tensor] = {}  # the source tensors of the block loaded last
         self.cast: dict[int, torch.Tensor] = {}  # the cast tensors of the block loaded last
         self.written: set[str] = set()  # source keys whose outputs went to the writer
         self.records: list[list[tuple[int, Validation]]] = []
@@ -257,7 +266,7 @@ class _Pass:
     def _rewrite(self, keys: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Read the source tensors ``keys`` once, rewrite them, hand the rewritten ones to the writer: (source
         tensors, rewritten tensors by stored key)."""
-        held = {k: self.ckpt.get(k) for k in keys}
+        held = {k: self.ckpt.get(k, self.reads.take) for k in keys}
         out: dict[str, torch.Tensor] = {}
         for k in keys:
             for c in self.copies.get(k, []):
@@ -272,6 +281,7 @@ class _Pass:
         """Fill both models' slots of the unit (returns what to put back), floating tensors cast to the compute
         dtype (into the dropped block's buffers), embedding and linear weights kept as stored (``_kept``)."""
         self.cast = cast = {}
+        self.sources = dict(held) if unit else {}  # a block's, given for reuse when it is dropped
         buffers = self.buffers if unit else None  # the rest stays for the whole pass: no block's buffer for it
         saved = fill(self.slots[0][unit], _Held(self.ckpt.key, held, self.compute, cast, buffers, self.kept[0]),
                      self.aliases[0], self.src)
@@ -297,6 +307,8 @@ class _Pass:
             restore(block)
             block.clear()
             self.buffers.give(self.cast)  # unreferenced now: the next block's casts go into them
+            self.reads.drop()  # what the loader did not take of the block before
+            self.reads.give(self.sources)  # the block after next is read into them
             trim_heap()
             for k in range(n):
                 # within the tolerance scaled by the block output's largest value (the stream's scale grows with
@@ -317,6 +329,8 @@ class _Pass:
         finally:
             ahead.close()
             restore(block + rest)
+            self.sources = {}
+            self.reads.drop()
             trim_heap()
         if results is None:
             return None
