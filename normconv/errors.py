@@ -56,3 +56,9 @@ class VerificationError(NormconvError):
     def __init__(self, message: str, report=None):
         super().__init__(message, Code.NOT_VERIFIED)
         self.report = report
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` in one line: its type and the first line of its text."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

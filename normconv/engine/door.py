@@ -27,9 +27,8 @@ import torch.nn as nn
 
 from normconv.quiet import phase
 from normconv.io import outputs
-from normconv.errors import Code, NormconvError, VerificationError
+from normconv.errors import Code, NormconvError, VerificationError, describe
 from normconv.io.load import Loaded
-from normconv.io.pickles import describe
 from normconv.io.write import check_output_path, output_format, save
 from normconv.kinds import KINDS
 from normconv.options import Options

@@ -6,7 +6,7 @@ re-exported here.
   hf_folder   what a Hugging Face folder means: the weights from_pretrained loads, every path inside the folder,
               every safetensors header valid by the library's rules, the size its config describes
   pickles     reading without running: weights-only torch.load, torch's and normconv's classes allowlisted, the
-              globals a refused pickle would import, safetensors files; ``describe`` (an exception in one line)
+              globals a refused pickle would import, safetensors files
   inputs      example inputs: --input-shape, --dtype, calibration files, forward's parameters, the Hugging Face
               defaults (HF_SEQ_LEN, HF_BATCH), use_cache=False and an all-ones attention_mask where forward takes them
   hf_inputs   example inputs made from a Hugging Face config (text, pixels, audio, video, VLM image tokens)

@@ -26,14 +26,14 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from normconv.errors import NormconvError
+from normconv.errors import NormconvError, describe
 from normconv.io import hf_folder
 from normconv.io.archive import check_archive
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.io.inputs import forward_params, memory_bytes, parse_dtype, parse_input_shapes, without_kv_cache
 from normconv.io.ledger import Ledger
 from normconv.io.outputs import INPUTS_ATTR
-from normconv.io.pickles import (REFUSED, NeedsTrust, describe, load_allowlisted, only_weights_unpickled,
+from normconv.io.pickles import (REFUSED, NeedsTrust, load_allowlisted, only_weights_unpickled,
                                  quiet_loaders, read_tensors, shown_globals, torch_load_safely)
 from normconv.verify import Inputs, run
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normconv.clone import clone_sharing_tensors, release
+from normconv.errors import describe
 from normconv.io import durable
 from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, time_limit
 from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
@@ -380,7 +381,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
             if shapes is None:
                 raise
             # (timm's CPU-bone: NotImplementedError on an inequality sympy cannot decide): every dimension pinned
-            why = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else _first(exc)
+            why = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else describe(exc)
             static = _pinned_all(info, f"torch.export failed with dynamic dimensions ({why})")
             continue
         dims = [] if shapes is None else io_dims.name_dims(io_dims.found(ep, io_dims.input_names(model, inputs)),
@@ -408,14 +409,9 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     except Exception as exc:  # noqa: BLE001 - Python arithmetic on a symbolic size (NASNet's math.ceil) is a node
         if shapes is None:  # torch.export cannot save; with the example's shapes it is computed while tracing
             raise
-        _pinned_all(info, f"torch.export cannot save the program with dynamic dimensions ({_first(exc)})")
+        _pinned_all(info, f"torch.export cannot save the program with dynamic dimensions ({describe(exc)})")
         return write_pt2(model, path, inputs, static=True, info=info)
     _follow_umask(path)
-
-
-def _first(exc: BaseException) -> str:
-    """An exception's type and the first line of its message, at most 200 characters."""
-    return (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:200]
 
 
 def _pinned_all(info: dict, why: str) -> bool:

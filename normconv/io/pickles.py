@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from normconv.errors import NormconvError
+from normconv.errors import NormconvError, describe
 from normconv.io.archive import check_archive
 from normconv.quiet import quiet
 
@@ -49,12 +49,6 @@ def only_weights_unpickled(trust: bool):
 def quiet_loaders():
     """torch's loaders log warnings and whole tracebacks for files they cannot read; normconv says one line."""
     return quiet(("torch", "torch.export", "torch._export", "torch.serialization"))
-
-
-def describe(exc: BaseException) -> str:
-    """``exc`` in one line: its type and the first line of its text."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 def torch_load_safely(path: Path, spec: str) -> Any:

@@ -19,11 +19,10 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch.nn as nn
 
-from normconv.errors import NormconvError
+from normconv.errors import NormconvError, describe
 from normconv.io import durable
 from normconv.io.ledger import Ledger
 from normconv.io.outputs import WRITERS, config_mismatch, unpicklable
-from normconv.io.pickles import describe
 from normconv.verify import Inputs
 
 
