@@ -18,9 +18,11 @@ checksum and renamed into place.
            atol + rtol * max |reference|) and block i is dropped. The final outputs are compared as the in-memory
            commands compare them. A tensor no forward read (a block never called, a key no module holds) is read,
            rewritten and written after the forwards
-  written  the writer thread writes each tensor at its offset with the CRC-32 of its bytes as they left memory; after
-           an fsync every shard is read back sequentially (header, size, every tensor's CRC-32) and every other
-           file written checked against its checksum: the files on disk are the tensors just verified
+  written  the writer thread writes each tensor at its offset with the CRC-32 of its bytes as they left memory; each
+           shard, once its last tensor is written, fsynced and read back sequentially (header, size, every tensor's
+           CRC-32) by a checker thread while the next blocks run (a shard written again later, by a retried pass,
+           read back again at the end), and every other file written checked against its checksum: the files on
+           disk are the tensors just verified
   output   the temp folder renamed to OUT only if every comparison and every checksum passed; on any failure
            (exit 1 for a miss) nothing is left under OUT or beside it
 
@@ -397,7 +399,7 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
         with signals_held():  # an interrupt waits until the temp folder exists and is known to the cleanup below
             tmp = Path(temp_file(out, folder=True))
         layout = plan_layout(ckpt, copies)
-        writer = PositionedWriter(tmp, layout)
+        writer = PositionedWriter(tmp, layout, early=after_rewrite is None)  # a test's edit comes before any check
         copy_folder(src, tmp, ckpt, layout.weight_map, untied, report.notes)
         others = digests(tmp, set(layout.shards))
         # a half-precision checkpoint runs in float32 (its tensors cast as they are loaded), at its own dtype's
