@@ -567,25 +567,26 @@ def test_a_model_reading_a_kept_table_s_weight_outside_its_forward_is_run_with_i
 
 
 def test_a_kept_linear_weight_computes_as_its_float32_cast_and_only_plain_modules_keep(monkeypatch):
-    """``_sliced_linear`` (a linear layer kept in bf16, its rows cast a slice at a time into a thread's buffer) gives
-    the float32 product of the cast weight, with and without a bias, a slice smaller than the weight and larger, a
-    smaller weight after a larger one (the buffer reused) and a larger after a smaller (grown); a subclass of
+    """A kept linear layer's call outside the lockstep (stream.meeting: its rows cast a slice at a time into a thread's
+    buffer) gives the float32 product of the cast weight, with and without a bias, a slice smaller than the weight and
+    larger, a smaller weight after a larger one (the buffer reused) and a larger after a smaller (grown); a subclass of
     nn.Linear or nn.Embedding (its forward may read the weight its own way) and an embedding that renormalizes its
     rows are never kept."""
-    from normconv.stream import onepass
+    from normconv.stream import meeting, onepass
 
     g = torch.Generator().manual_seed(0)
+    alone = meeting.Meeting(0)
     for slice_bytes in (96 * 4 * 7, 1 << 30):  # 7 rows of 96 a slice (the last one short), the whole weight
-        monkeypatch.setattr(onepass, "_SLICE_BYTES", slice_bytes)
+        monkeypatch.setattr(meeting, "SLICE_BYTES", slice_bytes)
         for cols, bias in ((96, False), (96, True), (40, True), (300, False)):  # the buffer reused, then grown
             lin = nn.Linear(cols, 1000, bias=bias).to(torch.bfloat16)
             x = torch.randn(2, 5, cols, generator=g)
             want = nn.functional.linear(x, lin.weight.float(), None if lin.bias is None else lin.bias.float())
-            got = onepass._sliced_linear(lin, x, torch.float32)
+            got = alone.linear(lin, x, torch.float32)
             assert got.dtype == torch.float32 and got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
             lin.float()  # a weight cast after all (``cast_kept``): the plain product
-            torch.testing.assert_close(onepass._sliced_linear(lin, x, torch.float32), want, rtol=0, atol=0)
+            torch.testing.assert_close(alone.linear(lin, x, torch.float32), want, rtol=0, atol=0)
     assert onepass._keeps(nn.Linear(2, 2)) and onepass._keeps(nn.Embedding(4, 2))
 
     class MyLinear(nn.Linear):

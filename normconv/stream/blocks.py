@@ -131,24 +131,37 @@ def restore(saved: list) -> None:
 
 
 def lockstep(runs: list[tuple[nn.Module, Inputs]], enter: Callable[[int], None],
-             leave: Callable[[int, list[torch.Tensor]], None]) -> list[tuple[Any, list[torch.Tensor]]] | None:
+             leave: Callable[[int, list[torch.Tensor]], None],
+             waits: Any = None) -> list[tuple[Any, list[torch.Tensor]]] | None:
     """The forwards ``model(inputs)`` of ``runs`` in lockstep, one thread each, meeting at every block of each
     model's longest ModuleList: before block i, one thread calls ``enter(i)`` (load it) while the others wait;
     after it, one calls ``leave(i, [each run's block output, in the order of runs])`` (compare, drop it). Returns
     each run's (outputs, block outputs in call order), or None where the runs call their blocks differently (a
-    thread meets the others at a block they do not call). An exception in a forward, enter or leave is raised."""
+    thread meets the others at a block they do not call). An exception in a forward, enter or leave is raised.
+    ``waits`` (stream.meeting.Meeting) hears each run's thread start, wait at a meeting (``pause``), the meeting
+    let them all go (``release``, before any runs), each go on (``resume``), and each end (``done``)."""
     # the timeout only backs up the check below (a forward that ends just as another starts waiting)
-    barrier = threading.Barrier(len(runs), timeout=_LOCKSTEP_TIMEOUT_S)
+    barrier = threading.Barrier(len(runs), action=None if waits is None else waits.release,
+                                timeout=_LOCKSTEP_TIMEOUT_S)
     finished = threading.Event()
     mine = threading.local()
     last: list[Any] = [None] * len(runs)
     results: list[Any] = [None] * len(runs)
     errors: list[BaseException | None] = [None] * len(runs)
 
+    def wait() -> int:
+        if waits is None:
+            return barrier.wait()
+        waits.pause(mine.k)
+        try:
+            return barrier.wait()
+        finally:
+            waits.resume(mine.k)
+
     def meet() -> int:
         if finished.is_set():  # another forward is over while this one still calls blocks: their flows differ
             raise threading.BrokenBarrierError
-        return barrier.wait()
+        return wait()
 
     def before(i):
         if meet() == 0:  # one thread loads the block for all
@@ -163,17 +176,21 @@ def lockstep(runs: list[tuple[nn.Module, Inputs]], enter: Callable[[int], None],
             outs = list(last)
             last[:] = [None] * len(runs)
             leave(i, outs)
-        barrier.wait()  # the last meeting of a block: the others may be over once it releases
+        wait()  # the last meeting of a block: the others may be over once it releases
 
     def work(k: int) -> None:
         mine.outputs, mine.k = [], k
         model, inputs = runs[k]
+        if waits is not None:
+            waits.start(k)
         try:
             with torch.no_grad():  # grad mode is per thread
                 results[k] = (model(*inputs.args, **inputs.kwargs), mine.outputs)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             errors[k] = exc
         finally:
+            if waits is not None:
+                waits.done(k)
             finished.set()
             # a thread waiting now would wait forever (its forward calls a block this one did not, or this one
             # failed); one still leaving the last meeting is not waiting, and an abort would break it there

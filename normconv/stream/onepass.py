@@ -52,6 +52,7 @@ from normconv.quiet import phase
 from normconv.report import Report, Validation
 from normconv.stream.blocks import block_list, build_on_meta, fill, lockstep, restore, tensor_slots, trim_heap
 from normconv.stream.checkpoint import Checkpoint, copy_folder, model_class, stored_key, tied_names
+from normconv.stream.meeting import Meeting, weight_key
 from normconv.stream.writer import PositionedWriter, changed, digests, plan_layout
 from normconv.verify import Inputs, compare, default_tolerance
 
@@ -99,35 +100,10 @@ def _alone(t: torch.Tensor) -> bool:
         return False
 
 
-_SLICE_BYTES = 4 << 20  # a kept Linear weight is cast this many bytes of rows at a time (a slice stays in cache)
-_slice = threading.local()  # each verification thread's buffer for the slices
-
-
 def _keeps(m: nn.Module) -> bool:
     """A module whose weight the half-precision pass can keep as stored: a torch nn.Embedding with no renorm (it
     edits its weight) or a torch nn.Linear (subclasses may read the weight their own way)."""
     return (type(m) is nn.Embedding and m.max_norm is None) or type(m) is nn.Linear
-
-
-def _sliced_linear(m: nn.Linear, x: torch.Tensor, to: torch.dtype) -> torch.Tensor:
-    """``m(x)`` with its weight cast to ``to`` a slice of rows at a time into this thread's buffer, the outputs
-    joined: each output is the dot product with its row cast (bit for bit the product with the cast weight on this
-    machine's BLAS), with no cast copy of the whole weight. A slice cast in cache and multiplied costs less than the
-    float32 product alone reading a cast weight from memory (16 x 4096 x 16384: 30 ms against 44 ms, one thread)."""
-    w, b = m.weight, m.bias
-    if w.dtype == to:  # cast after all (``cast_kept``): the module's own forward
-        return nn.functional.linear(x, w, b)
-    cols = w.shape[1]
-    step = max(1, _SLICE_BYTES // (cols * to.itemsize))
-    buf = getattr(_slice, "buf", None)
-    if buf is None or buf.dtype != to or buf.numel() < step * cols:
-        _slice.buf = buf = torch.empty(step * cols, dtype=to)
-    outs = []
-    for i in range(0, w.shape[0], step):
-        rows = w[i:i + step]
-        cast = buf[:rows.numel()].view(rows.shape).copy_(rows)
-        outs.append(nn.functional.linear(x, cast, None if b is None else b[i:i + step].to(to)))
-    return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
 
 class _Held:
@@ -208,6 +184,9 @@ class _Pass:
             self.units.append(keys)
         self.unit_of = {c: u for u, keys in enumerate(self.units) for k in keys for c in [k] + copies.get(k, [])}
         self.undo: list[Callable[[], Any]] = []  # the output casts and sliced forwards of the kept weights
+        self.meeting = Meeting(0)  # the kept linear weights' calls (one per lockstep run: ``run``)
+        self.sides: tuple[frozenset[int], ...] = (frozenset(), frozenset())  # each model's lockstep runs
+        self.linears: tuple[list[nn.Linear], list[nn.Linear]] = ([], [])  # per model: its kept linear layers
         self.kept = (self._kept(original, 0), self._kept(rewritten, 1))
         self.buffers = _Buffers()  # the dropped block's cast tensors, for the next block's casts
         self.reads = _Buffers()  # the dropped block's source tensors, for the loader's next reads
@@ -219,9 +198,10 @@ class _Pass:
     def _kept(self, model: nn.Module, side: int) -> frozenset[str]:
         """Stored keys kept in the checkpoint's dtype in the half-precision pass: a weight every reader of which (its
         tied names too) is a torch nn.Embedding, its output cast to the compute dtype (a row read and cast is the
-        row of the cast table, bit for bit), or a torch nn.Linear, run on its rows cast a slice at a time
-        (``_sliced_linear``). A block's linear weights then cost their stored bytes in memory, not a float32 copy
-        beside them (OPT-6.7B: 0.40 GB a block, not 1.2 GB), and neither do the embeddings and heads."""
+        row of the cast table, bit for bit), or a torch nn.Linear, run on its rows cast a slice at a time, one
+        product for the lockstep's calls of it (stream.meeting). A block's linear weights then cost their stored
+        bytes in memory, not a float32 copy beside them (OPT-6.7B: 0.40 GB a block, not 1.2 GB), and neither do the
+        embeddings and heads."""
         if self.compute is None:
             return frozenset()
         ckpt = self.ckpt if side == 0 else self.out_ckpt
@@ -241,8 +221,9 @@ class _Pass:
                     h = m.register_forward_hook(lambda mod, args, y, to=self.compute: y.to(to))
                     self.undo.append(h.remove)
                 else:  # an instance attribute over the class's forward, on a model normconv built
-                    m.forward = lambda x, m=m, to=self.compute: _sliced_linear(m, x, to)
+                    m.forward = lambda x, m=m, to=self.compute: self.meeting.linear(m, x, to)
                     self.undo.append(lambda m=m: m.__dict__.pop("forward", None))
+                    self.linears[side].append(m)
         return frozenset(keys)
 
     def cast_kept(self) -> bool:
@@ -290,6 +271,12 @@ class _Pass:
         saved += fill(self.slots[1][unit], _Held(self.out_ckpt.key, out, self.compute, cast, buffers, self.kept[1]),
                       self.aliases[1], self.src)
         self.buffers.drop()  # what this block did not reuse
+        holders: dict = {}  # every kept linear weight loaded now (the rest's and this block's; a tied one is held
+        for side, runs in enumerate(self.sides):  # by modules other than its slot's) -> the runs that may call it
+            for m in self.linears[side]:
+                if m.weight.device.type != "meta" and m.weight.dtype != self.compute:
+                    holders.setdefault(weight_key(m.weight), set()).update(runs)
+        self.meeting.hold({k: frozenset(v) for k, v in holders.items()})
         return saved
 
     def run(self, shapes: list[Inputs]) -> list[tuple[Any, Any, list, list]] | None:
@@ -297,6 +284,8 @@ class _Pass:
         outputs, rewritten block outputs); None where the forwards call their blocks differently."""
         n, total = len(shapes), len(self.units) - 1
         self.records = [[] for _ in shapes]
+        self.meeting = Meeting(2 * n)  # runs: the original at each shape, then the rewritten model at each
+        self.sides = (frozenset(range(n)), frozenset(range(n, 2 * n)))
         block: list = []
 
         ahead = _Ahead(self._prepare, len(self.units))
@@ -327,9 +316,10 @@ class _Pass:
             rest = self._fill(0, *self._prepare(0))
             ahead.start(1)
             results = lockstep([(self.original, s) for s in shapes] + [(self.rewritten, s) for s in shapes],
-                               enter, leave)
+                               enter, leave, self.meeting)
         finally:
             ahead.close()
+            self.meeting = Meeting(0)
             restore(block + rest)
             self.sources = {}
             self.reads.drop()
