@@ -159,3 +159,33 @@ def test_the_checksum_is_zlib_s_crc32(monkeypatch, piece):
         for start in (0, 1, 0xFFFFFFFF, zlib.crc32(b"abc")):
             assert writer.crc32(case, start) == zlib.crc32(case, start)
     assert writer.crc32(view[1000:], writer.crc32(view[:1000])) == zlib.crc32(data)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="no posix_fadvise here")
+@pytest.mark.parametrize("early", [True, False])
+def test_each_shard_s_pages_are_dropped_from_the_cache_once_fsynced_and_read_back(tmp_path, monkeypatch, early):
+    """After its fsync and its read-back, each shard's clean pages leave the page cache (an output as large as the
+    memory would otherwise make the kernel reclaim inside the pass); the bytes stay what was written."""
+    import os
+
+    ckpt, tensors = _folder(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    events = []
+    fsync, fadvise = os.fsync, os.posix_fadvise
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")
+                                                                   .rsplit("/", 1)[-1])) or fsync(fd))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, advice: events.append(
+        ("drop" if advice == os.POSIX_FADV_DONTNEED else advice, os.readlink(f"/proc/self/fd/{fd}")
+         .rsplit("/", 1)[-1])) or fadvise(fd, o, n, advice))
+    writer = PositionedWriter(out, plan_layout(ckpt, {}), early=early)
+    for k, t in tensors.items():
+        writer.write(k, t)
+    writer.finish()
+    assert writer.check() is None
+    for shard in writer.layout.shards:
+        assert ("drop", shard) in events and events.index(("fsync", shard)) < events.index(("drop", shard))
+    from safetensors import safe_open
+
+    with safe_open(str(out / writer.layout.at["s1.t2"][0]), framework="pt") as f:
+        assert f.get_tensor("s1.t2").equal(tensors["s1.t2"])

@@ -188,8 +188,17 @@ class PositionedWriter:
         return self._check(shard, self._buf)
 
     def _check(self, shard: str, buf: bytearray) -> tuple[str | None, str | None]:
-        """``shard`` read back: (the first tensor whose bytes differ from what was written, or None; "its size" /
-        "its header" where those differ, or None)."""
+        """``shard`` (fsynced) read back: (the first tensor whose bytes differ from what was written, or None; "its
+        size" / "its header" where those differ, or None). Its pages are then dropped from the page cache (clean
+        after the fsync; nothing reads them again): an output as large as the memory otherwise fills the cache, and
+        the kernel reclaims it inside the command's own reads and allocations (OPT-6.7B, 13 GB on 23 GB of RAM:
+        kernel time 20 s -> 10 s, wall 29 s -> 21 s)."""
+        try:
+            return self._read_back(shard, buf)
+        finally:
+            _drop_cached(self.folder / shard)
+
+    def _read_back(self, shard: str, buf: bytearray) -> tuple[str | None, str | None]:
         raw, size = self.layout.shards[shard]
         view = memoryview(buf)
         odd = None
@@ -216,6 +225,16 @@ class PositionedWriter:
     def _nbytes(self, key: str) -> int:
         _, _, dtype, shape = self.layout.at[key]
         return torch.Size(shape).numel() * dtype.itemsize
+
+
+def _drop_cached(path: Path) -> None:
+    """Ask the kernel to drop ``path``'s clean pages from the page cache (where it can be asked: Linux)."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def digests(folder: Path, skip: set[str]) -> dict[str, int]:
