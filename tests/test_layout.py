@@ -203,8 +203,8 @@ def test_package_imports_without_cycles():
     for module in ("normconv.kinds", "normconv.match", "normconv.io.pickles", "normconv.io.inputs",
                    "normconv.io.hf_inputs", "normconv.io.outputs", "normconv.io.write", "normconv.io.load",
                    "normconv.graph.detect", "normconv.onnx.export", "normconv.passes.swap_norm",
-                   "normconv.stream.checkpoint", "normconv.stream.blocks", "normconv.stream.writer",
-                   "normconv.stream.onepass", "normconv.stream.swap",
+                   "normconv.stream.checkpoint", "normconv.stream.blocks", "normconv.stream.meeting",
+                   "normconv.stream.writer", "normconv.stream.onepass", "normconv.stream.swap",
                    "normconv.stream.fold", "normconv.engine.door", "normconv.commands.export", "normconv.api",
                    "normconv.cli"):
         r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)

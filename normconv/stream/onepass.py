@@ -9,7 +9,8 @@ checksum and renamed into place.
            fold's edits), the rewritten ones handed to the writer, the original model and the rewritten model filled
            with them (a half-precision checkpoint cast to float32 once per tensor, a tensor both models read cast
            once; a weight only embeddings and linear layers read kept as stored: an embedding's output cast, the
-           same rows; a linear layer's rows cast a slice at a time)
+           same rows; a linear layer's rows cast a slice at a time, the four forwards' calls of one weight made as
+           one product: stream.meeting)
   blocks   the original and the rewritten model run at the example inputs and a second shape, four threads in
            lockstep (stream.blocks.lockstep); a loader thread reads block i + 1's tensors once from the source,
            rewrites them and hands them to the writer while block i runs (``_Ahead``); before block i runs, both
@@ -21,8 +22,8 @@ checksum and renamed into place.
   written  the writer thread writes each tensor at its offset with the CRC-32 of its bytes as they left memory; each
            shard, once its last tensor is written, fsynced and read back sequentially (header, size, every tensor's
            CRC-32) by a checker thread while the next blocks run (a shard written again later, by a retried pass,
-           read back again at the end), and every other file written checked against its checksum: the files on
-           disk are the tensors just verified
+           read back again at the end), then its pages dropped from the page cache, and every other file written
+           checked against its checksum: the files on disk are the tensors just verified
   output   the temp folder renamed to OUT only if every comparison and every checksum passed; on any failure
            (exit 1 for a miss) nothing is left under OUT or beside it
 
