@@ -189,3 +189,26 @@ def test_each_shard_s_pages_are_dropped_from_the_cache_once_fsynced_and_read_bac
 
     with safe_open(str(out / writer.layout.at["s1.t2"][0]), framework="pt") as f:
         assert f.get_tensor("s1.t2").equal(tensors["s1.t2"])
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="no posix_fadvise here")
+def test_a_source_larger_than_the_memory_has_each_tensor_s_pages_dropped_once_read(tmp_path, monkeypatch):
+    """Only where the shards hold more bytes than the machine's memory (its pages cannot all stay cached) is each
+    tensor read dropped from the page cache, its own byte range; the values read are the same either way."""
+    import os
+
+    ckpt, tensors = _folder(tmp_path)
+    dropped = []
+    fadvise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, advice: dropped.append((o, n, advice))
+                        or fadvise(fd, o, n, advice))
+    assert not ckpt.larger_than_memory()  # a few KB
+    ckpt.uncached = ckpt.larger_than_memory()
+    assert ckpt.get("s0.t1").equal(tensors["s0.t1"]) and dropped == []
+    monkeypatch.setattr(os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 1)  # 4 KiB of memory
+    assert ckpt.larger_than_memory()
+    ckpt.uncached = True
+    h = ckpt.shards[ckpt.weight_map["s0.t1"]]
+    start, end = h["s0.t1"]["data_offsets"]
+    assert ckpt.get("s0.t1").equal(tensors["s0.t1"])
+    assert dropped == [(h["__start__"] + start, end - start, os.POSIX_FADV_DONTNEED)]

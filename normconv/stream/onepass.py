@@ -27,8 +27,9 @@ checksum and renamed into place.
   output   the temp folder renamed to OUT only if every comparison and every checksum passed; on any failure
            (exit 1 for a miss) nothing is left under OUT or beside it
 
-The source is read once per tensor (plus a rare consumer outside the block of the norm it absorbs); the output is
-never read into a model. Peak memory: one block (original + rewritten; for a half-precision checkpoint its linear
+The source is read once per tensor (plus a rare consumer outside the block of the norm it absorbs; a source larger
+than the memory has each tensor's pages dropped from the page cache once read); the output is never read into a
+model. Peak memory: one block (original + rewritten; for a half-precision checkpoint its linear
 weights as stored, its other tensors in float32),
 the next block's source and rewritten tensors (read ahead), the rest, and at most a few tensors waiting for the
 writer.
@@ -390,6 +391,7 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
         with signals_held():  # an interrupt waits until the temp folder exists and is known to the cleanup below
             tmp = Path(temp_file(out, folder=True))
         layout = plan_layout(ckpt, copies)
+        ckpt.uncached = ckpt.larger_than_memory()  # read once: its pages would only be reclaimed inside the pass
         writer = PositionedWriter(tmp, layout, early=after_rewrite is None)  # a test's edit comes before any check
         copy_folder(src, tmp, ckpt, layout.weight_map, untied, report.notes)
         others = digests(tmp, set(layout.shards))
