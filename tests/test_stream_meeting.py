@@ -51,6 +51,20 @@ def _run(meet, calls_of, runs=4, timeout=60.0):
     return outs, not any(t.is_alive() for t in threads)
 
 
+def _products(monkeypatch) -> list[int]:
+    """A list that gets, for each product the meetings make from now on, how many calls it serves."""
+    sizes: list[int] = []
+    settle = mt.Meeting._settle
+
+    def counted(self):
+        waiting = dict(self.open)
+        settle(self)
+        sizes.extend(len(c.rows) for k, c in waiting.items() if k not in self.open)
+
+    monkeypatch.setattr(mt.Meeting, "_settle", counted)
+    return sizes
+
+
 @pytest.mark.parametrize("slice_bytes", [1 << 20, 64 * 4 * 5])  # one slice; 5 rows of 64 a slice, the last short
 def test_calls_of_one_weight_meet_and_each_gets_its_rows_and_its_bias(monkeypatch, slice_bytes):
     monkeypatch.setattr(mt, "SLICE_BYTES", slice_bytes)
@@ -124,15 +138,7 @@ def test_in_the_lockstep_the_blocks_meet_and_the_outputs_are_the_plain_forwards(
         for m in model.modules():
             if type(m) is nn.Linear:
                 m.forward = lambda x, m=m: meet.linear(m, x, torch.float32)
-    sizes = []
-    settle = mt.Meeting._settle
-
-    def counted(self):
-        waiting = dict(self.open)
-        settle(self)
-        sizes.extend(len(c.rows) for k, c in waiting.items() if k not in self.open)
-
-    monkeypatch.setattr(mt.Meeting, "_settle", counted)
+    sizes = _products(monkeypatch)
 
     def enter(i):
         holders: dict = {}
@@ -161,15 +167,7 @@ def test_the_streamed_swap_of_a_bf16_opt_makes_the_four_calls_of_a_weight_one_pr
 
     src, out = tmp_path / "in", tmp_path / "out"
     _saved(lambda: _opt().to(torch.bfloat16), src)  # OPT: nn.Linear layers, kept as stored
-    sizes = []
-    settle = mt.Meeting._settle
-
-    def counted(self):
-        waiting = dict(self.open)
-        settle(self)
-        sizes.extend(len(c.rows) for k, c in waiting.items() if k not in self.open)
-
-    monkeypatch.setattr(mt.Meeting, "_settle", counted)
+    sizes = _products(monkeypatch)
     report = streaming.swap(src, out)
     assert report.passed
     assert sizes and 4 in sizes and 1 not in sizes  # no forward's call went alone
