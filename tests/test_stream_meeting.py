@@ -171,3 +171,42 @@ def test_the_streamed_swap_of_a_bf16_opt_makes_the_four_calls_of_a_weight_one_pr
     report = streaming.swap(src, out)
     assert report.passed
     assert sizes and 4 in sizes and 1 not in sizes  # no forward's call went alone
+
+
+def test_a_product_failing_in_one_forward_raises_in_every_call_of_it_and_none_waits(monkeypatch):
+    """A slice that fails (out of memory, say) in the thread computing it: that thread raises its error, every other
+    call of the product raises too (from it), and every thread ends."""
+    monkeypatch.setattr(mt, "SLICE_BYTES", 32 * 4 * 2)  # 12 slices of 2 rows: every thread takes some
+    lin = _bf16_linear(32, 24, True, 8)
+    meet = mt.Meeting(4)
+    meet.hold({mt.weight_key(lin.weight): frozenset(range(4))})
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(9))
+    cast = mt._cast
+    failed = []
+
+    def fails_once(rows, to):
+        if not failed:
+            failed.append(rows.shape)
+            raise MemoryError("no memory for a slice")
+        return cast(rows, to)
+
+    monkeypatch.setattr(mt, "_cast", fails_once)
+    errors: list[BaseException] = []
+
+    def work(k):
+        meet.start(k)
+        try:
+            meet.linear(lin, x, torch.float32)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            meet.done(k)
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 4 and sum(isinstance(e, MemoryError) for e in errors) == 1
+    assert all(isinstance(e.__cause__, MemoryError) for e in errors if not isinstance(e, MemoryError))

@@ -54,6 +54,7 @@ class _Call:
         self.parts: list[torch.Tensor | None] = []
         self.taken = self.left = 0
         self.y: torch.Tensor | None = None
+        self.error: BaseException | None = None  # a slice that failed: every call of the product raises
 
 
 class Meeting:
@@ -130,8 +131,10 @@ class Meeting:
                 self.cond.wait()
         self._share(call, w, to)
         with self.cond:
-            while call.y is None:
+            while call.y is None and call.error is None:
                 self.cond.wait()
+        if call.y is None:
+            raise RuntimeError("a linear product shared with another verification forward failed") from call.error
         start, end = call.rows[run]
         y = call.y[start:end].reshape(*x.shape[:-1], w.shape[0])
         return y + b.to(to) if b is not None else y.clone()
@@ -167,11 +170,17 @@ class Meeting:
                 call.left = len(call.parts)
         while True:
             with self.cond:
-                if call.taken >= len(call.parts):
+                if call.taken >= len(call.parts) or call.error is not None:
                     return
                 i = call.taken
                 call.taken += 1
-            part = nn.functional.linear(call.x, _cast(w[i * step:(i + 1) * step], to))
+            try:
+                part = nn.functional.linear(call.x, _cast(w[i * step:(i + 1) * step], to))
+            except BaseException as exc:  # the calls waiting for the product raise too (none waits for ever)
+                with self.cond:
+                    call.error = call.error or exc
+                    self.cond.notify_all()
+                raise
             with self.cond:
                 call.parts[i] = part
                 call.left -= 1
