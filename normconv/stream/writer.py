@@ -30,7 +30,7 @@ from isal.isal_zlib import crc32 as _isal_crc32
 from normconv.io import durable
 from normconv.stream.checkpoint import _DTYPES, Checkpoint, shard_header, tensor_bytes
 
-_CHUNK = 64 << 20  # read-back buffer
+_CHUNK = 8 << 20  # read-back buffer (the checker holds one while the pass runs)
 _PENDING = 8  # tensors handed to the writer thread and not yet written (then the producer waits)
 _CRC_PIECE = 1 << 30  # bytes per checksum call (no length near 32 bits reaches the library)
 
