@@ -3,6 +3,8 @@
     start_writeback(fd)   the kernel starts writing the file's dirty pages now, without waiting (Linux
                           sync_file_range(SYNC_FILE_RANGE_WRITE); elsewhere nothing: the sync below does it all)
     start_writeback_under(folder)   the same for every file under a folder
+    drop_cached(fd)       the kernel drops the file's clean pages from the page cache (Linux posix_fadvise DONTNEED;
+                          elsewhere nothing): a streamed checkpoint's pages once read, or written and read back
     sync(path)            fsync of a file, or of every file and folder under a folder (a Hugging Face folder
                           written by save_pretrained), before the rename
     sync_entry(path)      fsync of the folder holding it, after the rename: the new name is on the device too
@@ -60,6 +62,16 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
     return fn is not None and fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
+def drop_cached(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
+    """Ask the kernel to drop ``fd``'s clean pages in ``[offset, offset + nbytes)`` (``nbytes`` 0: to the end of the
+    file) from the page cache: bytes read or written once that nothing reads again (a checkpoint larger than the
+    memory) would otherwise be reclaimed later inside the command's own work. False where it cannot be asked."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    return True
+
+
 def start_writeback_under(folder: str | os.PathLike) -> None:
     """``start_writeback`` on every file under ``folder`` (what save_pretrained wrote)."""
     for root, _, files in os.walk(folder):
@@ -100,4 +112,4 @@ def _on_fd(path: str, flags: int, fn) -> None:
         os.close(fd)
 
 
-__all__ = ["start_writeback", "start_writeback_under", "sync", "sync_entry"]
+__all__ = ["drop_cached", "start_writeback", "start_writeback_under", "sync", "sync_entry"]

@@ -131,8 +131,8 @@ class Checkpoint:
                 f.seek(h["__start__"] + start)
                 if f.readinto(buf) != end - start or buf.nbytes != end - start:
                     raise NormconvError(f"{self.folder / shard}: tensor {name} is truncated")
-                if self.uncached and hasattr(os, "posix_fadvise"):  # OPT-13B (25.7 GB, 23 GB of RAM): 44 -> 41 s
-                    os.posix_fadvise(f.fileno(), h["__start__"] + start, end - start, os.POSIX_FADV_DONTNEED)
+                if self.uncached:  # OPT-13B (25.7 GB, 23 GB of RAM): 44 -> 41 s
+                    durable.drop_cached(f.fileno(), h["__start__"] + start, end - start)
         return t
 
 
