@@ -163,7 +163,7 @@ class Meeting:
 
     def _share(self, call: _Call, w: torch.Tensor, to: torch.dtype) -> None:
         """Take the call's slices of ``w`` one at a time until none is left; the last one done joins them."""
-        step = max(1, SLICE_BYTES // (w.shape[1] * to.itemsize))
+        step = _rows_per_slice(w, to)
         with self.cond:
             if not call.parts and call.y is None:
                 call.parts = [None] * -(-w.shape[0] // step)
@@ -190,6 +190,11 @@ class Meeting:
                     self.cond.notify_all()
 
 
+def _rows_per_slice(w: torch.Tensor, to: torch.dtype) -> int:
+    """How many of ``w``'s rows one slice casts: SLICE_BYTES of them in ``to``, at least one."""
+    return max(1, SLICE_BYTES // (w.shape[1] * to.itemsize))
+
+
 def _cast(rows: torch.Tensor, to: torch.dtype) -> torch.Tensor:
     """``rows`` cast to ``to`` in this thread's buffer (grown when too small)."""
     buf = getattr(_slice, "buf", None)
@@ -202,7 +207,7 @@ def _alone(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, to: torch.d
     """``x W^T + b`` with ``w`` cast a slice of rows at a time, the outputs joined: each output is the dot product
     with its row cast (bit for bit the product with the cast weight on this machine's BLAS), with no cast copy of
     the whole weight."""
-    step = max(1, SLICE_BYTES // (w.shape[1] * to.itemsize))
+    step = _rows_per_slice(w, to)
     outs = [nn.functional.linear(x, _cast(w[i:i + step], to), None if b is None else b[i:i + step].to(to))
             for i in range(0, w.shape[0], step)]
     return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
