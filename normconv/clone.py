@@ -6,6 +6,13 @@
 
 A pass never writes into a tensor it did not get from ``owned``: that is what keeps the user's model
 bit-identical while a 7B model is rewritten at the memory of the tensors that change.
+
+A weight mapped from its file (``from_file``: a model loaded from safetensors by ``from_pretrained`` or
+``safetensors.torch.load_file`` keeps its weights in a private mapping of the file) is copied by ``owned`` even in a
+model the command line may write in place: writing the mapping copies each 4 KiB page on its first write, one fault
+each, far slower than a copy into fresh memory (GPT-2 124M's 24 output projections, 141 MB: 195-260 ms written in
+place, 27-29 ms copied, BENCHMARKS.md). Its file pages are then let go (``let_go``, madvise DONTNEED): a later read
+maps them from the file again, the same bytes, so memory holds one copy, as it did when the write copied each page.
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ import collections
 import contextlib
 import copy
 import copyreg
+import ctypes
 import functools
+import mmap
+import os
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -87,9 +98,11 @@ def _plain(cls: type) -> bool:
 
 def owned(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as ``root``'s own copy, safe to write in place. Every module of ``root`` that holds the tensor
-    (tied weights) gets the same copy, so ties survive. A tensor already owned is returned as it is."""
+    (tied weights) gets the same copy, so ties survive. A tensor already owned is returned as it is, unless it lives
+    in a mapping of its file (module docstring): then it is copied too, and its file pages let go."""
     mine: set[int] = root.__dict__.setdefault(_OWNED_ATTR, set())
-    if id(tensor) in mine:
+    mapped = id(tensor) in mine and from_file(tensor)
+    if id(tensor) in mine and not mapped:
         return tensor
     data = tensor.detach().clone()
     new = nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
@@ -106,6 +119,8 @@ def owned(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     if not found:  # not a parameter or buffer of root: a tensor the pass made itself, already its own
         mine.add(id(tensor))
         return tensor
+    if mapped:  # whoever still holds the old tensor reads the same bytes, mapped from the file again
+        let_go(tensor)
     mine.add(id(new))
     return new
 
@@ -142,4 +157,69 @@ def owning_as(part: nn.Module, root: nn.Module) -> Iterator[nn.Module]:
         part.__dict__.pop(_OWNED_ATTR, None)
 
 
-__all__ = ["clone_sharing_tensors", "owned", "adopt", "copy_on_write", "release", "owning_as"]
+# -- weights mapped from their file ----------------------------------------------------------------------------
+
+_MADV_DONTNEED = 4  # linux/mman.h
+# /proc/self/pagemap entry bits 63 (page present) and 61 (file-backed or shared anonymous), as a signed 64-bit pattern
+_BOTH = -(1 << 63) | (1 << 61)
+_SMALL = 1 << 20  # under 1 MiB a tensor spans at most 256 pages: its faults cost less than the checks
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's madvise with its argument types, or None where this is not Linux or libc has none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The first and one-past-last page address wholly inside ``t``'s bytes (only whole pages: a page shared with a
+    neighbouring tensor is never touched), or None where ``t`` is not a plain contiguous CPU tensor of 1 MiB or more."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or not t.is_contiguous() \
+            or _madvise() is None:
+        return None
+    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if nbytes < _SMALL or not start:
+        return None
+    page = mmap.PAGESIZE
+    first, end = -(-start // page) * page, (start + nbytes) // page * page
+    return (first, end) if end > first else None
+
+
+def from_file(t: torch.Tensor) -> bool:
+    """Every whole page of ``t`` is present and a page of a file this process never wrote (module docstring)."""
+    span = _span(t)
+    if span is None:
+        return False
+    page = mmap.PAGESIZE
+    count = (span[1] - span[0]) // page
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        raw = os.pread(fd, count * 8, span[0] // page * 8)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if len(raw) != count * 8:
+        return False
+    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)  # bit 63 is the sign bit: compared as a pattern
+    return bool((entries & _BOTH).eq(_BOTH).all())
+
+
+def let_go(t: torch.Tensor) -> bool:
+    """Unmap the whole pages of ``t`` (module docstring); call it only where ``from_file(t)`` held. True when done."""
+    span = _span(t)
+    return span is not None and _madvise()(span[0], span[1] - span[0], _MADV_DONTNEED) == 0
+
+
+__all__ = ["from_file", "let_go", "clone_sharing_tensors", "owned", "adopt", "copy_on_write", "release", "owning_as"]
