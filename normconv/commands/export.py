@@ -98,7 +98,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     try:
         with onnx_export._quiet():
             done = apply_passes(source, src_inputs, passes, opts.method, eval_mode=True, on_first_capture=plan_sites,
-                                reference=reference32 if half is not None else reference)
+                                reference=reference32 if half is not None else reference, stack_traces=True)
         prepared, pass_sites, last = done.model, done.sites, done.capture
     except NormconvError as exc:
         if norms or exc.code is not Code.CANNOT_CAPTURE:

@@ -79,7 +79,7 @@ class Run:
 def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], method: str = "auto",
                  eval_mode: bool = False, on_first_capture: Callable[[Captured], None] | None = None,
                  writable: bool = False, reference: Any = None, by_parts: bool = False,
-                 whole_export: str | None = None) -> Run:
+                 whole_export: str | None = None, stack_traces: bool = False) -> Run:
     """Run ``passes`` in order on a tensor-sharing copy of ``model``.
 
     ``eval_mode`` puts the copy (never the user's model) in eval mode first. ``on_first_capture`` sees the first
@@ -89,7 +89,8 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
     method captures whole is rewritten part by part when every pass allows it; else its capture error is raised.
     ``whole_export``: an output that is torch.export of the whole rewritten model (a .pt2, named here): refused as
     soon as the capture shows torch.export cannot take the model whole, before any pass runs (the passes change
-    layers, not the control flow that stopped it)."""
+    layers, not the control flow that stopped it). ``stack_traces``: the captures keep each node's Python stack (an
+    ONNX export reusing the last capture carries them into its nodes' metadata; ``graph.capture``)."""
     work = clone_sharing_tensors(model, writable)
     if eval_mode:
         for m in work.modules():
@@ -99,7 +100,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
     parts_allowed = by_parts and all(p.by_parts for p in passes)  # not rotation, DeepNorm, export
     if on_first_capture is not None:
         phase("capture")
-        cap = out.saw(capture(work, inputs, method, reference))
+        cap = out.saw(capture(work, inputs, method, reference, stack_traces))
         on_first_capture(cap)
     whole: NormconvError | None = None  # why the whole model does not capture, once seen
     failed_parts: dict[str, str] = {}  # the same for submodules captured alone (by parts): path -> why
@@ -111,7 +112,7 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
             try:
                 if whole is not None:  # a pass rewrote layers, not the control flow that kept the whole uncaptured
                     raise whole
-                cap = out.saw(capture(work, inputs, method, reference))
+                cap = out.saw(capture(work, inputs, method, reference, stack_traces))
             except NormconvError as exc:
                 if exc.code is Code.CANNOT_CAPTURE and whole_export and method in ("auto", "torch.export"):
                     attempts = exc.attempts if isinstance(exc, CaptureError) else {}

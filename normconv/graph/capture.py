@@ -11,10 +11,15 @@ A capture that decided a Python branch on a tensor's value (torch.export.draft_e
 concrete tensor's value read while symbolic_trace ran: ``if self.flag.item()``) holds one branch only: it is
 ``specialized`` and lists each such ``Guard`` (where it is, the module whose forward holds it, what it decided);
 the engine refuses to claim an exact rewrite past it unless it proves the other branches are not affected.
+
+torch.export records each node's Python stack (``stack_trace``) unless told not to: 14% of a GPT-2 capture (0.12 of
+0.89 s), and the analysis reads none of it. A capture takes none unless asked (``stack_traces=True``: an ONNX export
+that reuses the capture carries them into its nodes' metadata); draft_export always does (its guards are placed by it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -311,11 +316,13 @@ def _one_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
-def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: Any = None) -> Captured:
+def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: Any = None,
+            stack_traces: bool = False) -> Captured:
     """Capture an FX graph of ``model`` on ``inputs``; raises NormconvError naming why each method failed.
 
     ``reference``: ``run(model, inputs)`` when the caller has it already (the trust check of a traced graph then
-    compares the shape-propagation forward against it instead of running the model and the graph once more)."""
+    compares the shape-propagation forward against it instead of running the model and the graph once more).
+    ``stack_traces``: torch.export's nodes keep their Python stack (module docstring)."""
     attempts: dict[str, str] = {}
     methods = ("symbolic_trace", "torch.export") if method == "auto" else (method,)
     for m in methods:
@@ -323,7 +330,7 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
             continue  # keyword inputs (every Hugging Face model) go to torch.export: a choice, not a failure
         try:
             with forward_guard(model):  # tracing and shape propagation run forwards too: they change nothing
-                return _capture_with(m, model, inputs, attempts, reference)
+                return _capture_with(m, model, inputs, attempts, reference, stack_traces)
         except Exception as exc:  # each failure is recorded; the next method is tried
             attempts[m] = _one_line(exc)
         masked = with_attention_mask(model, inputs) if m == "torch.export" else None
@@ -332,7 +339,7 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
             # downstream. All ones is that default, so the graph is the model's on these inputs
             try:
                 with forward_guard(model):
-                    cap = _capture_with(m, model, masked, attempts, None)
+                    cap = _capture_with(m, model, masked, attempts, None, stack_traces)
                 attempts[m] += "; captured with an all-ones attention_mask added to the inputs"
                 return cap
             except Exception:  # noqa: BLE001 - the first failure is the one to report
@@ -397,8 +404,21 @@ class _ShapeProp(fx.Interpreter):
         return result
 
 
+@contextlib.contextmanager
+def _stack_traces(keep: bool):
+    """torch.fx's tracers record each node's stack unless ``torch.fx.config.do_not_emit_stack_traces``; set for the
+    block, restored after."""
+    config = fx.config
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = not keep
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, str],
-                  reference: Any = None) -> Captured:
+                  reference: Any = None, stack_traces: bool = False) -> Captured:
     if m == "symbolic_trace":
         if inputs.kwargs:
             raise NormconvError("keyword inputs need torch.export")
@@ -423,7 +443,8 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
     if m == "torch.export":
         with torch.no_grad(), quiet_torch_logs():
             try:
-                ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+                with _stack_traces(stack_traces):
+                    ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
             except Exception as exc:
                 if not _data_dependent(exc):
                     raise
