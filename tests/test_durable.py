@@ -99,3 +99,25 @@ def test_a_pickle_written_in_pieces_is_torch_saves_own_bytes(tmp_path):
     with latched(str(tmp_path / "pieces.pt")) as f:
         torch.save(model.state_dict(), f)
     assert (tmp_path / "pieces.pt").read_bytes() == (tmp_path / "plain.pt").read_bytes()
+
+
+def test_the_disk_is_started_on_each_stretch_written_then_on_the_whole_file(tmp_path, monkeypatch):
+    """LatchedFile hands the disk each ``_WRITEBACK_EVERY`` bytes as they are written (the write-back of a 1.6 GB
+    pickle then runs beside its serialization instead of after it), in order and without gaps, and the whole file
+    once more at the close; the bytes are torch.save's own."""
+    from normconv.io import outputs
+
+    calls = []
+    monkeypatch.setattr(outputs, "_WRITEBACK_EVERY", 1 << 20)
+    monkeypatch.setattr(outputs.durable, "start_writeback", lambda fd, offset=0, nbytes=0: calls.append((offset, nbytes)))
+    state = torch.nn.Linear(1100, 1000).state_dict()  # a 4.4 MB weight: four stretches and more
+    with outputs.latched(str(tmp_path / "pieces.pt")) as f:
+        torch.save(state, f)
+    with open(tmp_path / "plain.pt", "wb") as f:
+        torch.save(state, f)
+    assert (tmp_path / "pieces.pt").read_bytes() == (tmp_path / "plain.pt").read_bytes()
+    stretches, last = calls[:-1], calls[-1]
+    assert len(stretches) >= 4 and last == (0, 0)
+    assert stretches[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(stretches, stretches[1:]))
+    assert all(n >= 1 << 20 for _, n in stretches)
+    assert stretches[-1][0] + stretches[-1][1] <= (tmp_path / "pieces.pt").stat().st_size

@@ -226,6 +226,9 @@ def torch_only(model: nn.Module, inputs: Inputs | None) -> nn.Module:
 # writers: (model, path, inputs) -> None; io.save gives each a temp path and renames it into place
 
 
+_WRITEBACK_EVERY = 64 << 20  # the disk is started on each 64 MiB written, not on the whole file at the close
+
+
 class LatchedFile(io.RawIOBase):
     """A file written through Python whose first OSError is kept, not thrown into the serializer: torch's C++ zip
     writer turns a failed write into ``unexpected pos 2048 vs 1942`` (and a .pt2 writer can abort the process from
@@ -237,6 +240,7 @@ class LatchedFile(io.RawIOBase):
         self._f = open(path, "wb")
         self.error: OSError | None = None
         self._pos = 0
+        self._sent = 0  # bytes before this offset were handed to the disk (start_writeback)
 
     def writable(self) -> bool:
         return True
@@ -245,8 +249,14 @@ class LatchedFile(io.RawIOBase):
         n = memoryview(b).nbytes
         if self.error is None:
             try:
+                at = self._pos
                 for piece in durable.pieces(b):  # a whole tensor in one write call is several times slower
                     self._f.write(piece)
+                    at += piece.nbytes
+                    if at - self._sent >= _WRITEBACK_EVERY:  # the disk starts on what is written so far
+                        self._f.flush()
+                        durable.start_writeback(self._f.fileno(), self._sent, at - self._sent)
+                        self._sent = at
             except OSError as exc:
                 self.error = exc
         self._pos += n
