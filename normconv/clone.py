@@ -31,7 +31,17 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-_OWNED_ATTR = "_normconv_owned_ids"  # ids of tensors this copy made for itself (kept on the root, out of state)
+_OWNED_ATTR = "_normconv_owned_ids"  # the copy's ``_Owned`` record (kept on the root, out of state)
+
+
+class _Owned(set):
+    """The ids of the tensors a copy may write in place, and the copies ``owned`` made: id(tensor) -> (tensor, its
+    copy), so that a pass asking again with the tensor it held before gets the copy, not a second one (nor, where the
+    tensor is the user's, the user's tensor itself)."""
+
+    def __init__(self, ids=()) -> None:
+        super().__init__(ids)
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def clone_sharing_tensors(model: nn.Module, writable: bool = False) -> nn.Module:
@@ -43,7 +53,7 @@ def clone_sharing_tensors(model: nn.Module, writable: bool = False) -> nn.Module
     memo: dict[int, object] = {}
     for t in list(model.parameters()) + list(model.buffers()):
         memo[id(t)] = t
-    tensor_ids = set(memo) if writable else set()
+    tensor_ids = _Owned(memo) if writable else _Owned()
     clone = _copy_module(model, memo)
     clone.__dict__[_OWNED_ATTR] = tensor_ids
     return clone
@@ -100,7 +110,10 @@ def owned(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as ``root``'s own copy, safe to write in place. Every module of ``root`` that holds the tensor
     (tied weights) gets the same copy, so ties survive. A tensor already owned is returned as it is, unless it lives
     in a mapping of its file (module docstring): then it is copied too, and its file pages let go."""
-    mine: set[int] = root.__dict__.setdefault(_OWNED_ATTR, set())
+    mine: _Owned = root.__dict__.setdefault(_OWNED_ATTR, _Owned())
+    copied = mine.copies.get(id(tensor))
+    if copied is not None and copied[0] is tensor:  # copied already: the pass held on to the tensor it asked for
+        tensor = copied[1]
     mapped = id(tensor) in mine and from_file(tensor)
     if id(tensor) in mine and not mapped:
         return tensor
@@ -122,13 +135,14 @@ def owned(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     if mapped:  # whoever still holds the old tensor reads the same bytes, mapped from the file again
         let_go(tensor)
     mine.add(id(new))
+    mine.copies[id(tensor)] = (tensor, new)
     return new
 
 
 def adopt(root: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     """Record ``tensor`` (one the pass just made, e.g. an untied copy) as ``root``'s own: ``owned`` returns it as it
     is instead of cloning it again."""
-    root.__dict__.setdefault(_OWNED_ATTR, set()).add(id(tensor))
+    root.__dict__.setdefault(_OWNED_ATTR, _Owned()).add(id(tensor))
     return tensor
 
 
@@ -150,7 +164,7 @@ def release(root: nn.Module) -> nn.Module:
 def owning_as(part: nn.Module, root: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``part`` (a submodule of ``root`` a pass rewrites alone) shares ``root``'s ownership record:
     a tensor ``root`` owns is written in place, not cloned again, and no record is left on ``part`` after."""
-    part.__dict__[_OWNED_ATTR] = root.__dict__.setdefault(_OWNED_ATTR, set())
+    part.__dict__[_OWNED_ATTR] = root.__dict__.setdefault(_OWNED_ATTR, _Owned())
     try:
         yield part
     finally:

@@ -89,3 +89,25 @@ def test_owned_still_copies_for_a_model_nobody_gave_away(tmp_path):
     with torch.no_grad():
         w.zero_()
     assert w is not model.weight and torch.equal(model.weight, t["proj"]) and bool(model.weight.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_asking_again_with_the_tensor_held_before_gets_the_same_copy(tmp_path, mapped):
+    """A pass that held on to a tensor and asks ``owned`` for it a second time writes the copy the first call made:
+    never the user's tensor (a model the API was given) nor a file-mapped tensor no longer in the model."""
+    weight = _mapped(tmp_path, w=torch.randn(2048, 512))["w"] if mapped else torch.randn(2048, 512)
+    model = nn.Linear(512, 2048, bias=False)
+    model.weight = nn.Parameter(weight)
+    original = weight.clone()
+    for writable in ((True, False) if mapped else (False,)):
+        work = clone_sharing_tensors(model, writable=writable)
+        held = work.weight  # the tensor the pass holds
+        first = owned(work, held)
+        with torch.no_grad():
+            first.mul_(2)
+        second = owned(work, held)
+        with torch.no_grad():
+            second.add_(1)
+        assert second is first and work.weight is first
+        assert torch.equal(work.weight, original * 2 + 1)
+        assert torch.equal(model.weight, original)  # the model it was copied from reads its own values
