@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from normconv.errors import NormconvError
 from normconv.io import durable, hf_folder
+from normconv.io.archive import memory_bytes
 from normconv.io.hf_folder import safetensors_header, tensor_names
 from normconv.io.ledger import Ledger
 from normconv.io.load import hf_model_class, remote_code
@@ -80,9 +81,8 @@ class Checkpoint:
     def larger_than_memory(self) -> bool:
         """The shards hold more bytes than the machine has memory: their pages cannot all stay in the page cache
         (a tensor read is read once; what the cache keeps of it, the kernel reclaims later inside the pass)."""
-        try:
-            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):  # no such query here: keep the cache as it is
+        memory = memory_bytes()
+        if memory is None:  # no such query here: keep the cache as it is
             return False
         return sum((self.folder / s).stat().st_size for s in self.shards) > memory
 
