@@ -399,13 +399,27 @@ def test_half_precision_pass_keeps_embeddings_and_heads_as_stored_and_reads_ahea
     assert "normconv-read-ahead" in threads  # blocks were read and rewritten by the loader thread
 
 
-def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_output(tmp_path, monkeypatch):
+@pytest.mark.parametrize("late", [False, True], ids=["loader-on-time", "loader-scheduled-late"])
+def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_output(tmp_path, monkeypatch, late):
     """The loader reads a later block's tensors into the buffers of a block already dropped (no page faults for
-    memory met before); the written shards are the bytes of a run that reads every tensor into new memory."""
+    memory met before); the written shards are the bytes of a run that reads every tensor into new memory. Also
+    where the loader thread is scheduled again only long after handing its block over (a busy machine: CI once saw
+    it), when its executor still holds the finished work item."""
     import hashlib
+    import time
+    from concurrent.futures import thread as executor
 
     from normconv.stream import checkpoint
 
+    if late:
+        run = executor._WorkItem.run
+
+        def late_run(self):
+            run(self)
+            if threading.current_thread().name.startswith("normconv-read-ahead"):
+                time.sleep(0.3)
+
+        monkeypatch.setattr(executor._WorkItem, "run", late_run)
     src = tmp_path / "in"
     _saved(lambda: _opt().to(torch.bfloat16), src)
     get = checkpoint.Checkpoint.get

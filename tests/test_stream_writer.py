@@ -79,6 +79,35 @@ def test_each_shard_is_checked_as_soon_as_it_is_written_and_not_read_again(tmp_p
     assert all(t.startswith("normconv-checker") for _, t in reads)
 
 
+def test_a_written_tensor_is_held_no_longer_while_the_writer_waits(tmp_path):
+    """Once the writer thread has written a tensor and waits for the next, it holds no reference to it: the streamed
+    pass reads a later block into a dropped block's buffers only where nothing else holds them (its last tensor
+    stayed held by the thread's locals, and was never read into again)."""
+    import sys
+    import weakref
+
+    ckpt, tensors = _folder(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    writer = PositionedWriter(out, plan_layout(ckpt, {}))
+    try:
+        key = next(iter(tensors))
+        t = tensors.pop(key).clone()
+        gone = weakref.ref(t)
+        before = sys.getrefcount(t)
+        writer.write(key, t)
+        for _ in range(1000):
+            if key in writer.sums and writer._queue.empty() and sys.getrefcount(t) == before:
+                break
+            threading.Event().wait(0.01)
+        assert key in writer.sums
+        assert sys.getrefcount(t) == before  # neither the queue nor the thread's frame holds it
+        del t
+        assert gone() is None
+    finally:
+        writer.close()
+
+
 def test_a_byte_changed_before_the_early_check_is_found(tmp_path, monkeypatch):
     ckpt, tensors = _folder(tmp_path)
     out = tmp_path / "out"

@@ -132,24 +132,33 @@ class _Ahead:
     """The next unit's source tensors read and rewritten in a loader thread while the forwards run the current one
     (reading, the rewrite's arithmetic and the writer hand-off then overlap the forwards instead of stopping all
     four): ``take(u)`` returns unit u's ``prepare(u)``, computed now if u was not the unit read ahead, and starts
-    u + 1. One unit ahead at most: one block's source and rewritten tensors in memory beside the running one."""
+    u + 1. One unit ahead at most: one block's source and rewritten tensors in memory beside the running one.
+    The loader hands its result over in ``ready``, not as the future's result: the executor's work item holds its
+    future until the loader thread runs again, and a future holding a block's tensors then kept them from being read
+    into again (``_Buffers``: a busy machine's loader thread, scheduled late, lost the dropped block's buffers)."""
 
     def __init__(self, prepare: Callable[[int], Any], count: int):
         self.prepare, self.count = prepare, count
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="normconv-read-ahead")
         self.next: tuple[int, Future] | None = None
+        self.ready: dict[int, Any] = {}  # unit -> what the loader prepared, taken once by ``take``
+
+    def _load(self, unit: int) -> None:
+        self.ready[unit] = self.prepare(unit)  # stored, never a local or the future's result: taken, it is free
 
     def start(self, unit: int) -> None:
         if unit < self.count:
-            self.next = (unit, self.pool.submit(self.prepare, unit))
+            self.next = (unit, self.pool.submit(self._load, unit))
 
     def take(self, unit: int) -> Any:
         guess, self.next = self.next, None
         if guess is not None and guess[0] == unit:
-            got = guess[1].result()  # the loader's exception, if any, is raised here
+            guess[1].result()  # the loader's exception, if any, is raised here
+            got = self.ready.pop(unit)
         else:  # blocks called out of order (a block run twice): the guess is finished and dropped
             if guess is not None:
                 wait([guess[1]])
+                self.ready.clear()
             got = self.prepare(unit)
         self.start(unit + 1)
         return got
@@ -158,6 +167,7 @@ class _Ahead:
         """Wait for the loader; what it read ahead and nobody took is dropped (its writes stand: same bytes)."""
         self.next = None
         self.pool.shutdown(wait=True)
+        self.ready.clear()
 
 
 class _Pass:

@@ -112,24 +112,27 @@ class PositionedWriter:
             item = self._queue.get()
             if item is None:
                 return
-            if self._error is not None:
-                continue  # after a failure: drop what comes, the caller sees the error
-            key, t = item
-            try:
-                shard, offset, _, _ = self.layout.at[key]
-                data = tensor_bytes(t)
-                done = 0
-                while done < data.nbytes:  # 1 MiB a call (durable.CHUNK: a whole tensor at once is slow); pwrite
-                    done += os.pwrite(self.fds[shard], data[done:done + durable.CHUNK], offset + done)  # may write less
-                durable.start_writeback(self.fds[shard], offset, data.nbytes)  # the disk writes while blocks compute
-                first = key not in self.sums
-                self.sums[key] = crc32(data)
-                self.writes[shard] += 1
-                self.left[shard] -= first
-                if first and not self.left[shard] and self._checker is not None:  # the shard's last tensor
-                    self.checked[shard] = (self.writes[shard], self._checker.submit(self._synced_check, shard))
-            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by write / finish
-                self._error = exc
+            if self._error is None:  # after a failure: drop what comes, the caller sees the error
+                self._put(*item)
+            item = None  # held no longer while waiting: a written tensor's buffer is free to be read into again
+
+    def _put(self, key: str, t: torch.Tensor) -> None:
+        """Write ``t`` at its offset and record its CRC-32 (a failure is kept for the caller)."""
+        try:
+            shard, offset, _, _ = self.layout.at[key]
+            data = tensor_bytes(t)
+            done = 0
+            while done < data.nbytes:  # 1 MiB a call (durable.CHUNK: a whole tensor at once is slow); pwrite
+                done += os.pwrite(self.fds[shard], data[done:done + durable.CHUNK], offset + done)  # may write less
+            durable.start_writeback(self.fds[shard], offset, data.nbytes)  # the disk writes while blocks compute
+            first = key not in self.sums
+            self.sums[key] = crc32(data)
+            self.writes[shard] += 1
+            self.left[shard] -= first
+            if first and not self.left[shard] and self._checker is not None:  # the shard's last tensor
+                self.checked[shard] = (self.writes[shard], self._checker.submit(self._synced_check, shard))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by write / finish
+            self._error = exc
 
     def missing(self) -> list[str]:
         """Keys not handed over yet (call after ``finish``, or from the producer between blocks: approximate)."""
