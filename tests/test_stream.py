@@ -399,19 +399,20 @@ def test_half_precision_pass_keeps_embeddings_and_heads_as_stored_and_reads_ahea
     assert "normconv-read-ahead" in threads  # blocks were read and rewritten by the loader thread
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["loader-on-time", "loader-scheduled-late"])
-def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_output(tmp_path, monkeypatch, late):
+@pytest.mark.parametrize("timing", ["on-time", "loader-scheduled-late", "block-given-late"])
+def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_output(tmp_path, monkeypatch, timing):
     """The loader reads a later block's tensors into the buffers of a block already dropped (no page faults for
-    memory met before); the written shards are the bytes of a run that reads every tensor into new memory. Also
-    where the loader thread is scheduled again only long after handing its block over (a busy machine: CI once saw
-    it), when its executor still holds the finished work item."""
+    memory met before); the written shards are the bytes of a run that reads every tensor into new memory. Also on a
+    busy machine (CI once saw both): where the loader thread is scheduled again only long after handing its block
+    over (its executor still held the finished work item, and so the block), and where the loader reads block 2
+    while block 1 is still being given (the buffers of block 0 meant for that read were dropped first)."""
     import hashlib
     import time
     from concurrent.futures import thread as executor
 
-    from normconv.stream import checkpoint
+    from normconv.stream import checkpoint, onepass
 
-    if late:
+    if timing == "loader-scheduled-late":
         run = executor._WorkItem.run
 
         def late_run(self):
@@ -420,6 +421,17 @@ def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_outp
                 time.sleep(0.3)
 
         monkeypatch.setattr(executor._WorkItem, "run", late_run)
+    giving = threading.Event()  # block-given-late: block 1's sources are being given
+    if timing == "block-given-late":
+        give = onepass._Buffers.give
+
+        def late_give(self, tensors, *generation):
+            if any(".layers.1." in str(k) for k in tensors):  # block 1's sources: the loader reads block 2 meanwhile
+                giving.set()
+                time.sleep(0.3)
+            return give(self, tensors, *generation)
+
+        monkeypatch.setattr(onepass._Buffers, "give", late_give)
     src = tmp_path / "in"
     _saved(lambda: _opt().to(torch.bfloat16), src)
     get = checkpoint.Checkpoint.get
@@ -427,6 +439,8 @@ def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_outp
 
     def spy(self, name, reuse=None):
         def taking(shape, dtype):
+            if timing == "block-given-late" and ".layers.2." in name and reuse is not None:
+                assert giving.wait(60)  # the loader reads block 2 only once block 1 is being given
             t = reuse(shape, dtype) if reuse is not None else None
             if t is not None:
                 reused.append(name)

@@ -64,34 +64,43 @@ Produce = Callable[[str, torch.Tensor, Callable[[str], torch.Tensor]], torch.Ten
 
 
 class _Buffers:
-    """Tensors of the block just dropped, reused by a later block's tensors of the same shape and dtype: memory
+    """Tensors of the blocks just dropped, reused by a later block's tensors of the same shape and dtype: memory
     written for the first time pays a page fault per 4 KiB (a cast of a 2048 x 8192 bf16 weight into fresh memory
     48 ms, 42 of them in the kernel, against 8 ms into reused memory; reading OPT-2.7B's blocks into fresh buffers
     left the pass 10.7 s of kernel time in 17.8 s). Two pools: the casts (main thread: the next block's casts) and
     the source tensors read (the loader thread: the block it reads next). Only a tensor whose storage nothing else
-    holds is reused (the writer thread may still hold one); what was not taken is dropped (peak memory stays a
-    block). Thread-safe."""
+    holds is reused (the writer thread may still hold one). Each tensor is given with its generation (the unit it
+    came from); ``take`` hands out the oldest first, and ``drop(upto)`` lets go of what the reads meant for them left
+    (peak memory stays a block), so a read that comes late, while the next block is given, still finds the buffers
+    meant for it. Thread-safe."""
 
     def __init__(self) -> None:
-        self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self.free: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[int, torch.Tensor]]] = {}
         self.lock = threading.Lock()
 
     def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         with self.lock:
             pool = self.free.get((tuple(shape), dtype))
-            return pool.pop() if pool else None
+            return pool.pop(0)[1] if pool else None  # the oldest generation first: the newer ones wait for the next
 
-    def give(self, tensors: dict[Any, torch.Tensor]) -> None:
+    def give(self, tensors: dict[Any, torch.Tensor], generation: int = 0) -> None:
         """Take the tensors of ``tensors`` (emptied) for reuse, each one nothing else refers to."""
         while tensors:
             t = tensors.popitem()[1]
             if sys.getrefcount(t) <= 2 and _alone(t):  # this name and the call's argument: no holder elsewhere
                 with self.lock:
-                    self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+                    self.free.setdefault((tuple(t.shape), t.dtype), []).append((generation, t))
 
-    def drop(self) -> None:
+    def drop(self, upto: int | None = None) -> None:
+        """Let go of every tensor (``upto`` None) or of those of generations up to ``upto``."""
         with self.lock:
-            self.free.clear()
+            if upto is None:
+                self.free.clear()
+                return
+            for key in list(self.free):
+                self.free[key] = [(g, t) for g, t in self.free[key] if g > upto]
+                if not self.free[key]:
+                    del self.free[key]
 
 
 def _alone(t: torch.Tensor) -> bool:
@@ -256,7 +265,9 @@ class _Pass:
     def _prepare(self, unit: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The unit's tensors read, rewritten and handed to the writer (``_rewrite``). Thread-safe: the loader thread
         runs it a unit ahead."""
-        return self._rewrite(self.units[unit])
+        got = self._rewrite(self.units[unit])
+        self.reads.drop(upto=unit - 2)  # this read was the last meant for the buffers of unit - 2: what it left goes
+        return got
 
     def _rewrite(self, keys: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Read the source tensors ``keys`` once, rewrite them, hand the rewritten ones to the writer: (source
@@ -310,8 +321,7 @@ class _Pass:
             restore(block)
             block.clear()
             self.buffers.give(self.cast)  # unreferenced now: the next block's casts go into them
-            self.reads.drop()  # what the loader did not take of the block before
-            self.reads.give(self.sources)  # the block after next is read into them
+            self.reads.give(self.sources, i + 1)  # the block after next is read into them (unit i + 1: block i)
             trim_heap()
             for k in range(n):
                 # within the tolerance scaled by the block output's largest value (the stream's scale grows with
