@@ -25,11 +25,12 @@ import ctypes
 import functools
 import mmap
 import os
-import sys
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+
+from normconv.io.libc import c_function
 
 _OWNED_ATTR = "_normconv_owned_ids"  # the copy's ``_Owned`` record (kept on the root, out of state)
 
@@ -179,18 +180,9 @@ _BOTH = -(1 << 63) | (1 << 61)
 _SMALL = 1 << 20  # under 1 MiB a tensor spans at most 256 pages: its faults cost less than the checks
 
 
-@functools.lru_cache(maxsize=1)
 def _madvise():
-    """libc's madvise with its argument types, or None where this is not Linux or libc has none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    """libc's madvise, or None where this is not Linux or libc has none."""
+    return c_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int] | None:

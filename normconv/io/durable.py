@@ -18,16 +18,16 @@ one fsync at the end. Verifying an in-memory rewrite after writing it, to overla
 this 2-core machine (GPT-2 124M / 355M swap 1.02x): the write-back competes with the forwards, so the door keeps
 verify -> write.
 
-One of the io room's lowest modules: it imports nothing of normconv's.
+One of the io room's lowest modules: of normconv's it imports io.libc only.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import os
 from typing import Any, Iterator
+
+from normconv.io.libc import c_function
 
 _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages in the range; do not wait
 # bytes per write call: the kernel takes one write() of a whole tensor (64 MiB) at a fraction of the speed of the same
@@ -35,17 +35,10 @@ _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages in the range; do no
 CHUNK = 1 << 20
 
 
-@functools.lru_cache(maxsize=1)
 def _sync_file_range():
     """libc's sync_file_range, or None where the system has none (macOS, a libc without it)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    return c_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint),
+                         ctypes.c_int)
 
 
 def pieces(data: Any) -> Iterator[memoryview]:

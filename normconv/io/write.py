@@ -231,12 +231,12 @@ def publish(moves: list[tuple[str | os.PathLike, Path]], check: Callable[[], Non
 def _exchange(a: str, b: str) -> bool:
     """Swap two paths in one atomic step (renameat2 with RENAME_EXCHANGE); False where the system has no such call."""
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
+    from normconv.io.libc import c_function
+
+    renameat2 = c_function("renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                            ctypes.c_uint), ctypes.c_int)
+    if renameat2 is None:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0

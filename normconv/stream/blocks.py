@@ -11,6 +11,7 @@ models, it does not analyze them).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.io.libc import c_function
 from normconv.stream.checkpoint import Checkpoint, stored_key
 from normconv.verify import Inputs
 
@@ -94,12 +96,9 @@ def tensor_slots(module: nn.Module, prefix: str = "",
 def trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc's malloc_trim): each verification thread allocates in its own
     malloc arena, which otherwise keeps a dropped block's pages resident."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+    malloc_trim = c_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+    if malloc_trim is not None:  # glibc only: elsewhere nothing to do
+        malloc_trim(0)
 
 
 def fill(slots: list[tuple[nn.Module, str, str]], ckpt: Checkpoint, aliases: dict[str, list[str]], folder: Path,
