@@ -16,7 +16,8 @@ carrying the report). ``report.to_json()`` is what ``--json`` prints.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import functools
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
@@ -28,8 +29,24 @@ from normconv.errors import NormconvError
 from normconv.io.inputs import without_kv_cache
 from normconv.io.load import Loaded
 from normconv.options import Options
+from normconv.quiet import collector_frozen_at_phases
 from normconv.report import Report
 from normconv.verify import Inputs
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _command(fn: F) -> F:
+    """A command of the API: what is alive at each phase's start is left out of the collector's scans while it runs
+    (``quiet.collector_frozen_at_phases``; nothing is done where the caller froze objects of its own)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with collector_frozen_at_phases():
+            return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def as_inputs(example_inputs: Any) -> Inputs:
@@ -50,6 +67,7 @@ def _loaded(model: nn.Module, example_inputs: Any) -> Loaded:
     return Loaded(model, without_kv_cache(model, as_inputs(example_inputs)), type(model).__name__, "python")
 
 
+@_command
 def fold(model: nn.Module, example_inputs: Any, *, eval_mode: bool = False, atol: float | None = None,
          rtol: float | None = None, method: str = "auto", accept_specialized: bool = False) -> tuple[nn.Module, Report]:
     """BatchNorm folded into its neighbouring conv / linear; ``eval_mode`` rewrites a training-mode model as its
@@ -61,6 +79,7 @@ def fold(model: nn.Module, example_inputs: Any, *, eval_mode: bool = False, atol
     return new, report
 
 
+@_command
 def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = None, rtol: float | None = None,
                  method: str = "auto", accept_specialized: bool = False) -> tuple[nn.Module, Report]:
     """Hand-written norms replaced by torch's native modules. Returns (new model, report)."""
@@ -69,6 +88,7 @@ def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = 
     return new, report
 
 
+@_command
 def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate: bool = False, *,
          atol: float | None = None, rtol: float | None = None, method: str = "auto",
          canonicalize: bool = True, fold_scales: bool = False, partial: bool = False,
@@ -92,6 +112,7 @@ def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate
     return new, report
 
 
+@_command
 def recalibrate(model: nn.Module, calibration: Any, *, batch_size: int = 32, example_inputs: Any = None,
                 atol: float | None = None, rtol: float | None = None,
                 method: str = "auto") -> tuple[nn.Module, Report]:
@@ -110,6 +131,7 @@ def recalibrate(model: nn.Module, calibration: Any, *, batch_size: int = 32, exa
     return new, report
 
 
+@_command
 def stream_swap(folder: str, output: str, *, atol: float | None = None, rtol: float | None = None) -> Report:
     """The exact LayerNorm -> RMSNorm swap of a Hugging Face folder (safetensors), streamed tensor by tensor and
     verified block by block without ever holding the model; writes ``output`` (a new folder: the same architecture
@@ -119,6 +141,7 @@ def stream_swap(folder: str, output: str, *, atol: float | None = None, rtol: fl
     return streaming.swap(folder, output, atol=atol, rtol=rtol)
 
 
+@_command
 def stream_fold(folder: str, output: str, *, atol: float | None = None, rtol: float | None = None) -> Report:
     """BatchNorm folded into the conv / linear before it in a Hugging Face folder (safetensors), streamed tensor
     by tensor and verified block by block without ever holding the model; writes ``output`` (a new folder: the
@@ -128,6 +151,7 @@ def stream_fold(folder: str, output: str, *, atol: float | None = None, rtol: fl
     return streaming.fold(folder, output, atol=atol, rtol=rtol)
 
 
+@_command
 def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", seed: int = 0, *,
            atol: float | None = None, rtol: float | None = None, method: str = "auto",
            accept_specialized: bool = False) -> tuple[nn.Module, Report]:
@@ -138,6 +162,7 @@ def rotate(model: nn.Module, example_inputs: Any, rotation: str = "hadamard", se
     return new, report
 
 
+@_command
 def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alpha: float | None = None,
              beta: float | None = None, beta_mode: str = "init", n_layers: int | None = None,
              m_layers: int | None = None, *, seed: int | None = 0, method: str = "auto", atol: float | None = None,
@@ -153,6 +178,7 @@ def deepnorm(model: nn.Module, example_inputs: Any, arch: str | None = None, alp
     return new, report
 
 
+@_command
 def export(model: nn.Module, example_inputs: Any, path: str, target: str | None = None, opset: int | None = None, *,
            static: bool = False, dynamic: bool | None = None, fold: bool = True, canonicalize: bool = True,
            validate: Sequence[str] = ("cpu",),
@@ -171,6 +197,7 @@ def export(model: nn.Module, example_inputs: Any, path: str, target: str | None 
                repeats=repeats, skip_fusion=skip_fusion, dim_names=dim_names, keep_fp32=keep_fp32, device=device)
 
 
+@_command
 def inspect(model: nn.Module, example_inputs: Any, method: str = "auto") -> Report:
     """Every norm site, and what each pass would do with it or why not."""
     return inspect_cmd.inspect(_loaded(model, example_inputs), method)

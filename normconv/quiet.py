@@ -16,6 +16,7 @@ display is rich's progress bar on stderr, never stdout (``--json`` stays one JSO
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import sys
@@ -51,9 +52,15 @@ def quiet(loggers: Iterable[str] = ("torch",), stdout: bool = False, stderr: boo
 _SHOWN: list[Any] = []  # the live display, while one is on (one at a time)
 
 
+_MET: list[set[str]] = []  # the phases met so far, while ``collector_frozen_at_phases`` is on
+
+
 def phase(name: str, step: int | None = None, total: int | None = None, detail: str = "") -> None:
     """Tell the display (if one is on) that ``name`` has begun; ``step`` of ``total`` where the work counts
     (a block of N, a shape of 2). ``detail``: a few words more (which pass, which shard)."""
+    if _MET and name not in _MET[-1]:  # a phase's first mark, not each block of a streamed pass
+        _MET[-1].add(name)
+        gc.freeze()
     if _SHOWN:
         _SHOWN[-1].show(name, step, total, detail)
 
@@ -117,4 +124,20 @@ def progress_display(enabled: bool, console: Any = None) -> Iterator[None]:
             bar.close()
 
 
-__all__ = ["quiet", "phase", "end_progress", "progress_active", "progress_display"]
+@contextlib.contextmanager
+def collector_frozen_at_phases() -> Iterator[None]:
+    """Within the block, each phase's first mark freezes the objects alive (module docstring); on exit they are
+    unfrozen (``gc.unfreeze``: back in the oldest generation, as before). Nothing is done where the block is nested
+    in another or the caller froze objects of its own (``gc.get_freeze_count``): their freeze is theirs to end."""
+    if _MET or gc.get_freeze_count():
+        yield
+        return
+    _MET.append(set())
+    try:
+        yield
+    finally:
+        _MET.clear()
+        gc.unfreeze()
+
+
+__all__ = ["quiet", "phase", "end_progress", "progress_active", "progress_display", "collector_frozen_at_phases"]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Callable, Optional
 import typer
 
 from normconv.errors import EXIT_BAD_INPUT, NormconvError, VerificationError
-from normconv.quiet import end_progress, phase, progress_display
+from normconv.quiet import collector_frozen_at_phases, end_progress, phase, progress_display
 
 if TYPE_CHECKING:
     import torch
@@ -226,7 +226,7 @@ def user_errors(fn: Callable) -> Callable:
         as_json = bool(kwargs.get("as_json"))
         try:
             # what the model prints never lands in the report (--json stays JSON); progress shows on stderr
-            with model_output_to_stderr(), progress_display(progress_wanted()):
+            with model_output_to_stderr(), progress_display(progress_wanted()), collector_frozen_at_phases():
                 return fn(*args, **kwargs)
         except VerificationError as exc:
             if exc.report is not None:

@@ -35,6 +35,7 @@ from normconv.onnx.rules import batchnorm, fold_rules, fuse_rules
 from normconv.onnx.rules.base import SiteLog
 from normconv.onnx.rules.layernorm import OPSET as LN_OPSET, LayerNormWhy
 from normconv.onnx.rules.nearmiss import list_near_misses
+from normconv.quiet import phase
 from normconv.report import Report
 
 EXTERNAL_DATA_BYTES = 2 * 1024 ** 3
@@ -238,8 +239,10 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
         raise NormconvError(f"--dtype {dtype} with an .onnx input: normconv writes float16 (or float32) ONNX files")
     if keep_fp32 not in HALF_KEEP:
         raise NormconvError(f"unknown --keep-fp32 {keep_fp32!r}; choose auto, none or all")
+    phase("load", detail=spec)
     src = load(spec)
     out = _guard_output(src, Path(output), overwrite) if output is not None else None
+    phase("rewrite", detail=command)
     model, report, converted = plan(src, command, target, opset)
     if dtype == "float16":
         half = HalfPrecision(keep_fp32)
@@ -277,6 +280,7 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
                                         f"from the input; nothing written", report)
             report.notes.append(f"opset conversion validated: max abs error "
                                 f"{max(v.max_abs_error for v in checks):.3g}")
+        phase("write", detail=str(where))
         proto = _as_written(ir.serde.serialize_model(model), src)
         # the input's layout kept: external data in, external data out; past protobuf's 2 GB, external data too
         external = bool(src.external) or sum(len(t.raw_data) for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES
@@ -288,6 +292,7 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
         if not ok:
             raise VerificationError(f"{command}: onnx.checker rejects the output ({report.extra['checker']}); "
                                     f"nothing written", report)
+        phase("validate", detail="onnxruntime, against the input file")
         report.validation.extend(parity.compare_files(str(src.path), str(tmp), sizes, atol, rtol))
         if not report.passed:
             bad = next(v for v in report.validation if not v.passed)
