@@ -47,7 +47,8 @@ LAYERS = {
     "normconv.io.libc": 0.01,  # the C library's calls (madvise, sync_file_range, renameat2, malloc_trim): one lookup
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
     "normconv.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds, which read calls with it)
-    "normconv.verify": 0.2,  # guarded forwards, comparisons
+    "normconv.verify": 0.2,  # comparisons, the second shape
+    "normconv.verify.guard": 0.19,  # guarded forwards: a model left as it was
     "normconv.selections": 0.18,  # discrete selections recorded and replayed
     "normconv.clone": 0.15,  # tensor-sharing copies
     "normconv.report": 0.1,  # the report, sites, decision codes

@@ -18,6 +18,7 @@ through ``io.save`` (atomic) in torch-only form.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch.nn as nn
 from normconv.quiet import phase
 from normconv.io import outputs
 from normconv.errors import Code, NormconvError, VerificationError, describe
+from normconv.verify.guard import one_snapshot
 from normconv.io.load import Loaded
 from normconv.io.write import check_output_path, output_format, save
 from normconv.kinds import KINDS
@@ -79,28 +81,31 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     if opts.output is not None:
         check_output_path(loaded, opts.output, opts.in_place, opts.overwrite)  # fail before the work, not after
     # everything the original has to say is taken before the passes (a disposable model is then written in place)
-    reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
-    reference = with_selections(loaded.model, inputs, reference)  # traced where it selects (labels, indices)
-    phase("verify", detail="the original at a second shape")
-    alt = other_shape(loaded.model, inputs)
-    before = model_stats(loaded.model, inputs if opts.bench else None)
+    with one_snapshot(loaded.model):  # its forwards share one snapshot of its state (``guard``)
+        reference = loaded.checked_output()  # the load's own check forward when it ran on these inputs
+        reference = with_selections(loaded.model, inputs, reference)  # traced where it selects (labels, indices)
+        phase("verify", detail="the original at a second shape")
+        alt = other_shape(loaded.model, inputs)
+        before = model_stats(loaded.model, inputs if opts.bench else None)
     pt2 = opts.output is not None and write and output_format(loaded, Path(opts.output)) == "pt2"
     # a model small enough for its own rounding to be measured (``engine.rounding``) keeps its original intact
     writable = loaded.disposable and not rounding.measurable(loaded.model)
     done = apply_passes(loaded.model, inputs, passes, opts.method, opts.eval_mode, writable=writable,
                         reference=reference, by_parts=by_parts, whole_export=str(opts.output) if pt2 else None)
     phase("verify", 1, 1 if alt is None else 2, detail="shape")
-    rewritten = run(done.model, inputs, replay=reference)  # with the original's discrete selections, where traced
     referee = next((p for p in passes if p.check is Check.REFERENCE), None)
-    if referee is not None:  # the rewrite changed the model on purpose: it must equal its literal reference
-        literal = referee.reference(done.model)
-        label = f"reference {referee.reference_label}"
-        expected, rewritten = run(literal, inputs), untraced(rewritten)
-        alt = None if alt is None else (alt[0], run(literal, alt[0]))
-    else:
-        label, expected = "torch", reference
-    validations = [compare(expected, rewritten, opts.atol, opts.rtol, label=label)] + \
-        second_shape(alt, done.model, opts.atol, opts.rtol, label)
+    # the rewrite's forwards share one snapshot, but where a literal reference is built from it between them
+    with one_snapshot(done.model) if referee is None else contextlib.nullcontext():
+        rewritten = run(done.model, inputs, replay=reference)  # with the original's selections, where traced
+        if referee is not None:  # the rewrite changed the model on purpose: it must equal its literal reference
+            literal = referee.reference(done.model)
+            label = f"reference {referee.reference_label}"
+            expected, rewritten = run(literal, inputs), untraced(rewritten)
+            alt = None if alt is None else (alt[0], run(literal, alt[0]))
+        else:
+            label, expected = "torch", reference
+        validations = [compare(expected, rewritten, opts.atol, opts.rtol, label=label)] + \
+            second_shape(alt, done.model, opts.atol, opts.rtol, label)
     exact = referee is None and done.exact and not any(p.check is Check.DRIFT for p in passes)  # else: drift
     if exact and opts.atol is None and opts.rtol is None and done.original_intact and \
             any(not v.passed for v in validations):  # over the fixed bound: within the original's own rounding?

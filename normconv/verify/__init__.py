@@ -58,10 +58,8 @@ the selections that flipped.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
-import gc
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -70,6 +68,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
 
+from normconv.verify.guard import forward_guard, one_snapshot
 from normconv.report import OutputError, Validation
 from normconv.selections import Recorder, Trace, selects
 
@@ -122,163 +121,6 @@ class Inputs:
 
         parts = [one(x) for x in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
         return ", ".join(parts)
-
-
-_TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))  # guarded on their own (buffers) or left alone
-_CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
-_MISSING = object()
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float compared as its bits: NaN == NaN, -0.0 != 0.0
-
-
-class _ModuleState:
-    """A module's Python state before a forward: its attributes, and the contents of the containers among them
-    (hook dicts, caches). A forward that leaves state behind is undone: LeViT caching ``attention_biases`` under
-    ``str(device)`` (a tracer's Proxy as the key), transformers installing closures as output-capturing hooks on
-    the first call, symbolic_trace's ``_tensor_constant`` attributes. Left there, they are the original's state
-    no more, and they do not pickle (``torch.save`` of the rewrite failed on them)."""
-
-    __slots__ = ("module", "attrs", "contents")
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.attrs = attrs = module.__dict__.copy()  # _TORCH_STATE's keys come along and are left alone by restore
-        # a container's items (None: it was empty), for every container attribute but torch's own state (a plain
-        # loop: five guarded forwards of a 3,000-block model snapshot 60,000 modules)
-        self.contents = contents = []
-        for k, v in attrs.items():
-            kind = type(v)
-            if kind in _CONTAINERS and k not in _TORCH_STATE:
-                contents.append((v, None if not v else list(v) if kind is list or kind is set else list(v.items())))
-
-    def restore(self) -> None:
-        d, attrs = self.module.__dict__, self.attrs
-        for k in d.keys() - attrs.keys():
-            del d[k]  # an attribute the forward added
-        for k, v in attrs.items():
-            if d.get(k, _MISSING) is not v and k not in _TORCH_STATE:
-                d[k] = v  # an attribute the forward re-bound
-        for v, items in self.contents:
-            if items is None:
-                if v:
-                    v.clear()  # a cache or hook dict the forward filled
-            elif isinstance(v, dict):
-                if len(v) != len(items) or any(v.get(key, _MISSING) is not x for key, x in items):
-                    v.clear()
-                    v.update(items)
-            elif len(v) != len(items) or any(a is not b for a, b in zip(v, items)):
-                if isinstance(v, list):
-                    v[:] = items
-                else:
-                    v.clear()
-                    v.update(items)
-
-
-class _Buffers:
-    """Every buffer of ``modules`` with its values saved: one flat copy per (dtype, device) for the plain (strided)
-    ones, each buffer's saved values a view of it; a clone each for the rest (sparse, quantized)."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.slots = [(m, name, b) for m in modules for name, b in m._buffers.items()
-                      if isinstance(b, torch.Tensor) and not b.is_meta]  # a meta buffer holds no values to guard
-        self.saved: list[torch.Tensor] = [None] * len(self.slots)  # type: ignore[list-item]
-        plain: dict[tuple, list[int]] = {}
-        for i, (_, _, b) in enumerate(self.slots):
-            if b.layout is torch.strided and not b.is_quantized:
-                plain.setdefault((b.dtype, b.device), []).append(i)
-            else:
-                self.saved[i] = b.detach().clone()
-        self.groups: list[tuple[list[int], torch.Tensor]] = []
-        for idx in plain.values():
-            flat, at = torch.cat([self.slots[i][2].detach().reshape(-1) for i in idx]), 0
-            for i in idx:
-                shape = self.slots[i][2].shape
-                self.saved[i], at = flat[at:at + shape.numel()].view(shape), at + shape.numel()
-            self.groups.append((idx, flat))
-
-    def restore(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Every buffer object and value put back; returns the changed ones by module path, as the forward left them."""
-        untouched: set[int] = set()
-        for idx, flat in self.groups:  # the common case: one compare for a whole group
-            nows = [self.slots[i][0]._buffers.get(self.slots[i][1]) for i in idx]
-            if all(n is self.slots[i][2] and n.shape == self.saved[i].shape for i, n in zip(idx, nows)) and \
-                    _same(torch.cat([n.detach().reshape(-1) for n in nows]), flat):
-                untouched.update(idx)
-        mutated: dict[str, torch.Tensor] = {}
-        paths: dict[int, str] | None = None  # module paths, looked up once a buffer changed
-        for i, ((m, name, b), saved) in enumerate(zip(self.slots, self.saved)):
-            if i in untouched:
-                continue
-            now = m._buffers.get(name)
-            if now is not None and (now is not b or not _same(now, saved)):
-                paths = paths or {id(x): p for p, x in model.named_modules(remove_duplicate=False)}
-                mutated[f"{paths[id(m)]}.{name}".lstrip(".")] = now.detach().clone()
-            m._buffers[name] = b  # a forward that re-bound the buffer gets the original object back
-            if not _same(b, saved):
-                with torch.no_grad():
-                    b.set_(saved.clone()) if b.shape != saved.shape else b.copy_(saved)
-        return mutated
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit: a float compared as the integers of its bits (NaN equals itself, -0.0 differs from 0.0)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    bits = _BITS.get(a.element_size()) if a.is_floating_point() and a.layout is torch.strided else None
-    return bool(torch.equal(a.view(bits), b.view(bits)) if bits is not None else torch.equal(a, b))
-
-
-@dataclass
-class _Guard:
-    """What a guarded forward saw: the buffers the forward changed (compared when the output holds no tensor)."""
-    mutated: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _set_training(m: nn.Module, flag: bool) -> None:
-    """``m.training = flag``, past nn.Module.__setattr__'s slow checks where the class does not override it."""
-    if type(m).__setattr__ is nn.Module.__setattr__:
-        object.__setattr__(m, "training", flag)
-    else:
-        m.training = flag
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """The cyclic collector off (if on): a snapshot's thousands of small lists would make it walk the whole model."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def forward_guard(model: nn.Module):
-    """normconv's own forwards change nothing: eval mode and no autograd inside; on exit every module's training
-    flag, buffer (bit for bit; ``_Buffers``), Python attribute and hook dict or cache (``_ModuleState``) is as it
-    was; ``mutated`` names the buffers the forward changed. Flags are set on each module, never through ``.eval()``:
-    an exported program's module refuses it, and a user's override of ``train()`` is not ours to call."""
-    modules = list(model.modules())
-    flags = [m.training for m in modules]
-    with _gc_paused():
-        state = [_ModuleState(m) for m in modules]
-        buffers = _Buffers(modules)
-    guard = _Guard()
-    try:
-        for m, flag in zip(modules, flags):
-            if flag:
-                _set_training(m, False)
-        with torch.no_grad():
-            yield guard
-    finally:
-        with _gc_paused():
-            for m, flag in zip(modules, flags):
-                if m.training is not flag:
-                    _set_training(m, flag)
-            for saved_state in state:
-                saved_state.restore()
-            guard.mutated.update(buffers.restore(model))
 
 
 @dataclass
