@@ -147,7 +147,22 @@ def channel_affine(cap: Captured, site: NormSite, removable: bool = True,
                    training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Guards on the BN itself; returns its per-channel (s, t) in float64. ``removable``: also require that the BN
     can leave the model (a module, or a self-contained site of a traced graph that can be handed back).
-    ``training``: a module in training mode is taken too (its eval-mode self is what is rewritten)."""
+    ``training``: a module in training mode is taken too (its eval-mode self is what is rewritten). Decided once
+    per capture (``Captured.found``): each pass that reads the same capture gets the same (s, t) or refusal."""
+    key = ("channel_affine", site, removable, training)
+    found = cap.found.get(key)
+    if found is None:
+        try:
+            found = cap.found[key] = _channel_affine(cap, site, removable, training)
+        except Refusal as why:
+            found = cap.found[key] = why
+    if isinstance(found, Refusal):
+        raise Refusal(found.code, str(found))
+    return found
+
+
+def _channel_affine(cap: Captured, site: NormSite, removable: bool,
+                    training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     mod = cap.modules.get(site.target) if site.source == "module" else None
     # no running statistics  =>  BN normalizes with batch statistics, nothing to fold
     if site.running_mean is None or site.running_var is None:

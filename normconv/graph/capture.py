@@ -34,6 +34,11 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.overrides import TorchFunctionMode
 
+try:  # torch's lazily compiled GraphModule (what torch.compile makes), where this torch has it
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # pragma: no cover - an older torch: compiled at once
+    _GraphModule = fx.GraphModule
+
 from normconv.errors import CaptureError, Code, NormconvError
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
@@ -104,6 +109,9 @@ class Captured:
         # verdicts of value checks on this capture's example run (canonicalize's replacement checks), by site:
         # what the example run records does not change, and a pass that changes the model is captured anew
         self.checked: dict[Any, tuple] = {}
+        # what detection found in this graph (``graph.detect.find_norms``) and each BatchNorm's affine form, kept
+        # for the next pass that reads the same capture (fold-through, then fold): the model is as it was
+        self.found: dict[Any, Any] = {}
         self.module_calls: dict[str, int] = {}
         for n in self.gm.graph.nodes:
             if n.op == "call_module":
@@ -427,7 +435,9 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
             graph = tracer.trace(model)
         if isinstance(model, fx.GraphModule):
             _inherit_module_stacks(model.graph, graph)
-        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        # its Python code is generated when first run or read, not here: analysis and shape propagation need only
+        # the graph (the code of a 3,000-node graph costs more than its trace); it pickles as a GraphModule
+        gm = _GraphModule(tracer.root, graph, type(model).__name__)
         with torch.no_grad():  # on a copy of the inputs: a graph that writes into its input leaves the example alone
             traced = _ShapeProp(gm).run(*copy.deepcopy(inputs.args))
         # the trust check: the graph's output is the eager output (a reference given by the caller is reused, and

@@ -43,7 +43,14 @@ KINDS = kinds.NAMES
 
 def find_norms(cap: Captured) -> list[NormSite]:
     """Every norm site of the captured graph, in graph order, with placement (weight standardizations excluded:
-    see ``find_weight_standardizations``)."""
+    see ``find_weight_standardizations``). Found once per capture (``Captured.found``)."""
+    found = cap.found.get("norms")
+    if found is None:
+        found = cap.found["norms"] = tuple(_find_norms(cap))
+    return list(found)
+
+
+def _find_norms(cap: Captured) -> list[NormSite]:
     sites = [s for s in _raw_sites(cap) if _standardized(cap, s) is None]
     order = cap.order
     outputs = frozenset(s.node for s in sites)

@@ -29,6 +29,12 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+try:  # torch's lazily compiled GraphModule (what torch.compile and normconv's symbolic traces make)
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+except ImportError:  # pragma: no cover - an older torch has none
+    class _LazyGraphModule:  # type: ignore[no-redef]
+        pass
+
 _TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))  # guarded on their own (buffers) or left alone
 _CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
 _MISSING = object()
@@ -178,6 +184,9 @@ class _Snapshot:
     def __init__(self, model: nn.Module) -> None:
         self.in_use = False  # a guard is running on it
         self.modules = modules = list(model.modules())
+        for m in modules:  # a lazily compiled GraphModule compiles on its first run: here, or the guard would undo
+            if isinstance(m, _LazyGraphModule):  # the code it adds (the module kept its compiled forward, not its code)
+                m.real_recompile()
         self.flags = [m.training for m in modules]
         with _gc_paused():
             self.state = [_ModuleState(m) for m in modules]
