@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from normconv.io.libc import c_function
+from normconv.libc import c_function
 
 _OWNED_ATTR = "_normconv_owned_ids"  # the copy's ``_Owned`` record (kept on the root, out of state)
 

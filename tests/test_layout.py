@@ -44,7 +44,7 @@ LAYERS = {
     "normconv.io.dims": 0.29,  # dynamic dimensions of written models: found, named, checked
     "normconv.io.durable": 0.285,  # fsync before a rename, the disk's write-back started early
     "normconv.io.time_limit": 0.284,  # a time limit on a library call normconv cannot stop otherwise
-    "normconv.io.libc": 0.01,  # the C library's calls (madvise, sync_file_range, renameat2, malloc_trim): one lookup
+    "normconv.libc": 0.01,  # the C library's calls (madvise, sync_file_range, renameat2, malloc_trim): one lookup
     "normconv.kinds": 0.28,  # one file per norm kind: what normconv knows about it
     "normconv.match": 0.26,  # the op vocabulary of both graph dialects (below the kinds, which read calls with it)
     "normconv.verify": 0.2,  # comparisons, the second shape

@@ -1,4 +1,4 @@
-"""io.libc: the C library's calls, looked up once. Each is typed as declared, a call this libc lacks is None, and off
+"""normconv.libc: the C library's calls, looked up once. Each is typed as declared, a call this libc lacks is None, and off
 Linux every call is None and each caller takes its plain path (no write-back hint, no page let go, no exchange, no
 trim) instead of failing."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from normconv.io import libc
+from normconv import libc
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libc's calls are looked up on Linux only")
 

@@ -16,7 +16,6 @@ re-exported here.
   hf_output   a Hugging Face folder back as a folder: the original architecture carrying the rewritten weights,
               proven by from_pretrained (engine.door writes it)
   write       atomic writing: output paths checked before the work, temp file + rename, stale temps removed
-  libc        the C library's calls normconv makes where Python has none, looked up once (Linux; None elsewhere)
   load        ``Loaded`` and ``load``: zoo, Hugging Face folder, .pt2, pickle, factory (+ --weights)
 
 Imports run one way, lowest first: ledger, archive <- pickles <- inputs <- hf_inputs; ledger <- hf_folder;

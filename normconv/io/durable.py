@@ -18,7 +18,7 @@ one fsync at the end. Verifying an in-memory rewrite after writing it, to overla
 this 2-core machine (GPT-2 124M / 355M swap 1.02x): the write-back competes with the forwards, so the door keeps
 verify -> write.
 
-One of the io room's lowest modules: of normconv's it imports io.libc only.
+One of the io room's lowest modules: of normconv's it imports libc only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import ctypes
 import os
 from typing import Any, Iterator
 
-from normconv.io.libc import c_function
+from normconv.libc import c_function
 
 _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages in the range; do not wait
 # bytes per write call: the kernel takes one write() of a whole tensor (64 MiB) at a fraction of the speed of the same

@@ -232,7 +232,7 @@ def _exchange(a: str, b: str) -> bool:
     """Swap two paths in one atomic step (renameat2 with RENAME_EXCHANGE); False where the system has no such call."""
     import ctypes
 
-    from normconv.io.libc import c_function
+    from normconv.libc import c_function
 
     renameat2 = c_function("renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                                             ctypes.c_uint), ctypes.c_int)

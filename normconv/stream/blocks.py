@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
-from normconv.io.libc import c_function
+from normconv.libc import c_function
 from normconv.stream.checkpoint import Checkpoint, stored_key
 from normconv.verify import Inputs
 

@@ -9,7 +9,7 @@ plain path for that case and never fails for want of one. Calls made with ``use_
 a failed one). Used by clone (madvise: a file-mapped weight's pages let go), io.durable (sync_file_range: the disk's
 write-back started early), io.write (renameat2: two paths exchanged in one step) and stream.blocks (malloc_trim:
 freed heap pages given back).
-One of the io room's lowest modules: it imports nothing of normconv's.
+On the ground floor, beside errors and quiet: it imports nothing of normconv's (clone, below io, uses it too).
 """
 
 from __future__ import annotations
