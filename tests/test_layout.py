@@ -42,6 +42,7 @@ LAYERS = {
     "normconv.io.ledger": 0.302,  # every file the run read, checked by every write
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
     "normconv.io.dims": 0.29,  # dynamic dimensions of written models: found, named, checked
+    "normconv.io.checksum": 0.2855,  # CRC-32s by ISA-L; a zip's member CRC-32s filled in after torch.save
     "normconv.io.durable": 0.285,  # fsync before a rename, the disk's write-back started early
     "normconv.io.time_limit": 0.284,  # a time limit on a library call normconv cannot stop otherwise
     "normconv.libc": 0.01,  # the C library's calls (madvise, sync_file_range, renameat2, malloc_trim): one lookup

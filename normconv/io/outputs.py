@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from normconv.clone import clone_sharing_tensors, release
 from normconv.errors import describe
 from normconv.io import durable
+from normconv.io.checksum import fill_zip_crcs, unchecked_torch_save
 from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, time_limit
 from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
                                  FrozenBatchNorm, InputScale, MovedDimNorm)
@@ -359,10 +360,12 @@ def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     if inputs is not None:
         model.__dict__[INPUTS_ATTR] = {"args": tuple(inputs.args), "kwargs": dict(inputs.kwargs)}
     try:
-        with latched(path) as f:
-            torch.save(model, f)
+        with latched(path) as f, unchecked_torch_save() as unchecked:
+            torch.save(model, f)  # each member's CRC-32 left at 0 by torch (its byte-at-a-time loop) ...
     finally:
         model.__dict__.pop(INPUTS_ATTR, None)
+    if unchecked:
+        fill_zip_crcs(path)  # ... and filled in from the page cache by ISA-L: the same standard zip (io.checksum)
     _follow_umask(path)
 
 
