@@ -74,10 +74,11 @@ def test_detection_runs_once_per_capture(monkeypatch):
     model = _chain()
     cap = capture(model, Inputs((torch.randn(2, 3, 8, 8),)))
     calls = []
-    real = detect._raw_sites
-    monkeypatch.setattr(detect, "_raw_sites", lambda c: calls.append(c) or real(c))
+    real = detect._scan
+    monkeypatch.setattr(detect, "_scan", lambda c: calls.append(c) or real(c))
     first, second = detect.find_norms(cap), detect.find_norms(cap)
     assert first == second and len(first) == 2 and len(calls) == 1
+    assert detect.find_weight_standardizations(cap) == [] and len(calls) == 1  # the same scan
     first.clear()  # each caller gets its own list
     assert len(detect.find_norms(cap)) == 2
     again = capture(model, Inputs((torch.randn(2, 3, 8, 8),)))  # a new capture detects afresh

@@ -123,7 +123,16 @@ def weight_reader(cap: Captured, node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _raw_sites(cap: Captured) -> list[NormSite]:
+def _raw_sites(cap: Captured) -> tuple[NormSite, ...]:
+    """Every norm-shaped computation of the graph, weight standardizations included: scanned once per capture
+    (``find_norms`` and ``find_weight_standardizations`` both read it; the fold reads both)."""
+    found = cap.found.get("raw sites")
+    if found is None:
+        found = cap.found["raw sites"] = tuple(_scan(cap))
+    return found
+
+
+def _scan(cap: Captured) -> list[NormSite]:
     sites: list[NormSite] = []
     for node in cap.gm.graph.nodes:
         kind = kinds.for_op(cap.op(node))
