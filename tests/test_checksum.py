@@ -143,3 +143,38 @@ def test_a_written_pickle_is_a_zip_whose_every_crc_checks(tmp_path):
         assert len(z.infolist()) > 5 and z.testzip() is None
         assert all(i.CRC != 0 for i in z.infolist() if i.file_size)
     assert isinstance(torch.load(out, weights_only=False), nn.Module)
+
+
+def test_the_setting_is_left_alone_while_another_thread_runs(tmp_path):
+    """torch's CRC setting is the process's: with another (non-daemon) thread alive, where a caller's own torch.save
+    might run, torch.save keeps computing its CRC-32s, and filling them in finds them right; a daemon thread (the
+    progress display's refresh) does not stop it."""
+    import threading
+
+    from torch.utils.serialization import config
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        with unchecked_torch_save() as unchecked:
+            assert not unchecked and config.save.compute_crc32
+            torch.save(nn.Linear(3, 2), tmp_path / "m.pt")
+    finally:
+        stop.set()
+        other.join()
+    assert all(crc != 0 for crc in _crcs(tmp_path / "m.pt").values())
+    fill_zip_crcs(str(tmp_path / "m.pt"))
+    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+        assert z.testzip() is None
+    stop = threading.Event()
+    daemon = threading.Thread(target=stop.wait, daemon=True)
+    daemon.start()
+    try:
+        with unchecked_torch_save() as unchecked:
+            assert unchecked and not config.save.compute_crc32
+    finally:
+        stop.set()
+        daemon.join()
+    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+        assert z.testzip() is None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import threading
 import zipfile
 from typing import Iterator
 
@@ -44,8 +45,15 @@ def crc32(data, value: int = 0) -> int:
 
 @contextlib.contextmanager
 def unchecked_torch_save() -> Iterator[bool]:
-    """torch.save without its own CRC-32s inside the block; yields whether it was turned off (False on a torch
-    without the setting: its CRC-32s are then written as before, and ``fill_zip_crcs`` finds them right)."""
+    """torch.save without its own CRC-32s inside the block (torch's documented setting,
+    ``torch.serialization.set_crc32_options``); yields whether it was turned off. It is left on, and its CRC-32s
+    written as before, on a torch without the setting, and wherever another thread that is not a daemon runs: the
+    setting is the process's, and a caller's own torch.save in another thread must keep its checksums (the progress
+    display's refresh thread is a daemon)."""
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon for t in threading.enumerate()):
+        yield False
+        return
     try:
         from torch.utils.serialization import config
         save = config.save
