@@ -15,6 +15,7 @@ re-exported here.
               inputs, each checked at a second size (pinned where it fails)
   hf_output   a Hugging Face folder back as a folder: the original architecture carrying the rewritten weights,
               proven by from_pretrained (engine.door writes it)
+  checksum    CRC-32s by ISA-L (zlib's values); the member CRC-32s of a zip torch.save wrote without them, filled in
   write       atomic writing: output paths checked before the work, temp file + rename, stale temps removed
   load        ``Loaded`` and ``load``: zoo, Hugging Face folder, .pt2, pickle, factory (+ --weights)
 
