@@ -97,22 +97,18 @@ class _Unseekable(io.RawIOBase):
         return len(b)
 
 
-@pytest.mark.parametrize("descriptors", [False, True])
-def test_zipfile_s_own_stored_zips_with_and_without_descriptors(tmp_path, descriptors):
+@pytest.mark.parametrize("zip64", [False, True], ids=["zip32", "zip64"])
+@pytest.mark.parametrize("descriptors", [False, True], ids=["headers", "descriptors"])
+def test_zipfile_s_own_stored_zips_with_and_without_descriptors(tmp_path, descriptors, zip64):
+    """Both places the zip rules keep a CRC-32 (local header, or a data descriptor after the data), with 32-bit
+    sizes and with zip64's extra fields and 8-byte descriptor sizes (what torch.save writes past 4 GiB)."""
     members = {"empty": b"", "one": b"\x01", "big": bytes(range(256)) * 5000, "dir/nested.bin": b"x" * 70000}
-    if descriptors:
-        sink = _Unseekable()
-        with zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED) as z:
-            for name, data in members.items():
-                with z.open(name, "w") as f:
-                    f.write(data)
-        data = bytes(sink.out)
-    else:
-        raw = io.BytesIO()
-        with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as z:
-            for name, body in members.items():
-                z.writestr(name, body)
-        data = raw.getvalue()
+    sink = _Unseekable() if descriptors else io.BytesIO()
+    with zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED) as z:
+        for name, body in members.items():
+            with z.open(name, "w", force_zip64=zip64) as f:
+                f.write(body)
+    data = bytes(sink.out) if descriptors else sink.getvalue()
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         assert all(bool(i.flag_bits & 0x08) == descriptors for i in z.infolist())
     path = tmp_path / "z.zip"
