@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import json
 import logging
+import os
 import sys
+import time
 import warnings
 from typing import Any, Iterable, Iterator
 
@@ -55,9 +58,30 @@ _SHOWN: list[Any] = []  # the live display, while one is on (one at a time)
 _MET: list[set[str]] = []  # the phases met so far, while ``collector_frozen_at_phases`` is on
 
 
+_PHASE_LOG = os.environ.get("NORMCONV_PHASE_LOG")  # a file: each mark appended as a JSON line (profiling)
+
+
+def _log_mark(name: str, step: int | None, total: int | None, detail: str) -> None:
+    """One line of ``$NORMCONV_PHASE_LOG``: the wall clock, the phase, and the resident set now and at its peak
+    (Linux's /proc; absent elsewhere). benchmarks/phase_profile.py reads it."""
+    mark: dict[str, Any] = {"t": time.time(), "phase": name, "step": step, "total": total, "detail": detail}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    mark[line[:5].lower()] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    with open(_PHASE_LOG, "a") as log:  # type: ignore[arg-type]
+        log.write(json.dumps(mark) + "\n")
+
+
 def phase(name: str, step: int | None = None, total: int | None = None, detail: str = "") -> None:
     """Tell the display (if one is on) that ``name`` has begun; ``step`` of ``total`` where the work counts
-    (a block of N, a shape of 2). ``detail``: a few words more (which pass, which shard)."""
+    (a block of N, a shape of 2). ``detail``: a few words more (which pass, which shard). With
+    ``$NORMCONV_PHASE_LOG`` set, the mark is also appended to that file (``_log_mark``)."""
+    if _PHASE_LOG:
+        _log_mark(name, step, total, detail)
     if _MET and name not in _MET[-1]:  # a phase's first mark, not each block of a streamed pass
         _MET[-1].add(name)
         gc.freeze()
