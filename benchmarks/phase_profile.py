@@ -5,9 +5,9 @@
 
 "start" is the process's spawn to its first mark (the interpreter, torch and the command's imports); each phase
 runs from its first mark to the next phase's first mark (marks of the same phase in a row, a block i/N or a shape
-of 2, are one phase); the last phase runs to the process's exit (the report, and the exit itself). Peak RSS is the
-child's own (``os.wait4``). Small zoo models, then the GPT-2 folders of ``--sizes`` (built as
-benchmarks/real_sizes_vs_floor.py builds them, random weights, seed 0).
+of 2, are one phase); the last phase runs to the process's exit (the report, and the exit itself). Each process
+is run as benchmarks/real_sizes_vs_floor.py runs its cases (``measure``: after a sync, peak RSS the child's own).
+Small zoo models, then the GPT-2 folders of ``--sizes`` (built as that benchmark builds them, random weights, seed 0).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_sizes_vs_floor import build, measure  # noqa: E402
 
 ZOO = [["inspect", "zoo:resnet"], ["fold", "zoo:resnet", "-o", "{out}/f.pt"],
        ["canonicalize", "zoo:tutorial_ln", "-o", "{out}/c.pt"], ["swap", "zoo:gpt", "--to", "rmsnorm", "-o", "{out}/s.pt"],
@@ -33,27 +33,21 @@ FOLDER = [["inspect", "{dir}"], ["fold", "{dir}", "-o", "{out}/g.pt"], ["canonic
           ["swap", "{dir}", "--to", "rmsnorm", "-o", "{out}/s.pt"], ["export", "{dir}", "-o", "{out}/g.onnx"]]
 
 
-def profile(args: list[str], work: Path) -> dict:
-    """One command as a process: its phases (name, seconds), wall seconds, peak RSS, exit code."""
-    log = work / "phases.jsonl"
-    for p in work.iterdir():
-        p.unlink()
-    env = {**os.environ, "NORMCONV_PHASE_LOG": str(log)}
-    t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "normconv.cli", "--quiet", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    end = time.time()
-    proc.returncode = os.waitstatus_to_exitcode(status)
+def profile(args: list[str], work: Path, log: Path) -> dict:
+    """One command as a process (``measure``, as every floor benchmark runs one): its phases (name, seconds), wall
+    seconds, peak RSS, exit code."""
+    log.unlink(missing_ok=True)
+    r = measure([sys.executable, "-m", "normconv.cli", "--quiet", *args], work, {"NORMCONV_PHASE_LOG": str(log)})
+    end = r["start"] + r["wall_s"]
     marks = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    phases: list[list] = [["start", (marks[0]["t"] if marks else end) - t0]]
+    phases: list[list] = [["start", (marks[0]["t"] if marks else end) - r["start"]]]
     for i, m in enumerate(marks):
         stop = marks[i + 1]["t"] if i + 1 < len(marks) else end
         if phases[-1][0] == m["phase"] and i > 0:
             phases[-1][1] += stop - m["t"]
         else:
             phases.append([m["phase"], stop - m["t"]])
-    return {"phases": phases, "wall": end - t0, "rss": usage.ru_maxrss * 1024, "rc": proc.returncode}
+    return {"phases": phases, "wall": r["wall_s"], "rss": r["rss"], "rc": r["rc"]}
 
 
 def main() -> None:
@@ -62,7 +56,6 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "normconv_bench_scale"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/phase_profile.md"))
     a = ap.parse_args()
-    from real_sizes_vs_floor import build
 
     cases = [(" ".join(c), c) for c in ZOO]
     for size in [s for s in a.sizes.split(",") if s]:
@@ -76,10 +69,10 @@ def main() -> None:
              f"{load[2]:.1f} at start; one run each, seconds per phase (module docstring).", "",
              "| command | rc | wall s | peak RSS GiB | phases (s) |", "|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp) / "out"
+        work = Path(tmp) / "out"  # emptied before each command (``measure``): the log lives beside it
         work.mkdir()
         for label, args in cases:
-            r = profile([x.replace("{out}", str(work)) for x in args], work)
+            r = profile([x.replace("{out}", str(work)) for x in args], work, Path(tmp) / "phases.jsonl")
             shown = label.replace("{out}/", "")
             spent = ", ".join(f"{name} {s:.2f}" for name, s in r["phases"])
             lines.append(f"| `{shown}` | {r['rc']} | {r['wall']:.2f} | {r['rss'] / 2**30:.2f} | {spent} |")

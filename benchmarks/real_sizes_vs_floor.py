@@ -132,24 +132,26 @@ def commands(folder: Path, work: Path, only: set[str] | None, extra: list[str],
     return cmds
 
 
-def measure(cmd: list[str], work: Path) -> dict:
-    """Wall seconds and the child's own peak RSS (bytes) of one subprocess run."""
+def measure(cmd: list[str], work: Path, env: dict[str, str] | None = None) -> dict:
+    """Wall seconds and the child's own peak RSS (bytes) of one subprocess run; ``start``, the wall clock when it was
+    spawned; ``env``: variables added to its environment."""
     for p in work.iterdir():  # every run writes into an empty folder
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     path = cmd[0].removeprefix("PYTHONPATH=") if cmd[0].startswith("PYTHONPATH=") else str(ROOT)
     cmd = cmd[1:] if cmd[0].startswith("PYTHONPATH=") else cmd
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=path)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=path, **(env or {}))
     # no dirty pages of the case before: each case's writes meet an empty write-back queue (torch.save of GPT-2
     # 355M, 1.4 GB, took 0.5 s in one process and 3.0 s in the next, the same code, as the page cache stood)
     os.sync()
-    t0 = time.perf_counter()
+    start, t0 = time.time(), time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"wall_s": wall, "rss": rss, "rc": proc.returncode, "tail": out.decode(errors="replace")[-600:]}
+    return {"wall_s": wall, "rss": rss, "rc": proc.returncode, "tail": out.decode(errors="replace")[-600:],
+            "start": start}
 
 
 def main() -> None:

@@ -34,17 +34,13 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.overrides import TorchFunctionMode
 
-try:  # torch's lazily compiled GraphModule (what torch.compile makes), where this torch has it
-    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
-except ImportError:  # pragma: no cover - an older torch: compiled at once
-    _GraphModule = fx.GraphModule
-
 from normconv.errors import CaptureError, Code, NormconvError
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv import kinds
 from normconv.match import TRANSPARENT, op_of
 from normconv.verify import Inputs, compare, forward_guard, output_leaves, run
+from normconv.verify.guard import LazyGraphModule
 
 
 class NormLeafTracer(fx.Tracer):
@@ -437,7 +433,7 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
             _inherit_module_stacks(model.graph, graph)
         # its Python code is generated when first run or read, not here: analysis and shape propagation need only
         # the graph (the code of a 3,000-node graph costs more than its trace); it pickles as a GraphModule
-        gm = _GraphModule(tracer.root, graph, type(model).__name__)
+        gm = (LazyGraphModule or fx.GraphModule)(tracer.root, graph, type(model).__name__)
         with torch.no_grad():  # on a copy of the inputs: a graph that writes into its input leaves the example alone
             traced = _ShapeProp(gm).run(*copy.deepcopy(inputs.args))
         # the trust check: the graph's output is the eager output (a reference given by the caller is reused, and

@@ -68,7 +68,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
 
-from normconv.verify.guard import forward_guard, one_snapshot
+from normconv.verify.guard import forward_guard
 from normconv.report import OutputError, Validation
 from normconv.selections import Recorder, Trace, selects
 

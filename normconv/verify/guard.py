@@ -29,11 +29,11 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-try:  # torch's lazily compiled GraphModule (what torch.compile and normconv's symbolic traces make)
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-except ImportError:  # pragma: no cover - an older torch has none
-    class _LazyGraphModule:  # type: ignore[no-redef]
-        pass
+try:  # torch's lazily compiled GraphModule: its code generated on its first run (normconv's symbolic traces make
+    # them: graph.capture); the one place normconv names it. None on a torch without it
+    from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+except ImportError:  # pragma: no cover - an older torch
+    LazyGraphModule = None
 
 _TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))  # guarded on their own (buffers) or left alone
 _CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
@@ -184,8 +184,10 @@ class _Snapshot:
     def __init__(self, model: nn.Module) -> None:
         self.in_use = False  # a guard is running on it
         self.modules = modules = list(model.modules())
-        for m in modules:  # a lazily compiled GraphModule compiles on its first run: here, or the guard would undo
-            if isinstance(m, _LazyGraphModule):  # the code it adds (the module kept its compiled forward, not its code)
+        # a lazily compiled GraphModule compiles on its first run: here, or the guard would undo the code it adds (the
+        # module would keep its compiled forward, not its code)
+        for m in modules if LazyGraphModule is not None else ():
+            if isinstance(m, LazyGraphModule):
                 m.real_recompile()
         self.flags = [m.training for m in modules]
         with _gc_paused():
@@ -256,4 +258,4 @@ def forward_guard(model: nn.Module) -> Iterator[Guard]:
         snapshot.in_use = False
 
 
-__all__ = ["forward_guard", "one_snapshot", "Guard"]
+__all__ = ["forward_guard", "one_snapshot", "Guard", "LazyGraphModule"]
