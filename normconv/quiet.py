@@ -58,12 +58,23 @@ _SHOWN: list[Any] = []  # the live display, while one is on (one at a time)
 _MET: list[set[str]] = []  # the phases met so far, while ``collector_frozen_at_phases`` is on
 
 
-_PHASE_LOG = os.environ.get("NORMCONV_PHASE_LOG")  # a file: each mark appended as a JSON line (profiling)
+_PHASE_LOG = os.environ.get("NORMCONV_PHASE_LOG")  # a new file: each mark appended as a JSON line (profiling)
+_LOG: list[Any] = []  # the log, once this process created it
 
 
 def _log_mark(name: str, step: int | None, total: int | None, detail: str) -> None:
     """One line of ``$NORMCONV_PHASE_LOG``: the wall clock, the phase, and the resident set now and at its peak
-    (Linux's /proc; absent elsewhere). benchmarks/phase_profile.py reads it."""
+    (Linux's /proc; absent elsewhere). benchmarks/phase_profile.py reads it. The log is a file this process creates
+    (a regular file, exclusively): a path that exists (a model, a link, anything read) is never written, said once."""
+    global _PHASE_LOG
+    if not _LOG:
+        try:
+            _LOG.append(open(_PHASE_LOG, "x", buffering=1))  # type: ignore[arg-type]
+        except OSError as exc:
+            sys.stderr.write(f"warning: NORMCONV_PHASE_LOG={_PHASE_LOG} not written ({exc.strerror}): the phase "
+                             f"log must be a new file\n")
+            _PHASE_LOG = None
+            return
     mark: dict[str, Any] = {"t": time.time(), "phase": name, "step": step, "total": total, "detail": detail}
     try:
         with open("/proc/self/status") as status:
@@ -72,8 +83,7 @@ def _log_mark(name: str, step: int | None, total: int | None, detail: str) -> No
                     mark[line[:5].lower()] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    with open(_PHASE_LOG, "a") as log:  # type: ignore[arg-type]
-        log.write(json.dumps(mark) + "\n")
+    _LOG[0].write(json.dumps(mark) + "\n")
 
 
 def phase(name: str, step: int | None = None, total: int | None = None, detail: str = "") -> None:
