@@ -104,10 +104,12 @@ class Analysis:
 
 
 def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
-            read: Callable[[str], torch.Tensor] | None = None) -> Analysis:
+            read: Callable[[str], torch.Tensor] | None = None, add_bias: bool = True) -> Analysis:
     """Plan the swap from the graph and shapes. The values it needs (is a norm's bias zero? is a writer already
     zero-mean?) come through ``read(state_dict name)``, by default the captured model's tensors: a plan made on
-    the meta device reads them from the checkpoint instead (normconv.stream)."""
+    the meta device reads them from the checkpoint instead (normconv.stream). ``add_bias`` False: a norm whose bias
+    would need a bias added to a linear keeps it as an add after the RMSNorm (an output that keeps the architecture
+    config.json describes, which gives that linear none: a Hugging Face folder)."""
     read = read or (lambda name: cap.tensor(name))
     if to not in SOURCE_KIND:
         raise ValueError(f"unknown target norm {to!r}")
@@ -126,7 +128,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
     for i, p in enumerate(plans):
         p.stream = next((k for k, st in enumerate(found) if i in st.sites), None)
     for p in plans:
-        _decide(cap, p, found, readers, to, read)
+        _decide(cap, p, found, readers, to, read, add_bias)
     # a norm module called at several sites is swapped at all of them or none
     by_module: dict[str, list[SitePlan]] = {}
     for p in plans:
@@ -142,7 +144,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
     return Analysis(to, plans, found)
 
 
-def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, read) -> None:
+def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, read, add_bias: bool) -> None:
     site = p.site
     mod = cap.modules.get(site.owner)
     # a norm subclass whose forward computes more  =>  not a module swap can replace
@@ -168,11 +170,11 @@ def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, r
         p.reason = ("post-LN: the residual stream is re-normalized (with its bias) after every sublayer, so it is "
                     "not zero-mean" + _ONLY_APPROXIMATE)
         if to == "rmsnorm":
-            _bias(cap, p, readers, read)
+            _bias(cap, p, readers, read, add_bias)
         return
     st = found[p.stream] if p.stream is not None else None
     if to == "rmsnorm":
-        _bias(cap, p, readers, read)
+        _bias(cap, p, readers, read, add_bias)
     # a writer that cannot be centered, or a reader that is not a LayerNorm  =>  approximate only
     if st is not None and st.problem:
         p.code, p.detail, p.reason = SwapWhy.STREAM, st.problem.code, f"{st.problem}{_ONLY_APPROXIMATE}"
@@ -196,9 +198,9 @@ def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, r
         p.reason = f"to LayerNorm(eps={site.eps:g}, no bias), exact: the stream's writers are zero-mean"
 
 
-def _bias(cap: Captured, p: SitePlan, readers, read) -> None:
+def _bias(cap: Captured, p: SitePlan, readers, read, add_bias: bool) -> None:
     """Where the norm's bias b goes: the linears that absorb it, or (none can) an add kept after the RMSNorm."""
-    p.consumers, p.beta_problem = bias_consumers(cap, p.module, p.site.node, readers, read)
+    p.consumers, p.beta_problem = bias_consumers(cap, p.module, p.site.node, readers, read, add_bias)
     if p.moved is not None and p.beta_problem is not None:
         # channels-first: the first reader is the module's own permute back  =>  named for what it is
         p.beta_problem = Refused(ResidualWhy.CHANNELS_FIRST, f"{p.module} puts the normalized dim back in place, "
@@ -269,7 +271,8 @@ class SwapPass(Pass):
     # refused, as at any graph input; the rest is proved within the submodule's graph
     by_parts = True
 
-    def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True, partial: bool = False):
+    def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True, partial: bool = False,
+                 add_bias: bool = True):
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
         if partial and approximate:
@@ -277,16 +280,17 @@ class SwapPass(Pass):
         self.to, self.approximate = to, approximate
         self.partial = partial  # swap the exact sites, keep the others as they are: the result stays exact
         self.require = require  # False: a model with no norm to swap passes through unchanged (rotate, fold-scales)
+        self.add_bias = add_bias  # False: no bias added to a linear (the output keeps the architecture's parameters)
         self._parts = False  # True while run on parts: a part with nothing to swap is no error (end_parts)
 
     def begin_parts(self) -> None:
         self._parts = True
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-        return analyze(cap, norms, self.to).sites(self.approximate)
+        return analyze(cap, norms, self.to, add_bias=self.add_bias).sites(self.approximate)
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
-        a = analyze(cap, find_norms(cap), self.to)
+        a = analyze(cap, find_norms(cap), self.to, add_bias=self.add_bias)
         kind = SOURCE_KIND[self.to]
         extra = {"plans": tuple(a.plans), "dropped": []}
         if not a.plans and (not self.require or self._parts):

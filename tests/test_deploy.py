@@ -342,3 +342,53 @@ def test_a_pt2_torch_export_cannot_save_dynamic_is_written_static_and_says_why(t
     other = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(program(other), model(other), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "opt", "gpt_neo"])
+def test_folder_swap_with_trained_norm_biases_keeps_the_architecture(cli, tmp_path, name):
+    """Trained weights give the final norm a bias, and the LM head beside it has no bias parameter (GPT-2, GPT-NeoX,
+    OPT, GPT-Neo): the folder keeps that bias on its LayerNorm (exact on the zero-mean stream) instead of a head bias
+    config.json has no place for. The folder loads with from_pretrained and holds the input's tensor names, and
+    --stream writes the same bytes."""
+    from hf_tiny import TINY, TINY_PRE_LN, _randomized
+    from safetensors.torch import load_file
+
+    model, _ = {**TINY, **TINY_PRE_LN}[name]()
+    _randomized(model)
+    assert type(model).__name__.endswith("ForCausalLM") or type(model).__name__ == "GPT2LMHeadModel"
+    source = tmp_path / "in"
+    model.save_pretrained(source)
+    out, streamed = tmp_path / "out", tmp_path / "streamed"
+    rep = _json(cli, "swap", source, "--to", "rmsnorm", "-o", out)
+    assert rep["extra"]["exact"] and rep["passed"]
+    assert any(v["label"].startswith("from_pretrained(written folder)") and v["passed"] for v in rep["validation"])
+    for shape in ((2, 9), (1, 17)):
+        ids = torch.randint(0, 100, shape)
+        torch.testing.assert_close(_outputs(out, ids), _outputs(source, ids), atol=1e-4, rtol=1e-4)
+    written, given = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
+    untied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # the centered embedding's old twin
+    assert set(written) == set(given) | untied
+    if name == "gpt_neo":  # its forward makes a CPU tensor the meta-device capture of --stream refuses (exit 2)
+        return
+    _json(cli, "swap", source, "--to", "rmsnorm", "--stream", "-o", streamed)
+    again = load_file(streamed / "model.safetensors")
+    assert set(again) == set(written) and all(torch.equal(again[k], written[k]) for k in written)
+
+
+def test_folder_form_refuses_a_tensor_the_architecture_has_no_place_for():
+    """A rewrite holding a tensor the original lacks (a bias added to a linear) is refused before anything is
+    written, naming it, instead of being dropped and failing the from_pretrained proof afterwards."""
+    from hf_tiny import TINY_PRE_LN
+
+    from normconv.clone import clone_sharing_tensors
+    from normconv.errors import NormconvError
+    from normconv.io.hf_output import folder_form
+
+    model, _ = TINY_PRE_LN["gpt_neox"]()
+    rewritten = clone_sharing_tensors(model)
+    rewritten.lm_head.bias = torch.nn.Parameter(torch.ones(rewritten.lm_head.out_features))
+    with pytest.raises(NormconvError, match="lm_head.bias is a tensor the architecture has no place for"):
+        folder_form(model, rewritten)
+    assert model.lm_head.bias is None
+    form, _ = folder_form(model, clone_sharing_tensors(model))  # nothing new: the same tensors
+    assert set(form.state_dict()) == set(model.state_dict())

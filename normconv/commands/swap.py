@@ -3,6 +3,7 @@ into the linears and the residual stream rotated (SliceGPT / QuaRot computationa
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch.fx as fx
@@ -11,7 +12,7 @@ import torch.nn as nn
 from normconv.engine.door import refuse_folder, rewrite, write_model
 from normconv.errors import Code, NormconvError
 from normconv.io.load import Loaded
-from normconv.io.write import check_output_path
+from normconv.io.write import check_output_path, output_format
 from normconv.options import Options
 from normconv.passes import canonicalize as canonicalize_pass
 from normconv.passes import fold_scales, rotate as rotate_pass, swap_norm
@@ -33,7 +34,9 @@ def swap(loaded: Loaded, opts: Options = Options(), to: str = "rmsnorm", approxi
                                     "LayerNorm")
     if fold_scales_ and to != "rmsnorm":
         raise NormconvError("--fold-scales folds RMSNorm scales: it goes with --to rmsnorm")
-    swap_pass = swap_norm.SwapPass(to, approximate, require=not fold_scales_, partial=partial)
+    # a Hugging Face folder keeps the architecture: a norm's bias no linear has a parameter for stays on the norm
+    folder = opts.output is not None and output_format(loaded, Path(opts.output)) == "hf"
+    swap_pass = swap_norm.SwapPass(to, approximate, require=not fold_scales_, partial=partial, add_bias=not folder)
     fold_pass = fold_scales.FoldScales()
     # hand-written and functional norms -> native modules first: swap replaces modules
     passes = ([canonicalize_pass.Canonicalize(functional=True)] if canonicalize else []) + [swap_pass] + \

@@ -3,13 +3,16 @@ original module classes, the rewritten weights), as ``--stream`` writes it, so t
 
   same key, same class       the rewritten value (centered writers, rotated linears, folded convs)
   norm -> another norm       the original norm module takes the rewritten norm's weight and bias (a weight-free
-                             result: a weight of ones; Gemma's ``1 + w``: the offset taken off), so the module
+                             result: a weight of ones; Gemma's ``1 + w``: the offset taken off; a bias kept as an
+                             add after the norm, ``BiasAfterNorm``: its bias), so the module
                              computes what the rewritten one does on the stream it reads (a LayerNorm on the zero-mean
                              stream an exact swap leaves is an RMSNorm); the check below proves it on the model
   BatchNorm -> Identity      the BatchNorm left as the identity (weight 1, bias 0, mean 0, var 1 - eps), or as a
   (or ChannelShift)          per-channel shift where its layer had no bias to carry it: backward fold t, forward
                              fold t / s (``folds``: the fold pass's BatchNorm -> (layer, direction))
   tied weights that differ   untied (config: tie_word_embeddings = false)
+  a tensor the original      not expressible (a bias added to a linear config.json gives none): NormconvError
+  lacks                      naming it, before anything is written (swap keeps such a bias on its norm instead)
   anything else              not expressible: NormconvError naming what
 
 The written folder is then loaded with ``from_pretrained`` and run at the example inputs and the second shape
@@ -27,6 +30,7 @@ import torch.nn as nn
 from normconv.clone import clone_sharing_tensors
 from normconv.errors import NormconvError
 from normconv.kinds import of_module
+from normconv.nn.modules import BiasAfterNorm
 from normconv.report import Validation
 from normconv.verify import Inputs, compare, run
 
@@ -57,7 +61,14 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
         swapped[path] = f"{type(old).__name__} -> {type(new).__name__}"
         handled.update(f"{path}.{k}" if path else k for k in old.state_dict())
     ties = _tie_groups(original)
-    for key, value in original.state_dict().items():
+    old_state = original.state_dict()
+    carried = {f"{layer}.bias" for layer, _ in (folds or {}).values()}  # a fold's new bias: its BatchNorm carries it
+    extra = [k for k in new_state if k not in old_state and k not in carried and not any(
+        k.startswith(f"{path}.") for path in swapped if path)]
+    if extra:
+        raise NormconvError(f"{extra[0]} is a tensor the architecture has no place for"
+                            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for key, value in old_state.items():
         if key in handled:
             continue
         if key not in new_state or new_state[key].shape != value.shape:
@@ -79,6 +90,8 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
 
 
 def _is_norm(m: nn.Module) -> bool:
+    if isinstance(m, BiasAfterNorm):
+        return _is_norm(m.norm)
     return of_module(m) is not None or (hasattr(m, "weight") or hasattr(m, "eps") or hasattr(m, "variance_epsilon")) \
         and "norm" in type(m).__name__.lower()
 
@@ -86,8 +99,7 @@ def _is_norm(m: nn.Module) -> bool:
 def _norm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str) -> None:
     """The original norm module ``target`` given ``new``'s scale and shift: weight (minus a stored offset, found by
     computing the module) and bias (zeros where ``new`` has none)."""
-    w = getattr(new, "weight", None)
-    b = getattr(new, "bias", None)
+    w, b = _scale_shift(new)
     w_old = getattr(old, "weight", None)
     if isinstance(w_old, torch.Tensor):
         value = w.detach() if isinstance(w, torch.Tensor) else torch.ones_like(w_old)
@@ -100,6 +112,13 @@ def _norm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str) -> No
         target._parameters["bias"] = nn.Parameter(value.to(b_old.dtype), b_old.requires_grad)
     elif isinstance(b, torch.Tensor) and bool(b.detach().any()):
         raise NormconvError(f"{path} ({type(old).__name__}) has no bias to carry the rewritten shift")
+
+
+def _scale_shift(new: nn.Module) -> tuple[Any, Any]:
+    """The (weight, bias) a rewritten norm computes with: ``BiasAfterNorm(norm, b)`` is norm's weight, then + b."""
+    if isinstance(new, BiasAfterNorm):
+        return getattr(new.norm, "weight", None), new.bias
+    return getattr(new, "weight", None), getattr(new, "bias", None)
 
 
 def _offset(norm: nn.Module) -> float:

@@ -70,7 +70,8 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
             seen[stored] = ckpt.get(stored)
         return seen[stored].clone()
 
-    a = swap_norm.analyze(cap, find_norms(cap), "rmsnorm", read=read)
+    # the folder keeps the architecture: a norm's bias that would need a bias added to a linear stays on the norm
+    a = swap_norm.analyze(cap, find_norms(cap), "rmsnorm", read=read, add_bias=False)
     if not a.plans:
         raise NormconvError(f"swap: {type(meta).__name__} has no layernorm to swap to rmsnorm")
     why = swap_norm.refusal(a)
@@ -92,15 +93,10 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
              notes: list[str]) -> tuple[Produce, dict[str, list[str]], int]:
     """How each tensor is rewritten (``produce``), the untied copies to write (stored key -> names written with
     the original values) and how many norm biases are folded."""
+    # a norm whose bias would need a new bias parameter (a consumer without one) kept it (analyze, add_bias=False):
+    # no fold names it, and LN(x) = RMSNorm(x) * g + b on the zero-mean stream all the same
     fold_into = plan.fold_into()
-    # a norm whose bias would need a new bias parameter (a consumer without one) keeps its bias: the architecture
-    # is not changed, and LN(x) = RMSNorm(x) * g + b on the zero-mean stream all the same
-    kept = {f.norm for f in plan.folds if f.bias is None}
-    for norm in sorted(kept):
-        notes.append(f"{norm}.bias kept (a linear reading {norm} has no bias parameter to absorb it): that norm is "
-                     f"RMSNorm(x) * weight + bias")
-    fold_into = {b: [f for f in fs if f.norm not in kept] for b, fs in fold_into.items()}
-    zeroed = {f.beta for f in plan.folds if f.norm not in kept}
+    zeroed = {f.beta for f in plan.folds}
     # untie: the centered embedding keeps its name; each name tied to it is written with the original values
     copies: dict[str, list[str]] = {}
     for path, weight in plan.untie.items():
@@ -125,7 +121,7 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
                                  swap_norm.bias_delta(edited(f.weight, source(f.weight)), source(f.beta), f.layout))
         return torch.zeros_like(new) if name in zeroed else new  # a zeroed norm bias now lives in its consumers
 
-    return produce, copies, len({f.norm for f in plan.folds} - kept)
+    return produce, copies, len({f.norm for f in plan.folds})
 
 
 # ---------------------------------------------------------------------------------------------------------

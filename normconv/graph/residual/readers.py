@@ -115,9 +115,10 @@ def _self_attention_in_proj(cap: Captured, u: fx.Node, v: fx.Node) -> Consumer |
 
 
 def bias_consumers(cap: Captured, module: str | None, node: str, readers: dict[int, list[str]],
-                   read) -> tuple[list[Consumer], Refused | None]:
+                   read, add_bias: bool = True) -> tuple[list[Consumer], Refused | None]:
     """The linears the bias b of the norm ``module`` (its output: ``node``) folds into, or why it cannot fold
-    (b == 0 needs none). ``readers``: ``param_readers(cap)``; ``read``: where b's value comes from."""
+    (b == 0 needs none). ``readers``: ``param_readers(cap)``; ``read``: where b's value comes from; ``add_bias``
+    False: a linear without a bias refuses b (the output keeps the architecture, whose config gives it none)."""
     mod = cap.modules.get(module) if module else None
     beta = read(f"{module}.bias") if getattr(mod, "bias", None) is not None else None
     if beta is None or not bool(torch.count_nonzero(beta.detach())):
@@ -157,6 +158,9 @@ def bias_consumers(cap: Captured, module: str | None, node: str, readers: dict[i
         else:
             # a bias is added to the module: every call of it must read this norm's output
             lin_mod = cap.modules.get(c.module)
+            if not add_bias:  # the output keeps the architecture (a Hugging Face folder): no parameter to add
+                return [], Refused(W.NO_BIAS, f"{c.module} has no bias parameter to absorb the norm's bias, and the "
+                                              f"output keeps the architecture config.json describes")
             if not (isinstance(lin_mod, nn.Linear) and c.weight == f"{c.module}.weight"):
                 return [], Refused(W.NO_BIAS, f"{c.node} has no bias parameter to absorb the norm's bias")
             if lin_mod.bias is not None:  # x @ W.T + b written out: b is not read by the matmul
