@@ -4,6 +4,7 @@ loaded back with from_pretrained, refused (exit 2) where the swap is not exact, 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import warnings
 
@@ -449,7 +450,15 @@ def test_a_dropped_block_s_source_buffers_are_read_into_again_with_the_same_outp
         return get(self, name, taking)
 
     monkeypatch.setattr(checkpoint.Checkpoint, "get", spy)
-    assert normconv.stream_swap(str(src), str(tmp_path / "reused")).passed
+    # a buffer the writer thread still holds is not reused (correct, just fresh memory): on a busy machine the writer
+    # can lag behind the loader, so the run is repeated until block 2 was read into block 0's buffers (CI saw none)
+    for attempt in range(4):
+        reused.clear()
+        shutil.rmtree(tmp_path / "reused", ignore_errors=True)
+        giving.clear()
+        assert normconv.stream_swap(str(src), str(tmp_path / "reused")).passed
+        if any(".layers.2." in n for n in reused):
+            break
     assert any(".layers.2." in n for n in reused)  # block 2 read into block 0's buffers
     monkeypatch.setattr(checkpoint.Checkpoint, "get", lambda self, name, reuse=None: get(self, name))
     assert normconv.stream_swap(str(src), str(tmp_path / "fresh")).passed
