@@ -497,6 +497,36 @@ def test_second_shape_of_an_image_model_changes_the_image_size():
     assert report.validation[1].label == "torch, second shape ((1, 3, 32, 32):float32)"
 
 
+class _SkipNet(nn.Module):
+    """Three stride-2 convs down, nearest upsampling back, each level joined to its skip: a side must be a multiple
+    of 8 (the skips' sizes must match)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.ModuleList(nn.Sequential(nn.Conv2d(4, 4, 3, 2, 1), nn.BatchNorm2d(4)) for _ in range(3))
+        self.up = nn.ModuleList(nn.Conv2d(8, 4, 1) for _ in range(3))
+
+    def forward(self, x):
+        skips = []
+        for d in self.down:
+            skips.append(x)
+            x = d(x)
+        for u, s in zip(self.up, reversed(skips)):
+            x = u(torch.cat([nn.functional.interpolate(x, scale_factor=2.0), s], 1))
+        return x
+
+
+@pytest.mark.parametrize("side,other", [(8, 16), (40, 48), (24, 32), (224, 192)])
+def test_the_second_image_size_keeps_every_stride_the_example_fits(side, other):
+    # moved by the largest power of two dividing the side (at most 32): a multiple of 8 stays one, so the skips of a
+    # stride-8 net still meet; a small example's check stays small (8 -> 16, where +32 made 40: 25x the pixels)
+    torch.manual_seed(0)
+    model = _SkipNet().eval()
+    _, report = normconv.fold(model, torch.randn(1, 4, side, side))
+    assert report.validation[1].label == f"torch, second shape ((2, 4, {other}, {other}):float32)"
+    assert report.passed
+
+
 class _WindowToImage(nn.Module):
     """Swin's set_shift_and_window_size: the forward shrinks its window to an image smaller than it, and keeps
     that window for later calls."""

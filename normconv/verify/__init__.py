@@ -188,11 +188,20 @@ def same_draws(model: nn.Module):
         yield
 
 
+def _other_side(n: int) -> int:
+    """An image side moved by 2^k = the largest power of two dividing n (at most 32): n = 2^k m (m odd) and n + 2^k
+    = 2^k (m + 1), n - 2^k = 2^k (m - 1) are multiples of 2^k again, so a model whose strides the example fits
+    takes the new side too."""
+    step = min(32, n & -n)
+    return n - step if n >= 96 else n + step
+
+
 def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     """The same inputs at a second shape where the model's dimensions are free: batch 1 (2 when the example's is
     1; batch 1 is where batch-dependent code differs most), for sequences ((B, L) ids and masks, (B, L, C)
-    activations) length - 1, and for images ((B, C, H, W) floats) H and W 32 smaller (32 larger below 96: a
-    multiple of every usual stride), then batch + 1. Each candidate is tried on ``model``; the first it accepts
+    activations) length - 1, and for images ((B, C, H, W) floats) H and W each moved by the largest power of two
+    that divides it, at most 32 (smaller from 96 up, larger below: 224 -> 192, 32 -> 64, 8 -> 16), so every stride
+    the example's size fits, the new size fits too, at the least extra work for a small example, then batch + 1. Each candidate is tried on ``model``; the first it accepts
     with an output that can fail a comparison (not every output 0: one sample through a final ReLU can be) is
     returned with that output (``with_selections``: traced where it holds an integer or bool tensor), None when it
     takes no other shape (fixed sizes). Each candidate runs guarded (``run``): ``model`` is left as it was."""
@@ -216,7 +225,7 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
         if dl and seq_axis(t):
             size[1] += dl
         if spatial and image(t):
-            size[2:] = [n - 32 if n >= 96 else n + 32 for n in size[2:]]
+            size[2:] = [_other_side(n) for n in size[2:]]
         index = [torch.arange(n) % m for n, m in zip(size, t.shape)]  # cycle the example's own values
         return t[torch.meshgrid(*index, indexing="ij")] if t.dim() else t
 
