@@ -39,6 +39,7 @@ LAYERS = {
     "normconv.io.inputs": 0.33,  # example inputs: -i, calibration, masks, caches
     "normconv.io.pickles": 0.31,  # reading files without running their code
     "normconv.io.archive": 0.305,  # zip archives checked from their directory before any member is inflated
+    "normconv.io.config_size": 0.306,  # the size a Hugging Face config describes: its numbers, else counted on meta
     "normconv.io.ledger": 0.302,  # every file the run read, checked by every write
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
     "normconv.io.dims": 0.29,  # dynamic dimensions of written models: found, named, checked

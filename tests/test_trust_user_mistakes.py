@@ -72,6 +72,32 @@ def test_a_huge_width_is_refused_too(cli, tmp_path, template):
     one_line_error(cli, "inspect", folder, match="refused before building it")
 
 
+@pytest.fixture(scope="module")
+def efficientnet_b7_like(tmp_path_factory):
+    """EfficientNet-B7's config numbers (hidden_dim 2560, num_hidden_layers 64, width 2.0) at depth 0.1 and 32x32
+    images: 6.2M parameters, which the transformer-shaped estimate reads as 6.7e9 (25 GiB)."""
+    from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+    torch.manual_seed(0)
+    cfg = EfficientNetConfig(width_coefficient=2.0, depth_coefficient=0.1, image_size=32, num_labels=3,
+                             hidden_dim=2560)
+    folder = tmp_path_factory.mktemp("effnet") / "b7"
+    EfficientNetForImageClassification(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_a_config_the_estimate_misreads_is_counted_on_meta_not_refused(cli, efficientnet_b7_like, monkeypatch):
+    from normconv.io import config_size
+
+    assert config_size.estimated_parameters(json.loads((efficientnet_b7_like / "config.json").read_text())) > 6e9
+    monkeypatch.setattr(config_size, "memory_bytes", lambda: 8 * 2**30)  # a laptop: the estimate is past it
+    code, out, err = cli("inspect", efficientnet_b7_like, "--json")
+    assert code == 0, err
+    assert json.loads(out)["sites"]  # loaded: its BatchNorms listed
+    monkeypatch.setattr(config_size, "memory_bytes", lambda: 2**20)  # 1 MiB: the counted model is past it
+    one_line_error(cli, "inspect", efficientnet_b7_like, match=("counted on the meta device", "refused before"))
+
+
 def test_the_same_input_twice_is_refused(cli):
     one_line_error(cli, "fold", "zoo:resnet", "-i", "x:2,3,32,32", "-i", "x:1,3,16,16", match=("'x' twice",))
     one_line_error(cli, "fold", FACTORY, "-i", "x:2,3,8,8", "-i", "x:2,3,8,8", match="twice")

@@ -4,7 +4,9 @@ re-exported here.
   ledger      every file and folder a run read (real path and inode), checked by every write
   archive     zip archives (.pt2, torch.save) checked from their directory before any member is inflated
   hf_folder   what a Hugging Face folder means: the weights from_pretrained loads, every path inside the folder,
-              every safetensors header valid by the library's rules, the size its config describes
+              every safetensors header valid by the library's rules
+  config_size the size a Hugging Face config describes: numbers no model has refused, an estimate past memory
+              counted on the meta device (transformers' own construction) before it is refused
   pickles     reading without running: weights-only torch.load, torch's and normconv's classes allowlisted, the
               globals a refused pickle would import, safetensors files
   inputs      example inputs: --input-shape, --dtype, calibration files, forward's parameters, the Hugging Face
@@ -19,7 +21,7 @@ re-exported here.
   write       atomic writing: output paths checked before the work, temp file + rename, stale temps removed
   load        ``Loaded`` and ``load``: zoo, Hugging Face folder, .pt2, pickle, factory (+ --weights)
 
-Imports run one way, lowest first: ledger, archive <- pickles <- inputs <- hf_inputs; ledger <- hf_folder;
+Imports run one way, lowest first: ledger, archive <- config_size (with time_limit); archive <- pickles <- inputs <- hf_inputs; ledger <- hf_folder;
 dims <- outputs <- write (write also reads pickles and ledger); hf_output reads kinds, verify, clone only; load over all of them. graph.capture uses io.inputs, onnx.export io.write; nothing in io imports graph, passes or
 anything above them.
 """

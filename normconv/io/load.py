@@ -27,10 +27,10 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError, describe
-from normconv.io import hf_folder
+from normconv.io import config_size, hf_folder
 from normconv.io.archive import check_archive
 from normconv.io.hf_inputs import hf_example_inputs
-from normconv.io.inputs import forward_params, memory_bytes, parse_dtype, parse_input_shapes, without_kv_cache
+from normconv.io.inputs import forward_params, parse_dtype, parse_input_shapes, without_kv_cache
 from normconv.io.ledger import Ledger
 from normconv.io.outputs import INPUTS_ATTR
 from normconv.io.pickles import (REFUSED, NeedsTrust, load_allowlisted, only_weights_unpickled,
@@ -345,7 +345,7 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
     raw = hf_folder._config(path)
     hf_folder.check_folder_files(path, ["generation_config.json"])
     weights = hf_folder.resolve(path, raw)
-    check_config_size(raw, spec)
+    config_size.check_numbers(raw, spec)  # a layer count or width no model has: refused from the numbers
     for file in (weights.files if weights is not None and not weights.safetensors else []):
         check_archive(file, str(file))  # a pytorch_model.bin is a zip archive torch inflates
     if ledger is not None:
@@ -359,6 +359,7 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
         raise NormconvError(f"{spec}/config.json is not a readable Hugging Face config ({describe(exc)})") from None
     hf_folder.check_folder_files(path, list(getattr(type(config), "extra_files", ())))
     cls = hf_model_class(config, spec)
+    config_size.check_memory(raw, spec, cls, config)  # past memory: estimated, and where so, counted on meta
     if hasattr(config, "use_cache"):
         config.use_cache = False  # torch.export cannot capture a KV cache object
     hf_logging = transformers.utils.logging
@@ -394,18 +395,6 @@ def hf_model_class(config: Any, spec: str) -> Any:
         raise NormconvError(f"{spec}/config.json: architectures names {name}, which is not a transformers model class "
                             f"({what}); name the model's class there, or remove architectures")
     return transformers.AutoModel
-
-
-def check_config_size(config: dict[str, Any], spec: str) -> None:
-    """Refuse a config that describes a model larger than this machine's memory (a ``num_hidden_layers`` of 1e9),
-    estimated from its numbers before anything is built from it."""
-    params = hf_folder.estimated_parameters(config)
-    nbytes = params * hf_folder.dtype_bytes(config)
-    memory = memory_bytes()
-    if memory and nbytes > memory:
-        raise NormconvError(f"{spec}/config.json describes a model of about {params:.3g} parameters "
-                            f"({nbytes / 2**30:.3g} GiB), more than this machine's {memory / 2**30:.1f} GiB of memory: "
-                            f"refused before building it (check num_hidden_layers, hidden_size, vocab_size)")
 
 
 def remote_code(config_json: Path) -> str | None:
