@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from normconv.errors import NormconvError
+from normconv.errors import CaptureError, NormconvError
 from normconv.quiet import phase
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
@@ -53,7 +53,15 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     if inputs is None:
         raise NormconvError(f"{folder}: no example inputs from its config (--stream needs a model taking input_ids)")
     phase("capture", detail="on the meta device")
-    cap = capture(meta, inputs, "torch.export")  # the graph needs shapes only: parameters stay on meta
+    try:
+        cap = capture(meta, inputs, "torch.export")  # the graph needs shapes only: parameters stay on meta
+    except CaptureError as first:
+        # buffers computed on the CPU (GPT-J's sin/cos table, GPT-Neo's causal mask) meeting meta weights fail in
+        # torch.export: then every tensor on meta, as fold --stream captures (what reads a buffer's values fails)
+        try:
+            cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
+        except CaptureError:
+            raise first from None
     if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
         raise NormconvError(f"{folder}: the capture specialized a branch on tensor values at "
                             f"{cap.guards[0].describe()}; --stream rewrites models whose graph holds every branch "
