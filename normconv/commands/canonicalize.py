@@ -77,7 +77,7 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, opts: Options) -> tupl
     failed = next((v for v in report.validation if not v.passed and not v.drift), None)
     if failed is not None:
         raise not_verified("canonicalize", failed, report)
-    write_model(loaded, model, opts, loaded.require_inputs(), report)
+    write_model(loaded, model, opts, loaded.require_inputs(), report, done)
     return report, model
 
 

@@ -47,7 +47,7 @@ def deepnorm(loaded: Loaded, opts: Options = Options(), *, arch: str | None = No
         "DeepNorm changes what the model computes (it is for (re)training); validation compares it with "
         "LN(alpha*x + f(x)) computed literally on the same weights. Save the module itself (torch.save(model)): "
         "a state_dict alone does not carry the residual scaling.")
-    write_model(loaded, done.model, opts, loaded.require_inputs(), report)
+    write_model(loaded, done.model, opts, loaded.require_inputs(), report, done)
     return report, done.model
 
 

@@ -77,7 +77,7 @@ def recalibrate(loaded: Loaded, opts: Options, batches: Sequence[Inputs]) -> tup
     if not same.passed:
         raise not_verified(recalibrate_pass.NAME, same, report, "the recalibrated model is not the original with the "
                                                                 "new statistics")
-    write_model(loaded, done.model, opts, inputs, report)
+    write_model(loaded, done.model, opts, inputs, report, done)
     return report, done.model
 
 

@@ -66,7 +66,7 @@ def swap(loaded: Loaded, opts: Options = Options(), to: str = "rmsnorm", approxi
         report.notes.append(
             f"approximate swap ({report.extra['refused']} site(s) not exact): output drift max abs "
             f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}; fine-tune if it matters")
-    write_model(loaded, model, opts, loaded.require_inputs(), report)
+    write_model(loaded, model, opts, loaded.require_inputs(), report, done)
     return report, model
 
 

@@ -68,7 +68,7 @@ def swap_batchnorm(loaded: Loaded, opts: Options = Options(), to: str = "frozen-
     if not done.exact:
         report.notes.append(f"approximate swap to {name} ({converted} site(s)): output drift max abs "
                             f"{v.max_abs_error:.3g}, max rel {v.max_rel_error:.3g}, cosine {v.cosine:.6f}")
-    write_model(loaded, done.model, opts, loaded.require_inputs(), report)
+    write_model(loaded, done.model, opts, loaded.require_inputs(), report, done)
     return report, done.model
 
 

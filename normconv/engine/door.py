@@ -126,8 +126,9 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
                            f"the rewritten model differs from {referee.reference_label} on the same weights")
     # a capture that decided a branch on a value: proven for the other branches, accepted, or refused (exit 2)
     judge_specialized(loaded.model, done, inputs, opts, report, command)
+    done.expected = [(inputs, reference)] + ([alt] if alt else [])
     if write:
-        write_model(loaded, done.model, opts, inputs, report, done, [(inputs, reference)] + ([alt] if alt else []))
+        write_model(loaded, done.model, opts, inputs, report, done)
     return report, done
 
 
@@ -175,13 +176,16 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
 
     A Hugging Face folder out (``io.hf_output``): the rewrite in the architecture config.json describes, loaded back
     with ``from_pretrained`` and compared with the original at ``expected`` ((inputs, original's outputs) at the
-    example and the second shape; computed when not given) before it is renamed into place. ``done``: the passes'
-    results (which layer each folded BatchNorm went into)."""
+    example and the second shape; ``done.expected`` when not given, the door's own, taken before the passes wrote a
+    disposable original in place; computed only without either) before it is renamed into place. ``done``: the
+    passes' results (which layer each folded BatchNorm went into)."""
     output = opts.output
     if output is None:
         report.notes.append("nothing was written (no -o given)")
         return
     phase("write", detail=output)
+    if expected is None and done is not None and done.expected:
+        expected = done.expected
     if output_format(loaded, Path(output)) == "hf":
         _write_folder(loaded, model, opts, inputs, report, done, expected)
         return

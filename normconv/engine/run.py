@@ -47,6 +47,9 @@ class Run:
     # the caller's model still holds its original values (False: a disposable model was written in place before a
     # specialized capture was seen, so the door cannot compare the rewrite with it)
     original_intact: bool = True
+    # (inputs, the original's outputs) at the example and the second shape, taken by the door before the passes ran:
+    # a disposable original is written in place by them, so no later check may run it again (``door.write_model``)
+    expected: list[tuple[Any, Any]] = field(default_factory=list)
 
     def saw(self, cap: Captured, prefix: str = "") -> Captured:
         """Remember ``cap``'s guards (of a part at ``prefix``: its module paths made whole)."""
