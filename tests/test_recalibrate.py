@@ -122,3 +122,30 @@ def test_cli(cli, tmp_path):
     assert int(loaded.bn1.num_batches_tracked) == 3
     code, _, stderr = cli("recalibrate", "zoo:gpt", "--calibration", calib)
     assert code == 2 and "error:" in stderr and "Traceback" not in stderr
+
+
+def test_nothing_else_changed_is_checked_on_a_model_past_the_rounding_budget(cli, tmp_path, monkeypatch):
+    """A model normconv loaded itself, past the budget under which its own rounding is measured, is written in place
+    by most commands; recalibrate compares the result with the original afterwards, so its original is kept: a pass
+    that also changed a conv weight is caught there too (with the original written in place, both sides were the
+    same tensors and the check compared nothing)."""
+    from normconv.clone import owned
+    from normconv.engine import rounding
+    from normconv.passes import recalibrate as recal
+
+    monkeypatch.setattr(rounding, "BUDGET_BYTES", 0)
+    call = recal.Recalibrate.__call__
+
+    def also_a_weight(self, model, cap):
+        result = call(self, model, cap)
+        conv = next(m for m in result.model.modules() if isinstance(m, nn.Conv2d))
+        owned(result.model, conv.weight).data.add_(1.0)  # a change besides the statistics
+        return result
+
+    monkeypatch.setattr(recal.Recalibrate, "__call__", also_a_weight)
+    src, calib = tmp_path / "m.pt", tmp_path / "calib.pt"
+    torch.save(B.net(nn.BatchNorm2d), src)
+    torch.save(torch.randn(20, 3, 8, 8) + 1, calib)
+    code, _, stderr = cli("recalibrate", src, "--trust-pickle", "--calibration", calib, "-o", tmp_path / "out.pt")
+    assert code != 0 and "changed besides the BatchNorm statistics" in stderr
+    assert not (tmp_path / "out.pt").exists()
