@@ -89,3 +89,29 @@ def test_hf_mobilenet_affine_leaves_no_batchnorm():
     new, report = normconv.swap(model, Inputs((_image(),)), to="affine")
     assert report.passed and not any(isinstance(m, nn.BatchNorm2d) for m in new.modules())
     assert report.extra["folded"] + report.extra["converted"] == 52
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_vision_folder_gets_pixels_in_its_dtype(cli, tmp_path, dtype):
+    """A float16 / bfloat16 checkpoint of a vision model: the example pixels made from its config are in the model's
+    dtype (float32 pixels into half convs: every in-memory command refused the folder, 'the model rejected its
+    example inputs'). fold writes a .pt2 that runs at another image size; float16 exports to ONNX, validated."""
+    import json
+
+    from hf_tiny import _randomized
+
+    model = _randomized(_build("resnet").eval()).to(dtype)
+    src = tmp_path / "in"
+    model.save_pretrained(src)
+    code, out, err = cli("fold", src, "-o", tmp_path / "f.pt2", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["passed"] and any(s["applied"] for s in rep["sites"])
+    program = torch.export.load(tmp_path / "f.pt2").module()
+    x = _image(1, 64).to(dtype)
+    with torch.no_grad():
+        got, ref = program(pixel_values=x)["last_hidden_state"].float(), model(x).last_hidden_state.float()
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+    if dtype == torch.float16:
+        code, _, err = cli("export", src, "-o", tmp_path / "f.onnx")
+        assert code == 0, err

@@ -373,7 +373,11 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    return Loaded(model.eval(), hf_example_inputs(model), spec, "hf", path)
+    inputs = hf_example_inputs(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # its input layer's
+    if inputs is not None and dtype is not None and dtype != torch.float32:
+        inputs = inputs.to(dtype)  # pixels and audio in the model's own dtype: a float16 checkpoint takes float16
+    return Loaded(model.eval(), inputs, spec, "hf", path)
 
 
 def hf_model_class(config: Any, spec: str) -> Any:
