@@ -426,3 +426,30 @@ def test_folder_check_uses_the_references_taken_before_a_disposable_original_was
     ids = torch.randint(0, 100, (1, 15))
     ref, got = _outputs(source, ids).float(), _outputs(out, ids).float()
     assert (got - ref).abs().max() <= (0.05 if dtype != "large" else 1e-4) * ref.abs().max()
+
+
+@pytest.mark.parametrize("name,dtype", [("gemma", "bfloat16"), ("t5", "float16")])
+def test_half_canonicalize_to_a_folder_carries_norms_run_in_float32(cli, tmp_path, name, dtype):
+    """canonicalize of a half model makes each hand-written norm a native one run in float32 (Float32Norm: as
+    GemmaRMSNorm and T5LayerNorm compute inside); the folder's original classes carry its weights (the folder was
+    refused: 'is now Float32Norm')."""
+    from hf_tiny import TINY
+
+    model, inputs = TINY[name]()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    model = model.to(getattr(torch, dtype))
+    source, out = tmp_path / "in", tmp_path / "out"
+    model.save_pretrained(source)
+    rep = _json(cli, "canonicalize", source, "-o", out)
+    assert [v["passed"] for v in rep["validation"] if v["label"].startswith("from_pretrained(written folder)")] == \
+        [True, True]
+    assert any(s["applied"] for s in rep["sites"])
+    import transformers
+
+    again = getattr(transformers, type(model).__name__).from_pretrained(out).eval()
+    with torch.no_grad():
+        want, got = model(**inputs.kwargs), again(**inputs.kwargs)
+    assert (got[0].float() - want[0].float()).abs().max() <= 0.02 * want[0].float().abs().max()  # half rounding

@@ -4,7 +4,8 @@ original module classes, the rewritten weights), as ``--stream`` writes it, so t
   same key, same class       the rewritten value (centered writers, rotated linears, folded convs)
   norm -> another norm       the original norm module takes the rewritten norm's weight and bias (a weight-free
                              result: a weight of ones; Gemma's ``1 + w``: the offset taken off; a bias kept as an
-                             add after the norm, ``BiasAfterNorm``: its bias), so the module
+                             add after the norm, ``BiasAfterNorm``: its bias; a norm run in float32 or over a moved dim,
+                             ``Float32Norm`` / ``MovedDimNorm``: its norm's), so the module
                              computes what the rewritten one does on the stream it reads (a LayerNorm on the zero-mean
                              stream an exact swap leaves is an RMSNorm); the check below proves it on the model
   BatchNorm -> Identity      the BatchNorm left as the identity (weight 1, bias 0, mean 0, var 1 - eps), or as a
@@ -30,7 +31,7 @@ import torch.nn as nn
 from normconv.clone import clone_sharing_tensors
 from normconv.errors import NormconvError
 from normconv.kinds import of_module
-from normconv.nn.modules import BiasAfterNorm
+from normconv.nn.modules import BiasAfterNorm, Float32Norm, MovedDimNorm
 from normconv.report import Validation
 from normconv.verify import Inputs, compare, run
 
@@ -90,7 +91,7 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
 
 
 def _is_norm(m: nn.Module) -> bool:
-    if isinstance(m, BiasAfterNorm):
+    if isinstance(m, (BiasAfterNorm, Float32Norm, MovedDimNorm)):
         return _is_norm(m.norm)
     return of_module(m) is not None or (hasattr(m, "weight") or hasattr(m, "eps") or hasattr(m, "variance_epsilon")) \
         and "norm" in type(m).__name__.lower()
@@ -114,10 +115,20 @@ def _norm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str) -> No
         raise NormconvError(f"{path} ({type(old).__name__}) has no bias to carry the rewritten shift")
 
 
+def _inner(m: nn.Module) -> nn.Module:
+    """The norm a wrapper runs: ``Float32Norm`` (its norm in a wider dtype, as HF norms compute inside) and
+    ``MovedDimNorm`` (its norm over a moved dim, as the original channels-first class does itself)."""
+    while isinstance(m, (Float32Norm, MovedDimNorm)):
+        m = m.norm
+    return m
+
+
 def _scale_shift(new: nn.Module) -> tuple[Any, Any]:
     """The (weight, bias) a rewritten norm computes with: ``BiasAfterNorm(norm, b)`` is norm's weight, then + b."""
+    new = _inner(new)
     if isinstance(new, BiasAfterNorm):
-        return getattr(new.norm, "weight", None), new.bias
+        w, _ = _scale_shift(new.norm)
+        return w, new.bias
     return getattr(new, "weight", None), getattr(new, "bias", None)
 
 
