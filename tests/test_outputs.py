@@ -68,10 +68,12 @@ CASES = [  # command, factory, extra flags, the normconv class the rewrite inser
     ("swap", "tests.fixtures.deploy_models:ln_mlp", ["--approximate"], "RMSNorm"),
     ("canonicalize", "tests.fixtures.deploy_models:rms_mlp", [], "RMSNorm"),
     ("fold", "tests.fixtures.deploy_models:deconv", [], "ChannelShift"),
+    # the forward reads its norm's .weight: the stand-in for the swapped norm has one (it failed to run as written)
+    ("swap", "tests.fixtures.deploy_models:reads_norm_weight", [], "BiasAfterNorm"),
 ]
 
 
-@pytest.mark.parametrize("command,spec,flags,inserted", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("command,spec,flags,inserted", CASES, ids=[c[0] + "-" + c[3] for c in CASES])
 def test_each_command_output_loads_with_torch_alone(cli, tmp_path, command, spec, flags, inserted):
     from normconv.commands import canonicalize, deepnorm, fold, swap
     from normconv.io.load import load
@@ -81,7 +83,7 @@ def test_each_command_output_loads_with_torch_alone(cli, tmp_path, command, spec
                 "deepnorm": deepnorm.deepnorm}
     loaded = load(spec)
     # in memory the rewrite uses normconv's module: the output must not
-    _, model = commands[command](loaded, **({"approximate": True} if command == "swap" else {}))
+    _, model = commands[command](loaded, **({"approximate": True} if "--approximate" in flags else {}))
     assert any(type(m).__name__ == inserted and type(m).__module__.startswith("normconv.nn") for m in model.modules())
     expected = run(model, loaded.inputs)
     for suffix in (".pt", ".pt2"):
@@ -145,7 +147,10 @@ def test_float32norm_is_written_as_a_graph_module(tmp_path):
     portable = torch_only(model, Inputs((x,), {}))
     assert normconv_parts(model) and not normconv_parts(portable)
     assert type(model[1].norm).__module__.startswith("normconv")  # the user's copy is untouched
-    assert list(portable.state_dict()) == list(model.state_dict())
+    # the same keys, and the stand-in's own ``weight``: its norm's Parameter under the name the replaced module had
+    # (model code reads its norm's .weight), one tensor under both names
+    assert set(portable.state_dict()) == set(model.state_dict()) | {"1.weight"}
+    assert portable[1].weight is portable[1].norm.weight
     torch.save(portable, tmp_path / "m.pt")
     got = load_without_normconv(tmp_path / "m.pt", (x,), None, tmp_path)
     assert got.dtype == torch.float16

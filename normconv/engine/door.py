@@ -200,6 +200,8 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
         except Exception as exc:
             raise NormconvError(f"cannot write {output} in torch-only form: {type(exc).__name__}: {exc}",
                                 Code.WRITE_FAILED) from None
+        if to_write is not model and outputs.holds_graph_modules(to_write) and not outputs.holds_graph_modules(model):
+            _same_as_verified(model, to_write, inputs, output, report)
         pickle = output_format(loaded, Path(output)) == "pickle"
         needs = outputs.load_needs(to_write) if pickle else []  # what torch.load will import besides torch
         if parts:
@@ -220,6 +222,24 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
         report.extra["dynamic_dims"] = info["dynamic_dims"]
         report.notes.append(_dims_note(info["dynamic_dims"], opts.static, info.get("pinned_all", False)))
     report.notes.extend(info.get("notes", []))
+
+
+def _same_as_verified(model: nn.Module, to_write: nn.Module, inputs: Inputs, output: str | Path,
+                      report: Report) -> None:
+    """The torch-only form (GraphModules standing in for normconv's modules) run as the file will be, against the
+    verified rewrite: model code reading an attribute a stand-in lacks, or a traced form that computes otherwise,
+    is refused here instead of being written (one forward each, only where a stand-in was made)."""
+    try:
+        written = run(to_write, inputs)
+    except Exception as exc:  # noqa: BLE001 - a form that does not run is not written
+        raise NormconvError(f"cannot write {output} in torch-only form: it does not run as written ({describe(exc)})",
+                            Code.WRITE_FAILED, hint="--normconv-modules keeps normconv's modules instead") from None
+    v = compare(run(model, inputs), written, label="torch-only form (as written) against the verified rewrite")
+    report.validation.append(v)
+    if not v.passed:
+        raise NormconvError(f"cannot write {output} in torch-only form: it computes otherwise than the verified "
+                            f"rewrite ({v.max_abs_error:.3g} max abs)", Code.WRITE_FAILED,
+                            hint="--normconv-modules keeps normconv's modules instead")
 
 
 def refuse_folder(loaded: Loaded, opts: Options, why: str, instead: str = ".pt2") -> None:

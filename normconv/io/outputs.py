@@ -14,6 +14,11 @@ own or by torch.fx GraphModules (which pickle as their generated code and load w
   normconv.nn.modules.BiasAfterNorm     ->  GraphModule: norm(x) + bias                    (keys: norm.*, bias)
   DeepNorm BranchScale / InputScale     ->  GraphModule hooks computing the same product
 
+A norm wrapper's GraphModule (Float32Norm, MovedDimNorm, BiasAfterNorm) also holds its norm's weight as its own
+``weight`` (the same Parameter, so its state_dict has both names): model code reads its norm's ``.weight``
+(HunYuan: ``self.k_norm.weight.dtype``), as it did on the module the wrapper replaced. The engine runs the
+torch-only form once against the verified rewrite wherever it made a GraphModule (``door.write_model``).
+
 ``keep_normconv=True`` (``--normconv-modules``) keeps normconv's faster eager modules; loading then needs normconv.
 """
 
@@ -122,6 +127,16 @@ def _graph_module(root: nn.Module, name: str) -> fx.GraphModule:
     return gm
 
 
+def _norm_stand_in(root: nn.Module, name: str) -> fx.GraphModule:
+    """A GraphModule standing in for a norm wrapper: its inner norm's weight is also its own ``weight`` (the same
+    Parameter; model code reads its norm's ``.weight``, HunYuan's ``self.k_norm.weight.dtype``), which pickles."""
+    gm = _graph_module(root, name)
+    w = getattr(getattr(gm, "norm", None), "weight", None)
+    if isinstance(w, nn.Parameter) and "weight" not in gm._parameters:
+        gm.register_parameter("weight", w)
+    return gm
+
+
 def _torch_form(m: nn.Module) -> nn.Module | None:
     """torch's own module for one of normconv's: a norm kind's own form (normconv/kinds/), else a traced GraphModule
     of the module's math; None for any other module."""
@@ -130,17 +145,17 @@ def _torch_form(m: nn.Module) -> nn.Module | None:
         if new is not None:
             return new
     if isinstance(m, Float32Norm):
-        return _graph_module(_Cast(m.norm, m.compute_dtype, m.out_dtype), "Float32Norm")
+        return _norm_stand_in(_Cast(m.norm, m.compute_dtype, m.out_dtype), "Float32Norm")
     if isinstance(m, ChannelShift):
         return _graph_module(_Shift(m.bias), "ChannelShift")
     if isinstance(m, MovedDimNorm):
-        return _graph_module(_Moved(m.norm, m.dims), "MovedDimNorm")
+        return _norm_stand_in(_Moved(m.norm, m.dims), "MovedDimNorm")
     if isinstance(m, FrozenBatchNorm):
         return _graph_module(_Frozen(m), "FrozenBatchNorm")
     if isinstance(m, ChannelAffine):  # its forward is static in the rank: traced as it is
         return _graph_module(m, "ChannelAffine")
     if isinstance(m, BiasAfterNorm):
-        return _graph_module(_Biased(m.norm, m.bias), "BiasAfterNorm")
+        return _norm_stand_in(_Biased(m.norm, m.bias), "BiasAfterNorm")
     return None
 
 
