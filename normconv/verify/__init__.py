@@ -257,6 +257,13 @@ def all_zero(leaves: list[tuple[str, torch.Tensor]]) -> bool:
                                                                     for _, t in leaves)
 
 
+def none_finite(leaves: list[tuple[str, torch.Tensor]]) -> bool:
+    """Every leaf a float tensor with no finite value (a half model that overflows to NaN / inf everywhere): the
+    rule NaN-for-NaN would pass any rewrite that also overflows, so comparing it tests nothing."""
+    return bool(leaves) and all(t.is_floating_point() and not bool(torch.isfinite(t.detach()).any())
+                                for _, t in leaves)
+
+
 def output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
     """Flatten any output (tensor, tuple, dict, Hugging Face ModelOutput, a ``Traced`` one) to named tensor
     leaves."""
@@ -321,6 +328,12 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
                           rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
                           label=f"{label}: nothing compared (every output is 0 on the example inputs, as with a "
                                 f"zero-initialized head: no rewrite could fail this check)")
+    if none_finite(ref):
+        return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
+                          rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
+                          label=f"{label}: nothing compared (every output of the reference is NaN or infinite on "
+                                f"these inputs: it overflows in {str(floats[0]).removeprefix('torch.')}; run it in "
+                                f"float32, or give inputs it computes on)")
     by_scale = atol is None and rtol is None
     d_atol, d_rtol = default_tolerance(floats[0] if floats else torch.float32)
     atol = d_atol if atol is None else atol
