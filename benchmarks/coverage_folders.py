@@ -1,6 +1,7 @@
-"""Folder in, folder out, with trained-looking norms: every transformers model type (tiny, its causal-LM class where
-it has one) saved with ``save_pretrained``, then ``normconv swap / canonicalize / fold FOLDER -o OUT`` run as a user
-runs them (the CLI, a process each), the written folder loaded with ``from_pretrained`` and compared here.
+"""Folder in, folder out, with trained-looking norms: every transformers model type (tiny, as the class of an auto
+mapping: its causal LM, its image classifier) saved with ``save_pretrained``, then ``normconv swap / canonicalize /
+fold FOLDER -o OUT`` (and ``inspect``) run as a user runs them (the CLI, a process each), the written folder loaded
+with ``from_pretrained`` and compared here.
 
 Why: random initialization leaves every LayerNorm bias 0 and every BatchNorm at its identity statistics, which is
 where the hardest cases of a folder written back are absent (a final norm's bias next to a head without one, a
@@ -86,7 +87,8 @@ def run_type(mtype: str, maps, commands: list[str], dtype: str, mapping: str | N
                      "why": f"{type(exc).__name__}: {exc}"[:300]}]
         for command in commands:
             out = Path(tmp) / f"out_{command}"
-            args = ["normconv", command, str(src), "-o", str(out)] + (["--to", "rmsnorm"] if command == "swap" else [])
+            args = ["normconv", command, str(src)] + ([] if command == "inspect" else ["-o", str(out)]) + \
+                (["--to", "rmsnorm"] if command == "swap" else [])
             t0 = time.time()
             try:
                 r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
@@ -95,7 +97,9 @@ def run_type(mtype: str, maps, commands: list[str], dtype: str, mapping: str | N
                 rc, err = -9, [f"timeout {timeout} s"]
             row = {"type": mtype, "class": cname, "command": command, "rc": rc, "s": round(time.time() - t0, 1)}
             last = next((ln for ln in reversed(err) if ln.startswith("error")), err[-1] if err else "")
-            if rc == 0:
+            if rc == 0 and command == "inspect":  # writes nothing: exit 0 with its table is the verdict
+                row.update(verdict="ok")
+            elif rc == 0:
                 try:
                     got = _outputs(out, cname, kw)
                     scale = float(ref.float().abs().max())
