@@ -182,6 +182,22 @@ def test_video_model_gets_a_clip(tmp_path, cli):
     assert len(json.loads(out)["sites"]) == sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
 
 
+def test_an_image_model_whose_config_names_frames_gets_images(tmp_path, cli):
+    """Perceiver's config has num_frames (for its multimodal variant) and its image classifier takes images: the
+    clip made from the config is rejected, so the first frame of each is given instead (inspect refused it);
+    VideoMAE above keeps its clip."""
+    from transformers import PerceiverConfig, PerceiverForImageClassificationLearned
+
+    model = _tiny(PerceiverForImageClassificationLearned, PerceiverConfig(
+        d_model=32, d_latents=32, num_latents=8, num_blocks=1, num_self_attends_per_block=1, num_self_attention_heads=2,
+        num_cross_attention_heads=2, image_size=16, num_labels=3))
+    assert hf_example_inputs(model).kwargs["pixel_values"].dim() == 5  # what the config says
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    assert "pixel_values=(2, 3, 16, 16)" in json.loads(out)["extra"]["inputs"]
+
+
 @pytest.mark.parametrize("size", [1_000_000, -224], ids=["huge", "negative"])
 def test_a_config_asking_for_impossible_inputs_is_one_line(tmp_path, cli, size):
     from transformers import ConvNextConfig, ConvNextModel

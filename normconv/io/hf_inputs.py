@@ -85,6 +85,16 @@ def _pixels(config, params: list[str], batch: int, seq: int, g: torch.Generator)
     return {"pixel_values": _randn("pixel_values", (batch, *clip, channels, height, width), g)}
 
 
+def single_images(inputs: Inputs) -> Inputs | None:
+    """The same inputs with each clip's first frame as an image ((batch, frames, C, H, W) -> (batch, C, H, W)), for
+    a model whose config names frames it does not take (Perceiver's num_frames serves its multimodal variant);
+    None where no input is a clip."""
+    pixels = inputs.kwargs.get("pixel_values")
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 5:
+        return None
+    return Inputs(inputs.args, {**inputs.kwargs, "pixel_values": pixels[:, 0].contiguous()})
+
+
 def grid_patches(vision, batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(flattened patches, grid_thw) of ``batch`` images for a Qwen2-VL-style vision tower (config ``vision``),
     each 1 x (m*k) x (2m) patches: m = spatial_merge_size (the merger groups m x m patches), k = seq // 8, so two

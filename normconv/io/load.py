@@ -29,7 +29,7 @@ import torch.nn as nn
 from normconv.errors import NormconvError, describe
 from normconv.io import config_size, hf_folder
 from normconv.io.archive import check_archive
-from normconv.io.hf_inputs import hf_example_inputs
+from normconv.io.hf_inputs import hf_example_inputs, single_images
 from normconv.io.inputs import forward_params, parse_dtype, parse_input_shapes, without_kv_cache
 from normconv.io.ledger import Ledger
 from normconv.io.outputs import INPUTS_ATTR
@@ -116,7 +116,19 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
             loaded.inputs = loaded.inputs.to(cast_to)
     loaded.inputs = without_kv_cache(loaded.model, loaded.inputs)
     if check and loaded.inputs is not None:
-        check_inputs(loaded)
+        try:
+            check_inputs(loaded)
+        except NormconvError:
+            # inputs made from a config that names frames: a model that rejects the clip gets single images
+            images = single_images(loaded.inputs) if loaded.fmt == "hf" and not input_shapes else None
+            if images is None:
+                raise
+            clip, loaded.inputs = loaded.inputs, images
+            try:
+                check_inputs(loaded)
+            except NormconvError:
+                loaded.inputs = clip
+                check_inputs(loaded)  # the clip's own error is the one said
     return loaded
 
 
