@@ -453,3 +453,22 @@ def test_half_canonicalize_to_a_folder_carries_norms_run_in_float32(cli, tmp_pat
     with torch.no_grad():
         want, got = model(**inputs.kwargs), again(**inputs.kwargs)
     assert (got[0].float() - want[0].float()).abs().max() <= 0.02 * want[0].float().abs().max()  # half rounding
+
+
+def test_a_norm_whose_class_makes_its_own_weight_keeps_it_in_the_folder(cli, tmp_path):
+    """FalconMamba's weightless RMSNorm holds its weight as a non-persistent buffer (rebuilt, never saved):
+    canonicalize makes it a native RMSNorm whose weight is a parameter, and the folder gave the original class that
+    parameter too, a key config.json's model does not have (refused: 'the state_dict keys changed')."""
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+
+    torch.manual_seed(0)
+    model = FalconMambaForCausalLM(FalconMambaConfig(vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=2,
+                                                     expand=2, conv_kernel=4, use_cache=False)).eval()
+    source, out = tmp_path / "in", tmp_path / "out"
+    model.save_pretrained(source)
+    rep = _json(cli, "canonicalize", source, "-o", out)
+    assert [v["passed"] for v in rep["validation"] if v["label"].startswith("from_pretrained(written folder)")] == \
+        [True, True]
+    from safetensors.torch import load_file
+
+    assert set(load_file(out / "model.safetensors")) == set(load_file(source / "model.safetensors"))

@@ -102,7 +102,14 @@ def _norm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str) -> No
     computing the module) and bias (zeros where ``new`` has none)."""
     w, b = _scale_shift(new)
     w_old = getattr(old, "weight", None)
-    if isinstance(w_old, torch.Tensor):
+    if isinstance(w_old, torch.Tensor) and "weight" in old._buffers:
+        # a weight the class makes itself (a buffer; FalconMamba's weightless RMSNorm: non-persistent, never saved):
+        # the folder rebuilds it as it was, so it carries only that value
+        value = w.detach() if isinstance(w, torch.Tensor) else torch.ones_like(w_old)
+        if not torch.equal(value.to(w_old.dtype), w_old.detach()):  # the folder's check proves the class uses it so
+            raise NormconvError(f"{path} ({type(old).__name__}) makes its own weight: it cannot carry the rewritten "
+                                f"scale")
+    elif isinstance(w_old, torch.Tensor):
         value = w.detach() if isinstance(w, torch.Tensor) else torch.ones_like(w_old)
         target._parameters["weight"] = nn.Parameter((value - _offset(old)).to(w_old.dtype), w_old.requires_grad)
     elif isinstance(w, torch.Tensor) and not torch.equal(w, torch.ones_like(w)):
