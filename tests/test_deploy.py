@@ -15,6 +15,8 @@ import onnx
 import pytest
 import torch
 
+import normconv
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -472,3 +474,25 @@ def test_a_norm_whose_class_makes_its_own_weight_keeps_it_in_the_folder(cli, tmp
     from safetensors.torch import load_file
 
     assert set(load_file(out / "model.safetensors")) == set(load_file(source / "model.safetensors"))
+
+
+def test_an_encoder_decoder_whose_embeddings_share_the_head_swaps_exactly(cli, tmp_path):
+    """Blenderbot (pre-LN, BART-style): encoder and decoder embeddings are one tensor with the LM head. The swap
+    unties each stream's embedding and centers each copy; one tensor was centered once, so the second copy was left
+    as it was and the proof refused the swap (exit 1, 6% of the output's scale). A folder cannot hold the two
+    copies (config.json's model makes them one): refused in one line, naming the .pt2 that can."""
+    from transformers import BlenderbotConfig, BlenderbotForConditionalGeneration
+
+    from normconv.io.hf_inputs import hf_example_inputs
+
+    torch.manual_seed(0)
+    model = BlenderbotForConditionalGeneration(BlenderbotConfig(
+        vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval()
+    new, report = normconv.swap(model, hf_example_inputs(model))
+    assert report.passed and report.extra["exact"]
+    source = tmp_path / "in"
+    model.save_pretrained(source)
+    code, _, err = cli("swap", source, "--to", "rmsnorm", "-o", tmp_path / "out")
+    assert code == 2 and "are one tensor in the architecture" in err and "out.pt2" in err
+    assert not (tmp_path / "out").exists()

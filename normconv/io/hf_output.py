@@ -75,6 +75,16 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
         if key not in new_state or new_state[key].shape != value.shape:
             raise NormconvError(f"{key} has no counterpart of its shape in the rewritten model")
         _set(model, key, new_state[key])
+    # the one untie config.json can say is the output head's (tie_word_embeddings = false): inside a group the others
+    # stay one tensor (BART-style encoder and decoder embeddings are the shared one by construction)
+    out = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
+    head = next((f"{p}.weight" for p, m in orig_modules.items() if out is not None and m is out), None)
+    for group in ties:
+        rest = [k for k in group if k != head]
+        split = next((k for k in rest[1:] if not torch.equal(new_state[rest[0]], new_state[k])), None)
+        if split is not None:
+            raise NormconvError(f"{rest[0]} and {split} are one tensor in the architecture config.json describes, "
+                                f"and the rewrite gives them different values")
     untied = [group for group in ties if any(not torch.equal(new_state[group[0]], new_state[k]) for k in group[1:])]
     if untied:
         for config in _configs(model):

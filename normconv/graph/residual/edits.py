@@ -88,18 +88,22 @@ def edits(cap: Captured, streams: Sequence[Stream], replaced: Sequence[Replaced]
     out = Edits()
     done: set[int] = set()
     edited = {r.stream for r in replaced}
+    untied: set[str] = set()
     for k, st in enumerate(streams):
         if st.problem is not None or k not in edited:
             continue  # no norm of this stream is replaced: its writers stay as they are
         for path in st.unties:
             out.untie[path] = f"{path}.weight"
+            untied.add(f"{path}.weight")
         for w in st.writers.values():
             if w.scale:  # layer scale: folded into the writer first, so the product is what gets centered
                 out.scales.append(Scale(w.scale, w.weight, w.axis, w.bias))
             # embedding (V, D)  =>  each row minus its mean;  linear  =>  W - mean over output rows, b - mean(b)
             for pname, dim in ((w.weight, w.axis), (w.bias, 0)):
                 t = cap.tensor(pname) if pname else None
-                if t is not None and id(t) not in done:
+                # one tensor is centered once; an untied embedding gets its own copy first, so each one untied is
+                # centered (BART-style encoder and decoder embeddings tied to one head: two copies of one tensor)
+                if t is not None and (pname in untied or id(t) not in done):
                     done.add(id(t))
                     out.center[pname] = dim
     folded: set[int] = set()
