@@ -496,3 +496,21 @@ def test_an_encoder_decoder_whose_embeddings_share_the_head_swaps_exactly(cli, t
     code, _, err = cli("swap", source, "--to", "rmsnorm", "-o", tmp_path / "out")
     assert code == 2 and "are one tensor in the architecture" in err and "out.pt2" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["swap", "canonicalize"])
+def test_a_folder_written_back_keeps_the_users_use_cache(cli, tmp_path, command):
+    """normconv runs without a KV cache (use_cache = False on its loaded config); the folder it wrote carried that
+    into config.json, so generate() ran without a cache, and FSMT, whose logits depend on it, computed otherwise
+    than the source folder (0.0076 of the output's scale through from_pretrained's defaults)."""
+    import json as json_
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+    assert model.config.use_cache
+    source, out = tmp_path / "in", tmp_path / "out"
+    model.save_pretrained(source)
+    _json(cli, command, source, "-o", out, *(["--to", "rmsnorm"] if command == "swap" else []))
+    assert json_.loads((out / "config.json").read_text())["use_cache"] is True

@@ -280,8 +280,9 @@ def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Input
     report.notes.extend(notes)
     report.notes.append("written as a Hugging Face folder (the same architecture, rewritten weights), loaded back "
                         "with from_pretrained and compared with the original before it was put in place")
-    report.output = str(save(loaded, form, opts.output, opts.in_place, inputs, overwrite=opts.overwrite,
-                             before_rename=proven))
+    with hf_output.users_settings(form, loaded.path):  # config.json keeps the user's use_cache
+        report.output = str(save(loaded, form, opts.output, opts.in_place, inputs, overwrite=opts.overwrite,
+                                 before_rename=proven))
 
 
 def _dims_note(dims: list[dict[str, Any]], static: bool, pinned_all: bool = False) -> str:

@@ -22,8 +22,10 @@ against the original's outputs (``check``): a folder that does not reproduce the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -217,6 +219,32 @@ def _set(model: nn.Module, key: str, value: torch.Tensor) -> None:
         mod._buffers[name] = value
 
 
+@contextlib.contextmanager
+def users_settings(model: nn.Module, source: str | os.PathLike | None) -> Iterator[None]:
+    """While the folder is saved, the settings normconv changed for its own runs as the source's config.json has
+    them: ``use_cache`` (normconv runs without a KV cache, which torch.export cannot capture; a folder written with
+    use_cache false would generate without one), top level and text_config."""
+    import json
+
+    try:
+        raw = json.loads((Path(source) / "config.json").read_text()) if source is not None else {}
+    except (OSError, ValueError):
+        raw = {}
+    config = getattr(model, "config", None)
+    pairs = [(config, raw), (getattr(config, "text_config", None), raw.get("text_config") or {})]
+    saved = []
+    for cfg, given in pairs:
+        if cfg is not None and isinstance(given, dict) and isinstance(given.get("use_cache"), bool) and \
+                hasattr(cfg, "use_cache"):
+            saved.append((cfg, cfg.use_cache))
+            cfg.use_cache = given["use_cache"]
+    try:
+        yield
+    finally:
+        for cfg, value in saved:
+            cfg.use_cache = value
+
+
 def check(folder: str | os.PathLike, cls: type, expected: Sequence[tuple[Inputs, Any]], atol: float | None,
           rtol: float | None) -> list[Validation]:
     """The written folder loaded with ``cls.from_pretrained`` and run at each (inputs, original's outputs)."""
@@ -229,6 +257,9 @@ def check(folder: str | os.PathLike, cls: type, expected: Sequence[tuple[Inputs,
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False  # as the original ran: no KV cache (the folder keeps the user's setting)
     out = []
     for i, (inputs, reference) in enumerate(expected):
         label = "from_pretrained(written folder)" + ("" if i == 0 else f", second shape ({inputs.describe()})")
@@ -236,4 +267,4 @@ def check(folder: str | os.PathLike, cls: type, expected: Sequence[tuple[Inputs,
     return out
 
 
-__all__ = ["folder_form", "check"]
+__all__ = ["folder_form", "check", "users_settings"]
