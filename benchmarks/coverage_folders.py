@@ -122,7 +122,7 @@ def report(rows: list[dict]) -> str:
     (type, command, dtype) run again: its last row)."""
     from collections import Counter
 
-    rows = list({(r["type"], r["command"], r.get("dtype")): r for r in rows}.values())
+    rows = list({(r["type"], r.get("class"), r["command"], r.get("dtype")): r for r in rows}.values())
 
     lines = ["# Folder in, folder out (benchmarks/coverage_folders.py)", "",
              "Every row: `normconv COMMAND FOLDER -o OUT` as a process, the written folder loaded with from_pretrained "
