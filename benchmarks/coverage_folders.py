@@ -119,7 +119,7 @@ def run_type(mtype: str, maps, commands: list[str], dtype: str, mapping: str | N
 
 def report(rows: list[dict]) -> str:
     """The results as markdown: counts per (dtype, command, verdict), then every row not ok with its line (a
-    (type, command, dtype) run again: its last row)."""
+    (type, class, command, dtype) run again: its last row)."""
     from collections import Counter
 
     rows = list({(r["type"], r.get("class"), r["command"], r.get("dtype")): r for r in rows}.values())
