@@ -61,7 +61,6 @@ def _outputs(folder: Path, cls_name: str, kw: dict):
 
 def run_type(mtype: str, maps, commands: list[str], dtype: str, mapping: str | None, timeout: int) -> list[dict]:
     import torch
-    import transformers
     from coverage_transformers import build, example_inputs
 
     if mapping:  # the class of that mapping (a causal LM: its head; an image classifier: its classifier)

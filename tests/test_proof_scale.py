@@ -39,7 +39,8 @@ def plant(monkeypatch, relative: float = PLANTED, rows: int = 100) -> None:
 @pytest.fixture
 def one_thread():
     """The element-wise verdicts below are about these inputs' rounding, which torch's thread count changes (a conv's
-    reduction order): pinned to one thread, as the suite's workers run, so a run with -n0 (two threads) sees them too."""
+    reduction order): pinned to one thread, as the suite's workers run, so a run with -n0 (two threads) sees them
+    too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

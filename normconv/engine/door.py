@@ -200,7 +200,7 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
         except Exception as exc:
             raise NormconvError(f"cannot write {output} in torch-only form: {type(exc).__name__}: {exc}",
                                 Code.WRITE_FAILED) from None
-        if to_write is not model and outputs.holds_graph_modules(to_write) and not outputs.holds_graph_modules(model):
+        if to_write is not model and outputs.graph_modules(to_write) > outputs.graph_modules(model):  # stand-ins made
             _same_as_verified(model, to_write, inputs, output, report)
         pickle = output_format(loaded, Path(output)) == "pickle"
         needs = outputs.load_needs(to_write) if pickle else []  # what torch.load will import besides torch
@@ -280,7 +280,7 @@ def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Input
     report.notes.extend(notes)
     report.notes.append("written as a Hugging Face folder (the same architecture, rewritten weights), loaded back "
                         "with from_pretrained and compared with the original before it was put in place")
-    with hf_output.users_settings(form, loaded.path):  # config.json keeps the user's use_cache
+    with hf_output.users_settings(form, loaded.use_cache):  # config.json keeps the user's use_cache
         report.output = str(save(loaded, form, opts.output, opts.in_place, inputs, overwrite=opts.overwrite,
                                  before_rename=proven))
 

@@ -34,7 +34,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.overrides import TorchFunctionMode
 
-from normconv.errors import CaptureError, Code, NormconvError
+from normconv.errors import CaptureError, NormconvError
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv import kinds

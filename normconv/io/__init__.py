@@ -21,7 +21,8 @@ re-exported here.
   write       atomic writing: output paths checked before the work, temp file + rename, stale temps removed
   load        ``Loaded`` and ``load``: zoo, Hugging Face folder, .pt2, pickle, factory (+ --weights)
 
-Imports run one way, lowest first: ledger, archive <- config_size (with time_limit); archive <- pickles <- inputs <- hf_inputs; ledger <- hf_folder;
-dims <- outputs <- write (write also reads pickles and ledger); hf_output reads kinds, verify, clone only; load over all of them. graph.capture uses io.inputs, onnx.export io.write; nothing in io imports graph, passes or
-anything above them.
+Imports run one way, lowest first: ledger, archive <- config_size (with time_limit); archive <- pickles <- inputs <-
+hf_inputs; ledger <- hf_folder; dims <- outputs <- write (write also reads pickles and ledger); hf_output reads
+kinds, nn, verify, clone only; load over all of them. graph.capture uses io.inputs, onnx.export io.write; nothing in
+io imports graph, passes or anything above them.
 """

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -33,7 +32,7 @@ import torch.nn as nn
 from normconv.clone import clone_sharing_tensors
 from normconv.errors import NormconvError
 from normconv.kinds import of_module
-from normconv.nn.modules import BiasAfterNorm, Float32Norm, MovedDimNorm
+from normconv.nn.modules import BiasAfterNorm, Float32Norm, MovedDimNorm, NormWrapper
 from normconv.report import Validation
 from normconv.verify import Inputs, compare, run
 
@@ -77,17 +76,7 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
         if key not in new_state or new_state[key].shape != value.shape:
             raise NormconvError(f"{key} has no counterpart of its shape in the rewritten model")
         _set(model, key, new_state[key])
-    # the one untie config.json can say is the output head's (tie_word_embeddings = false): inside a group the others
-    # stay one tensor (BART-style encoder and decoder embeddings are the shared one by construction)
-    out = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
-    head = next((f"{p}.weight" for p, m in orig_modules.items() if out is not None and m is out), None)
-    for group in ties:
-        rest = [k for k in group if k != head]
-        split = next((k for k in rest[1:] if not torch.equal(new_state[rest[0]], new_state[k])), None)
-        if split is not None:
-            raise NormconvError(f"{rest[0]} and {split} are one tensor in the architecture config.json describes, "
-                                f"and the rewrite gives them different values")
-    untied = [group for group in ties if any(not torch.equal(new_state[group[0]], new_state[k]) for k in group[1:])]
+    untied = _untied(original, ties, orig_modules, new_state)
     if untied:
         for config in _configs(model):
             config.tie_word_embeddings = False
@@ -103,7 +92,7 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
 
 
 def _is_norm(m: nn.Module) -> bool:
-    if isinstance(m, (BiasAfterNorm, Float32Norm, MovedDimNorm)):
+    if isinstance(m, NormWrapper):
         return _is_norm(m.norm)
     return of_module(m) is not None or (hasattr(m, "weight") or hasattr(m, "eps") or hasattr(m, "variance_epsilon")) \
         and "norm" in type(m).__name__.lower()
@@ -192,6 +181,25 @@ def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str, 
         target._parameters["bias"] = nn.Parameter(shift.to(old.bias.dtype), old.bias.requires_grad)
 
 
+def _untied(original: nn.Module, ties: list[list[str]], modules: dict[str, nn.Module],
+            new_state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The tie groups whose output head the rewrite gives other values than the rest: the one untie config.json can
+    say (tie_word_embeddings = false). Inside a group the others must stay one tensor (BART-style encoder and decoder
+    embeddings are the shared one by construction): NormconvError where the rewrite splits them."""
+    out = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
+    head = next((f"{p}.weight" for p, m in modules.items() if out is not None and m is out), None)
+    untied = []
+    for group in ties:
+        rest = [k for k in group if k != head]
+        split = next((k for k in rest[1:] if not torch.equal(new_state[rest[0]], new_state[k])), None)
+        if split is not None:
+            raise NormconvError(f"{rest[0]} and {split} are one tensor in the architecture config.json describes, "
+                                f"and the rewrite gives them different values")
+        if len(rest) < len(group) and not torch.equal(new_state[rest[0]], new_state[head]):
+            untied.append(group)
+    return untied
+
+
 def _tie_groups(model: nn.Module) -> list[list[str]]:
     """state_dict keys that are one Parameter (tied embeddings), in groups of two or more."""
     groups: dict[int, list[str]] = {}
@@ -220,29 +228,19 @@ def _set(model: nn.Module, key: str, value: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def users_settings(model: nn.Module, source: str | os.PathLike | None) -> Iterator[None]:
-    """While the folder is saved, the settings normconv changed for its own runs as the source's config.json has
-    them: ``use_cache`` (normconv runs without a KV cache, which torch.export cannot capture; a folder written with
-    use_cache false would generate without one), top level and text_config."""
-    import json
-
-    try:
-        raw = json.loads((Path(source) / "config.json").read_text()) if source is not None else {}
-    except (OSError, ValueError):
-        raw = {}
+def users_settings(model: nn.Module, use_cache: bool | None) -> Iterator[None]:
+    """While the folder is saved, the setting normconv changed for its own runs as the user had it: ``use_cache``
+    (``Loaded.use_cache``; normconv runs without a KV cache, which torch.export cannot capture; a folder written with
+    use_cache false would generate without one)."""
     config = getattr(model, "config", None)
-    pairs = [(config, raw), (getattr(config, "text_config", None), raw.get("text_config") or {})]
-    saved = []
-    for cfg, given in pairs:
-        if cfg is not None and isinstance(given, dict) and isinstance(given.get("use_cache"), bool) and \
-                hasattr(cfg, "use_cache"):
-            saved.append((cfg, cfg.use_cache))
-            cfg.use_cache = given["use_cache"]
+    if use_cache is None or not hasattr(config, "use_cache"):
+        yield
+        return
+    ours, config.use_cache = config.use_cache, use_cache
     try:
         yield
     finally:
-        for cfg, value in saved:
-            cfg.use_cache = value
+        config.use_cache = ours
 
 
 def check(folder: str | os.PathLike, cls: type, expected: Sequence[tuple[Inputs, Any]], atol: float | None,

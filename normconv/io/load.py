@@ -55,6 +55,9 @@ class Loaded:
     disposable: bool = False
     # (inputs, output) of the load's check forward: the original's outputs on exactly these inputs, taken once
     checked: tuple[Inputs, Any] | None = field(default=None, repr=False, compare=False)
+    # a Hugging Face config's use_cache as config.json gave it: normconv runs with it False (torch.export cannot
+    # capture a KV cache), and a folder written back keeps the user's value (io.hf_output.users_settings)
+    use_cache: bool | None = None
 
     @property
     def reads(self) -> tuple[Path, ...]:
@@ -118,7 +121,7 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
     if check and loaded.inputs is not None:
         try:
             check_inputs(loaded)
-        except NormconvError:
+        except NormconvError as clip_error:
             # inputs made from a config that names frames: a model that rejects the clip gets single images
             images = single_images(loaded.inputs) if loaded.fmt == "hf" and not input_shapes else None
             if images is None:
@@ -128,7 +131,7 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
                 check_inputs(loaded)
             except NormconvError:
                 loaded.inputs = clip
-                check_inputs(loaded)  # the clip's own error is the one said
+                raise clip_error from None  # the clip's own error is the one said
     return loaded
 
 
@@ -372,6 +375,7 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
     hf_folder.check_folder_files(path, list(getattr(type(config), "extra_files", ())))
     cls = hf_model_class(config, spec)
     config_size.check_memory(raw, spec, cls, config)  # past memory: estimated, and where so, counted on meta
+    use_cache = getattr(config, "use_cache", None)
     if hasattr(config, "use_cache"):
         config.use_cache = False  # torch.export cannot capture a KV cache object
     hf_logging = transformers.utils.logging
@@ -389,7 +393,8 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # its input layer's
     if inputs is not None and dtype is not None and dtype != torch.float32:
         inputs = inputs.to(dtype)  # pixels and audio in the model's own dtype: a float16 checkpoint takes float16
-    return Loaded(model.eval(), inputs, spec, "hf", path)
+    return Loaded(model.eval(), inputs, spec, "hf", path,
+                  use_cache=use_cache if isinstance(use_cache, bool) else None)
 
 
 def hf_model_class(config: Any, spec: str) -> Any:

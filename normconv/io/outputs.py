@@ -191,10 +191,15 @@ def load_needs(model: nn.Module) -> list[str]:
     return sorted(found - {"torch", "builtins"})
 
 
+def graph_modules(model: nn.Module) -> int:
+    """How many GraphModules are among the modules and hooks (``torch_only`` adds one per stand-in)."""
+    return sum(isinstance(x, fx.GraphModule) for m in model.modules()
+               for x in [m, *m._forward_hooks.values(), *m._forward_pre_hooks.values()])
+
+
 def holds_graph_modules(model: nn.Module) -> bool:
     """A GraphModule among the modules or hooks: its pickle carries code (normconv's safe loader refuses it)."""
-    return any(isinstance(x, fx.GraphModule) for m in model.modules()
-               for x in [m, *m._forward_hooks.values(), *m._forward_pre_hooks.values()])
+    return graph_modules(model) > 0
 
 
 def torch_only(model: nn.Module, inputs: Inputs | None) -> nn.Module:
@@ -584,5 +589,6 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
     "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "load_needs", "holds_graph_modules", "unpicklable", "write_pickle",
-           "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch", "INPUTS_ATTR"]
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "load_needs", "graph_modules", "holds_graph_modules",
+           "unpicklable", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch",
+           "INPUTS_ATTR"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 
-class _Wraps(nn.Module):
+class NormWrapper(nn.Module):
     """A module standing in for a norm module around the norm it runs (``self.norm``): model code that reads its
     norm's attributes (``self.k_norm.weight.dtype``, HunYuan's attention) reads the inner norm's."""
 
@@ -18,7 +18,7 @@ class _Wraps(nn.Module):
         return getattr(self.norm, "weight", None)
 
 
-class Float32Norm(_Wraps):
+class Float32Norm(NormWrapper):
     """A native norm run in a wider dtype between two casts: ``norm(x.to(compute)).to(out or x.dtype)``.
 
     Reproduces norms that compute in float32 and apply their scale there before casting back (Gemma),
@@ -36,7 +36,7 @@ class Float32Norm(_Wraps):
         return y.to(x.dtype if self.out_dtype is None else self.out_dtype)
 
 
-class MovedDimNorm(_Wraps):
+class MovedDimNorm(NormWrapper):
     """A native norm over dims that are not the trailing ones (NAFNet's / ConvNeXt's LayerNorm2d normalizes dim 1 of
     (N, C, H, W)): ``norm(x.movedim(dims, trailing)).movedim(trailing, dims)``, the same statistics per position.
     It exports as one LayerNormalization (RMSNorm op) between two Transposes."""
@@ -140,7 +140,7 @@ class ChannelAffine(nn.Module):
         return f"{c.numel() if c is not None else 0}, scale={self.weight is not None}, shift={self.bias is not None}"
 
 
-class BiasAfterNorm(_Wraps):
+class BiasAfterNorm(NormWrapper):
     """``y = norm(x) + bias``: a norm's bias kept as an add after a bias-free norm (swap's LayerNorm -> RMSNorm where
     the bias has no linear to fold into: LN_{g,b}(x) = RMSNorm_g(x) + b on a zero-mean stream)."""
 

@@ -201,10 +201,10 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     1; batch 1 is where batch-dependent code differs most), for sequences ((B, L) ids and masks, (B, L, C)
     activations) length - 1, and for images ((B, C, H, W) floats) H and W each moved by the largest power of two
     that divides it, at most 32 (smaller from 96 up, larger below: 224 -> 192, 32 -> 64, 8 -> 16), so every stride
-    the example's size fits, the new size fits too, at the least extra work for a small example, then batch + 1. Each candidate is tried on ``model``; the first it accepts
-    with an output that can fail a comparison (not every output 0: one sample through a final ReLU can be) is
-    returned with that output (``with_selections``: traced where it holds an integer or bool tensor), None when it
-    takes no other shape (fixed sizes). Each candidate runs guarded (``run``): ``model`` is left as it was."""
+    the example's size fits, the new size fits too, at the least extra work for a small example, then batch + 1.
+    Each candidate is tried on ``model``; the first it accepts with an output that can fail a comparison (not
+    every output 0: one sample through a final ReLU can be) is returned with that output (``with_selections``:
+    traced where it holds an integer or bool tensor), None when it takes no other shape (fixed sizes). Each candidate runs guarded (``run``): ``model`` is left as it was."""
     tensors = [x for x in list(inputs.args) + list(inputs.kwargs.values()) if isinstance(x, torch.Tensor)]
     if not tensors or any(t.dim() == 0 for t in tensors):
         return None
@@ -315,25 +315,24 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
     squashing op made, judged through its input where the rule is the scale's. ``floors``: per leaf (and selection
     input) name, an absolute error the original's own float32 rounding allows (``engine.rounding``)."""
     ref, cand = output_leaves(reference), output_leaves(candidate)
-    if not ref:  # a check that compared nothing is not a pass
+
+    def nothing_compared(why: str) -> Validation:  # a check that compared nothing is not a pass
         return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
                           rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
-                          label=f"{label}: nothing compared (the model returned no tensor and changed no buffer)")
+                          label=f"{label}: nothing compared ({why})")
+
+    if not ref:
+        return nothing_compared("the model returned no tensor and changed no buffer")
     if len(ref) != len(cand):
         raise ValueError(f"output structure changed: {len(ref)} tensors before, {len(cand)} after")
     floats = [t.dtype for _, t in ref if t.is_floating_point()]
-    if all_zero(ref):
-        # every output is 0 (a zero-initialized head): any rewrite would match, so nothing was compared
-        return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
-                          rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
-                          label=f"{label}: nothing compared (every output is 0 on the example inputs, as with a "
-                                f"zero-initialized head: no rewrite could fail this check)")
-    if none_finite(ref):
-        return Validation(max_abs_error=float("nan"), max_rel_error=float("nan"), atol=atol or 0.0,
-                          rtol=rtol or 0.0, passed=False, cosine=float("nan"), outputs=(),
-                          label=f"{label}: nothing compared (every output of the reference is NaN or infinite on "
-                                f"these inputs: it overflows in {str(floats[0]).removeprefix('torch.')}; run it in "
-                                f"float32, or give inputs it computes on)")
+    if all_zero(ref):  # a zero-initialized head: any rewrite would match
+        return nothing_compared("every output is 0 on the example inputs, as with a zero-initialized head: no "
+                                "rewrite could fail this check")
+    if none_finite(ref):  # NaN for NaN: any rewrite that overflows too would match
+        return nothing_compared(f"every output of the reference is NaN or infinite on these inputs: it overflows in "
+                                f"{str(floats[0]).removeprefix('torch.')}; run it in float32, or give inputs it "
+                                f"computes on")
     by_scale = atol is None and rtol is None
     d_atol, d_rtol = default_tolerance(floats[0] if floats else torch.float32)
     atol = d_atol if atol is None else atol
