@@ -445,8 +445,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                 raise
             result, failed = None, f"onnxruntime fails on it ({_one_line(exc)[:160]})"
         if dims and (result is None or not result.passed):  # at the example's own shapes: every dimension pinned
-            # (torch's exporter fuses differently on symbolic shapes: a tiny Llama's RotaryEmbedding-23 runs at batch
-            # 1 only); the static file is exported and validated as usual, and says why
+            # (torch's exporter fuses differently on symbolic shapes: its RotaryEmbedding-23 ran at batch 1 only until
+            # rules/repair.py broadcast its caches); the static file is exported and validated as usual, and says why
             bad = failed if result is None else "it differs from torch beyond tolerance"
             for d in dims:
                 d.pinned = d.pinned or f"the dynamic file fails at the example's shapes: {bad}"

@@ -11,6 +11,15 @@ At any opset, torch's exporter fuses a float32 RMSNorm that reads a float16 cast
 RMSNormalization-23 of the float16 input and the float32 scale: its schema types Y like the scale, onnx's shape
 inference like X, so onnx.checker (full_check) rejects the file:
     RMSNormalization(x: T, s: V), T != V          =>  RMSNormalization(Cast(x, to=V), s)   (what torch computes)
+
+At opset 23 torch's exporter fuses a Hugging Face rotary embedding (``q * cos + rotate_half(q) * sin``) into one
+RotaryEmbedding-23 whose caches are computed from position_ids of batch 1, ``(1, S, D/2)``, which the pattern
+broadcast over the batch. Without position_ids the op takes caches of X's batch, ``(B, S, D/2)``, and onnxruntime
+refuses any other (a dynamic-batch Llama, Mistral, Qwen or Gemma file ran at batch 1 only). The caches are
+broadcast to X's batch, the same values:
+    RotaryEmbedding(x, cos, sin)                  =>  RotaryEmbedding(x, Expand(cos, [B] + shape(cos)[1:]), ...)
+                                                      (B = shape(x)[0]; not where x's batch is 1 or the caches'
+                                                      is known to be B)
 """
 
 from __future__ import annotations
@@ -113,9 +122,40 @@ class RmsInputType(_Repair):
         return op.RMSNormalization(op.Cast(x, to=s.dtype), s, **{k: a.value for k, a in node.attributes.items()})
 
 
+class RotaryCacheBatch(_Repair):
+    """RotaryEmbedding(x, cos, sin)  =>  RotaryEmbedding(x, Expand(cos, [B, S, D/2]), Expand(sin, [B, S, D/2]))."""
+
+    def pattern(self, op, x, cos, sin):  # three inputs: no position_ids, so the caches are (batch, seq, dim / 2)
+        return op.RotaryEmbedding(x, cos, sin, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, cos, sin, y, **_) -> MatchResult:
+        batch = x.shape[0] if x.shape is not None and len(x.shape) else None
+        if batch == 1:
+            return MatchResult().fail("x's batch is 1")
+        if all(c.shape is not None and len(c.shape) == 3 and c.shape[0] == batch and batch is not None
+               for c in (cos, sin)):
+            return MatchResult().fail("the caches have x's batch")
+        if all(c.producer() is not None and c.producer().op_type == "Expand" for c in (cos, sin)):
+            return MatchResult().fail("the caches are broadcast already")
+        return MatchResult()
+
+    def rewrite(self, op, x, cos, sin, y, **_):
+        node = y.producer()
+        self.fixed.append(node.name)
+        batch = op.Shape(x, start=0, end=1)
+        cos_b = op.Expand(cos, op.Concat(batch, op.Shape(cos, start=1), axis=0))
+        sin_b = op.Expand(sin, op.Concat(batch, op.Shape(sin, start=1), axis=0))
+        return op.RotaryEmbedding(x, cos_b, sin_b, **{k: a.value for k, a in node.attributes.items()})
+
+
 def typed_rules(fixed: list) -> list:
     """The repairs any opset may need (the type of a fused op's input)."""
     return [RmsInputType.rule("repair-rms-input-type", fixed)]
+
+
+def rotary_rules(fixed: list) -> list:
+    """The repair of a fused RotaryEmbedding's caches (opset 23)."""
+    return [RotaryCacheBatch.rule("repair-rotary-cache-batch", fixed)]
 
 
 def rules(fixed: list) -> list:
