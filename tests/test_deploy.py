@@ -514,3 +514,35 @@ def test_a_folder_written_back_keeps_the_users_use_cache(cli, tmp_path, command)
     model.save_pretrained(source)
     _json(cli, command, source, "-o", out, *(["--to", "rmsnorm"] if command == "swap" else []))
     assert json_.loads((out / "config.json").read_text())["use_cache"] is True
+
+
+@pytest.mark.parametrize("change,names", [("swap", "lm_head.weight's values"), ("shift", "other values")])
+def test_a_folder_transformers_does_not_load_back_is_refused_naming_the_weight(cli, hf_folders, tmp_path,
+                                                                                 monkeypatch, change, names):
+    """transformers' own round trip changing a weight (PixioBackbone's key renaming swaps its two final LayerNorms):
+    refused in one line naming the weight and the .pt2, exit 2, nothing written (before: exit 1, a failed proof)."""
+    from transformers import LlamaForCausalLM
+
+    from normconv.io.write import TEMP_SUFFIX
+
+    load = LlamaForCausalLM.from_pretrained.__func__
+
+    def renamed(cls, path, *args, **kwargs):
+        model = load(cls, path, *args, **kwargs)
+        if TEMP_SUFFIX in str(path):  # the folder normconv wrote, not the source
+            with torch.no_grad():
+                emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+                if change == "swap":
+                    saved = emb.clone()
+                    emb.copy_(head)
+                    head.copy_(saved)
+                else:
+                    emb.add_(0.5)
+        return model
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(renamed))
+    code, _, err = cli("canonicalize", hf_folders["llama"], "-o", tmp_path / "out")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "model.embed_tokens.weight" in lines[0] and names in lines[0] and "out.pt2" in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []

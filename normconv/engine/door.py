@@ -269,7 +269,11 @@ def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Input
 
     def proven(tmp: str) -> None:  # before the folder is renamed into place (while the disk writes it)
         try:
-            checks = hf_output.check(tmp, type(loaded.model), expected, opts.atol, opts.rtol)
+            checks = hf_output.check(tmp, type(loaded.model), expected, opts.atol, opts.rtol, written=form)
+        except NormconvError as exc:  # transformers' own round trip changes this architecture
+            raise NormconvError(f"cannot write {opts.output} as a Hugging Face folder: {exc.message}; write -o "
+                                f"{Path(opts.output).name}.pt2 (torch.export.load, torch alone) instead",
+                                Code.WRITE_FAILED) from None
         except Exception as exc:  # noqa: BLE001 - a folder from_pretrained cannot load or run is not written
             raise NormconvError(f"cannot write {opts.output}: {describe(exc)}", Code.WRITE_FAILED) from None
         report.validation.extend(checks)
