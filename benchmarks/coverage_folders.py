@@ -56,7 +56,9 @@ def _outputs(folder: Path, cls_name: str, kw: dict):
     m = getattr(transformers, cls_name).from_pretrained(str(folder)).eval()
     with torch.no_grad():
         out = m(**kw)
-    return out[0] if not isinstance(out, torch.Tensor) else out
+    out = out if isinstance(out, torch.Tensor) else out[0]  # the first output; a backbone's is a tuple of maps
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return torch.cat([t.float().reshape(-1) for t in leaves])
 
 
 def run_type(mtype: str, maps, commands: list[str], dtype: str, mapping: str | None, timeout: int) -> list[dict]:
