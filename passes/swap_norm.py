@@ -141,6 +141,16 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
                 if p.exact:
                     p.exact, p.code = False, SwapWhy.SHARED_MODULE
                     p.reason = f"the same module is also called at {bad.site.node}: {bad.reason}"
+    # ... and with one bias: one call with no linear to take it  =>  an add after the RMSNorm at every call
+    for group in by_module.values():
+        kept = next((p for p in group if p.keep_bias), None)
+        for p in group if kept is not None else ():
+            if not p.keep_bias:
+                p.keep_bias = True
+                p.beta_problem = Refused(kept.beta_problem.code, f"the same module is also called at "
+                                                                 f"{kept.site.node}: {kept.beta_problem}")
+                if p.code is SwapWhy.EXACT_RMSNORM:
+                    _bias_kept(p, found)
     return Analysis(to, plans, found)
 
 
@@ -181,11 +191,7 @@ def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, r
         return
     p.exact = True
     if p.keep_bias:
-        # LN(x) on a zero-mean stream  =>  RMSNorm(x) * g + b, b an add after the norm (no linear takes it)
-        n = len(st.writers) if st else 0
-        p.code, p.detail = SwapWhy.BIAS_KEPT, p.beta_problem.code if p.beta_problem else None
-        p.reason = (f"to RMSNorm(eps={site.eps:g}) + bias, exact: {n} stream writer(s) centered; the bias stays an "
-                    f"add after the RMSNorm ({p.beta_problem})")
+        _bias_kept(p, found)
     elif to == "rmsnorm":
         # LN(x) on a zero-mean stream  =>  RMSNorm(x) * g, b folded into the consumers
         n = len([w for w in st.writers.values()]) if st else 0
@@ -196,6 +202,14 @@ def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, r
         # RMSNorm(x) on a zero-mean stream  =>  LN(x) without bias
         p.code = SwapWhy.EXACT_LAYERNORM
         p.reason = f"to LayerNorm(eps={site.eps:g}, no bias), exact: the stream's writers are zero-mean"
+
+
+def _bias_kept(p: SitePlan, found: list[Stream]) -> None:
+    """LN(x) on a zero-mean stream  =>  RMSNorm(x) * g + b, b an add after the norm (no linear takes it)."""
+    n = len(found[p.stream].writers) if p.stream is not None else 0
+    p.code, p.detail = SwapWhy.BIAS_KEPT, p.beta_problem.code if p.beta_problem else None
+    p.reason = (f"to RMSNorm(eps={p.site.eps:g}) + bias, exact: {n} stream writer(s) centered; the bias stays an "
+                f"add after the RMSNorm ({p.beta_problem})")
 
 
 def _bias(cap: Captured, p: SitePlan, readers, read, add_bias: bool) -> None:
