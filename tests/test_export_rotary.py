@@ -91,3 +91,23 @@ def test_a_llama_exports_with_dynamic_batch_and_sequence(tmp_path):
         with torch.no_grad():
             want = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.numpy()
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_file_onnxruntime_refuses_is_reported_not_printed_by_onnxruntime(tmp_path, capfd):
+    """The export's validation of a file onnxruntime refuses (here the unrepaired rotary node at batch 3): normconv
+    raises with onnxruntime's reason; onnxruntime's own executor prints nothing on stderr (it printed its red
+    '[E:onnxruntime:...]' line in the middle of normconv's report, where the export then pinned the dimensions)."""
+    from normconv.onnx.validate import validate
+    from normconv.verify import Inputs
+
+    class Three(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            return x
+
+    src = tmp_path / "in.onnx"
+    _rotary_file(src)
+    x, angles = torch.randn(3, 2, 5, 8), torch.randn(1, 5, 4)
+    inputs = Inputs((x, angles.cos(), angles.sin()))
+    with pytest.raises(Exception, match="cos_cache"):
+        validate(str(src), Three(), inputs, x, ["cpu"], None, None, repeats=0)
+    assert "onnxruntime" not in capfd.readouterr().err
