@@ -168,11 +168,12 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
             return torch_export(exported, inputs, opset, normconv_ops, dynamic)
         except NormconvError:
             pass
-    from normconv.onnx.ops import missing_translations, translation_table
+    from normconv.onnx.ops import missing_translations, model_translations, translation_table
 
     # the graph optimizer runs after the export, outside its time limit (MViT's: 137 s of legitimate work)
     kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False, optimize=False)
-    kwargs["custom_translation_table"] = translation_table() if normconv_ops else missing_translations()
+    kwargs["custom_translation_table"] = {**(translation_table() if normconv_ops else missing_translations()),
+                                          **model_translations(model)}
     tries = [inputs]
     if dynamic:
         kwargs["dynamic_shapes"] = io_dims.export_shapes(model, inputs, pinned)

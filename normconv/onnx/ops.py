@@ -159,6 +159,26 @@ def missing_translations() -> dict:
             torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention}
 
 
+# transformers' MoE kernels: one MatMul per expert over its rows (transformers' own translation)
+_GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+
+
+def model_translations(model: Any) -> dict:
+    """Translations a model's own library gives for the ops it alone calls: a Hugging Face mixture of experts run
+    with ``experts_implementation="grouped_mm"`` (transformers 5's default: Mixtral, Qwen2-MoE, Qwen3-MoE, ...)
+    calls ``aten._grouped_mm`` / ``transformers.grouped_mm_fallback``, which torch.onnx has no function for;
+    transformers' ONNX exporter has one, taken from it (imported only for such a model: 1.5 s)."""
+    modules = model.modules() if hasattr(model, "modules") else ()
+    if not any(getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
+               for m in modules):
+        return {}
+    try:
+        from transformers.exporters.exporter_onnx import _ONNX_TRANSLATION_TABLE as table
+    except Exception:  # noqa: BLE001 - a transformers without its ONNX exporter: the export says what failed
+        return {}
+    return {op: fn for op, fn in table.items() if getattr(op, "name", lambda: "")() in _GROUPED_MM}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # function bodies
 
