@@ -59,8 +59,13 @@ def test_an_exact_fold_of_large_outputs_passes(name, one_thread):
     with torch.no_grad():
         ref, got = model(*x), folded(*x)
     assert compare(ref, got).passed
-    if name != "mobileone":  # its logits happen to stay far from 0 on these inputs: no element-wise failure
-        assert not compare(ref, got, atol=1e-4, rtol=1e-4).passed, "the element-wise check refused this fold"
+    # what float32 rounding may leave at this scale (2^6 units of 2^-24 of it, below the bound's 2^10): the scale rule
+    # takes it, the element-wise one refuses it near the output's zeros (whether this CPU's kernels round the fold
+    # that far is theirs to decide: on some the fold itself is refused element-wise, on others not)
+    rounded = ref.clone()
+    rounded.view(-1)[ref.abs().argmin()] += ref.abs().max() * 2.0 ** -18  # at the element nearest 0
+    assert compare(ref, rounded).passed
+    assert not compare(ref, rounded, atol=1e-4, rtol=1e-4).passed, "the element-wise check refuses float32 rounding"
 
 
 @pytest.mark.parametrize("name", MODELS + ("tiny",))
@@ -105,10 +110,18 @@ def test_the_cli_writes_the_fold_and_reports_errors_relative_to_scale(cli, tmp_p
     assert code == 0 and "of each output's scale" in stdout and "err / scale" in stdout
 
 
-def test_given_tolerances_are_element_wise(cli, tmp_path, one_thread):
+def test_given_tolerances_are_element_wise(cli, tmp_path, one_thread, monkeypatch):
+    real = fold_batchnorm.fold_backward
+
+    def shifted(layer, s, t):  # the head's outputs 3e5 off: 1.4e-6 of their scale (2.1e11), 1e-3 of the smallest
+        real(layer, s, t + 3e5 if layer.weight.shape[0] == 100 else t)
+
+    monkeypatch.setattr(fold_batchnorm, "fold_backward", shifted)
     out = tmp_path / "x.pt"
     code, _, stderr = cli("fold", "scale_models:repvgg", "-o", out, "--atol", "1e-4", "--rtol", "1e-4")
     assert code == 1 and "atol 0.0001, rtol 0.0001" in stderr and not out.exists()
+    code, _, _ = cli("fold", "scale_models:repvgg", "-o", out)  # the same fold, judged by the output's scale
+    assert code == 0 and out.exists()
     _, report = normconv.fold(*build("repvgg"), atol=1e6, rtol=1e-4)  # errors of 1e5 at a scale of 2e11
     assert report.passed and report.validation[0].rule == "elementwise"
 
