@@ -1,4 +1,5 @@
-"""Export as users run it, on every causal-LM type asked for: the tiny model (its causal-LM class, trained-looking norms)
+"""Export as users run it, on every model type asked for: the tiny model (the class of ``--mapping``, by default its
+causal LM, with trained-looking norms)
 saved with ``save_pretrained``, then ``normconv export FOLDER -o OUT.onnx --json`` as a process. Each row keeps the
 exit code, the dynamic dimensions the file kept (or why one was pinned to the example's size) and the fused norm ops.
 
@@ -7,6 +8,7 @@ size is pinned with a reason instead of failing the export, so a regression ther
 error (a rotary model's batch was pinned so: torch's fused RotaryEmbedding-23 ran at batch 1 only).
 
     python benchmarks/coverage_export_dims.py --types llama,mistral,qwen2 [--out benchmarks/results/coverage_export_dims.jsonl]
+    python benchmarks/coverage_export_dims.py --mapping MODEL_FOR_IMAGE_CLASSIFICATION --types vit,resnet,convnext
     python benchmarks/coverage_export_dims.py --report benchmarks/results/coverage_export_dims.md
 """
 
@@ -24,12 +26,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def run_type(mtype: str, timeout: int) -> dict:
+def run_type(mtype: str, timeout: int, mapping: str = "MODEL_FOR_CAUSAL_LM") -> dict:
     from coverage_folders import trained_looking
     from coverage_transformers import build, mappings
 
     maps = mappings()
-    maps = {mtype: [m for m in maps.get(mtype, []) if m[0] == "MODEL_FOR_CAUSAL_LM"] or maps.get(mtype, [])}
+    maps = {mtype: [m for m in maps.get(mtype, []) if m[0] == mapping] or maps.get(mtype, [])}
     try:
         model, _, cname = build(mtype, maps)
     except Exception as exc:  # noqa: BLE001 - the sweep records every reason
@@ -59,7 +61,7 @@ def run_type(mtype: str, timeout: int) -> dict:
 def report(rows: list[dict]) -> str:
     from collections import Counter
 
-    rows = list({r["type"]: r for r in rows}.values())
+    rows = list({(r["type"], r.get("class")): r for r in rows}.values())
     counts = Counter(r["verdict"] for r in rows)
     lines = ["# normconv export on causal LMs (benchmarks/coverage_export_dims.py)", "",
              "`normconv export FOLDER -o OUT.onnx` as a process on each type's tiny causal LM (module docstring). "
@@ -68,10 +70,10 @@ def report(rows: list[dict]) -> str:
              "in transformers itself.", "",
              f"ok {counts['ok']}, pinned {counts['pinned']}, failed {counts['failed']}, skipped {counts['skipped']}",
              "", "| type | verdict | s | dynamic dimensions | fused norm ops | why |", "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: r["type"]):
+    for r in sorted(rows, key=lambda r: (r["type"], r.get("class") or "")):
         dims = ", ".join(n + (" (pinned)" if p else "") for n, p in r.get("dims", []))
         why = "; ".join(p for _, p in r.get("dims", []) if p) or r.get("why", "")
-        lines.append(f"| {r['type']} | {r['verdict']} | {r.get('s', '')} | {dims} | {r.get('fused') or ''} | "
+        lines.append(f"| {r['type']} ({r.get('class', '')}) | {r['verdict']} | {r.get('s', '')} | {dims} | {r.get('fused') or ''} | "
                      f"{why.replace('|', '/')[:200]} |")
     return "\n".join(lines) + "\n"
 
@@ -79,6 +81,8 @@ def report(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="llama,mistral,qwen2,gemma,phi,gpt2,gpt_neox,mixtral")
+    ap.add_argument("--mapping", default="MODEL_FOR_CAUSAL_LM", help="the auto mapping whose class is built "
+                                                                      "(MODEL_FOR_IMAGE_CLASSIFICATION, ...)")
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--out", default=str(HERE / "results" / "coverage_export_dims.jsonl"))
     ap.add_argument("--report", default=None, help="write the markdown report of --out's rows here and stop")
@@ -88,7 +92,7 @@ def main() -> None:
         return
     with open(args.out, "a") as f:
         for t in [t for t in args.types.split(",") if t]:
-            row = run_type(t, args.timeout)
+            row = run_type(t, args.timeout, args.mapping)
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(json.dumps(row), flush=True)
