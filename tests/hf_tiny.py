@@ -296,3 +296,22 @@ def tiny_llava():
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = _build(LlavaModel, LlavaConfig(vision_config=vision, text_config=text, image_token_index=5))
     return model, hf_example_inputs(model)
+
+
+def lm_onnx_error(path, model, shapes=((3, 5), (1, 9))) -> float:
+    """The largest error of an exported causal LM's logits in onnxruntime against the model's, as a fraction of the
+    logits' scale, over token batches of ``shapes`` (other sizes than the example's)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    worst = 0.0
+    for shape in shapes:
+        ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(1))
+        feed = {"input_ids": ids.numpy(), "attention_mask": np.ones(shape, np.int64)}
+        got = sess.run(None, {k: v for k, v in feed.items() if k in names})[0]
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.numpy()
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    return worst
