@@ -198,6 +198,31 @@ def test_an_image_model_whose_config_names_frames_gets_images(tmp_path, cli):
     assert "pixel_values=(2, 3, 16, 16)" in json.loads(out)["extra"]["inputs"]
 
 
+@pytest.mark.parametrize("cls", ["GPT2ForSequenceClassification", "LlamaForSequenceClassification"])
+def test_a_model_that_takes_one_sample_gets_batch_1(tmp_path, cli, cls):
+    """A decoder classifier whose config defines no pad token refuses any batch above 1 ("Cannot handle batch sizes
+    > 1 if no padding token is defined"): every command refused the folder (exit 2); it now gets batch 1, and its
+    second shape is batch 1 and one token shorter."""
+    import transformers
+
+    config = {"GPT2ForSequenceClassification": transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                                                                        num_labels=3),
+              "LlamaForSequenceClassification": transformers.LlamaConfig(
+                  hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100, num_labels=3)}[cls]
+    model = _tiny(getattr(transformers, cls), config)
+    assert model.config.pad_token_id is None
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("fold", str(tmp_path / "m"), "-o", str(tmp_path / "out.pt"), "--json")
+    assert code == 0, err
+    labels = [v["label"] for v in json.loads(out)["validation"]]
+    assert any("second shape (input_ids=(1, 15)" in label for label in labels), labels
+    with torch.no_grad():  # the written model, on a sample neither shape used
+        ids = torch.randint(0, 100, (1, 11))
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt", weights_only=False)(input_ids=ids).logits,
+                                   model(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("size", [1_000_000, -224], ids=["huge", "negative"])
 def test_a_config_asking_for_impossible_inputs_is_one_line(tmp_path, cli, size):
     from transformers import ConvNextConfig, ConvNextModel

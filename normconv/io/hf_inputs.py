@@ -95,6 +95,19 @@ def single_images(inputs: Inputs) -> Inputs | None:
     return Inputs(inputs.args, {**inputs.kwargs, "pixel_values": pixels[:, 0].contiguous()})
 
 
+def first_sample(inputs: Inputs) -> Inputs | None:
+    """The same inputs at batch 1 (every tensor of the example's batch, first row), for a model that takes one
+    sample at a time: a decoder classifier whose config defines no pad token (LlamaForSequenceClassification,
+    GPT2ForSequenceClassification: "Cannot handle batch sizes > 1 if no padding token is defined"); None where the
+    batch is 1 already."""
+    tensors = [t for t in inputs.kwargs.values() if isinstance(t, torch.Tensor) and t.dim()]
+    batch = tensors[0].shape[0] if tensors else 1
+    if batch <= 1:
+        return None
+    return Inputs(inputs.args, {k: v[:1].contiguous() if isinstance(v, torch.Tensor) and v.dim() and
+                                v.shape[0] == batch else v for k, v in inputs.kwargs.items()})
+
+
 def grid_patches(vision, batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(flattened patches, grid_thw) of ``batch`` images for a Qwen2-VL-style vision tower (config ``vision``),
     each 1 x (m*k) x (2m) patches: m = spatial_merge_size (the merger groups m x m patches), k = seq // 8, so two

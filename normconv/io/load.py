@@ -29,7 +29,7 @@ import torch.nn as nn
 from normconv.errors import NormconvError, describe
 from normconv.io import config_size, hf_folder
 from normconv.io.archive import check_archive
-from normconv.io.hf_inputs import hf_example_inputs, single_images
+from normconv.io.hf_inputs import first_sample, hf_example_inputs, single_images
 from normconv.io.inputs import forward_params, parse_dtype, parse_input_shapes, without_kv_cache
 from normconv.io.ledger import Ledger
 from normconv.io.outputs import INPUTS_ATTR
@@ -121,17 +121,20 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
     if check and loaded.inputs is not None:
         try:
             check_inputs(loaded)
-        except NormconvError as clip_error:
-            # inputs made from a config that names frames: a model that rejects the clip gets single images
-            images = single_images(loaded.inputs) if loaded.fmt == "hf" and not input_shapes else None
-            if images is None:
-                raise
-            clip, loaded.inputs = loaded.inputs, images
-            try:
-                check_inputs(loaded)
-            except NormconvError:
-                loaded.inputs = clip
-                raise clip_error from None  # the clip's own error is the one said
+        except NormconvError as first_error:
+            # inputs made from a config, that the model rejects: a config that names frames gets single images, a
+            # model that takes one sample at a time (a decoder classifier without a pad token) batch 1
+            made = loaded.inputs
+            tries = [single_images(made), first_sample(made)] if loaded.fmt == "hf" and not input_shapes else []
+            for other in (t for t in tries if t is not None):
+                loaded.inputs = other
+                try:
+                    check_inputs(loaded)
+                    return loaded
+                except NormconvError:
+                    continue
+            loaded.inputs = made
+            raise first_error from None  # the inputs' own error is the one said
     return loaded
 
 
