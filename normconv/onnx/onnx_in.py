@@ -14,7 +14,6 @@ layout are kept. ``inspect`` runs the same plan without writing.
 from __future__ import annotations
 
 import collections
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from normconv.onnx.passes.convert import ConvertOpset
 from normconv.onnx.passes.function_types import TypeFunctionBodies
 from normconv.onnx.passes.dangling import RegisterDangling
 from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
+from normconv.onnx.passes.ir3 import InitializerInputs, list_initializers
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
 from normconv.onnx.rules import batchnorm, fold_rules, fuse_rules
@@ -101,6 +101,8 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
 def _typed_functions(model: ir.Model) -> ir.Model:
     import onnxscript.optimizer
 
+    InitializerInputs()(model)  # IR < 4: the initializers listed as inputs are constants (passes/ir3.py)
+
     for fn in model.functions.values():  # Constant nodes' values, for per-node inference and the rules
         onnxscript.optimizer.basic_constant_propagation(fn)
     TypeFunctionBodies()(model)
@@ -117,6 +119,7 @@ def _as_written(proto: onnx.ModelProto, src: Source) -> onnx.ModelProto:
     """The rewritten model with the input's interface: inferred value_info dropped, the graph inputs' and outputs'
     types (names, dynamic dimensions) as the input declared them."""
     del proto.graph.value_info[:]
+    list_initializers(proto)  # IR < 4: every initializer listed as a graph input again
     declared = {v.name: v for v in list(src.proto.graph.input) + list(src.proto.graph.output)}
     for v in list(proto.graph.input) + list(proto.graph.output):
         if v.name in declared:

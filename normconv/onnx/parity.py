@@ -91,8 +91,14 @@ def _int_hints(model) -> dict[str, tuple[tuple | None, int]]:
 
 
 def specs(path: str, model, overrides: list[str] | None) -> list[Spec]:
-    """The inputs of the file at ``path`` (``model``: its onnx_ir form, for integer hints)."""
-    sess = session(path, "disabled")
+    """The inputs of the file at ``path`` (``model``: its onnx_ir form, for integer hints); a file onnxruntime does
+    not load is refused in one line (every rewrite is validated against it there)."""
+    try:
+        sess = session(path, "disabled")
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's own reason (an op or opset it has no kernel for)
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise NormconvError(f"{path} does not load in onnxruntime ({why.split(' : ')[-1][:200]}): normconv validates "
+                            f"each rewrite against the file given, in onnxruntime") from None
     hints = _int_hints(model)
     given = _parse(overrides or [], [i.name for i in sess.get_inputs()])
     out = []

@@ -11,7 +11,8 @@ Spellings read here (x a value, A the reduced axes, n = prod(x.shape[A])):
                   (axes as an attribute, opset < 18, or an input, opset >= 18), then put back to x's rank when
                   keepdims=0 by Reshape / Unsqueeze / Expand (tf2onnx, torch.var)
   a constant    = an initializer or Constant, seen through Cast / Reshape / Expand / Unsqueeze / Squeeze /
-                  Identity and elementwise Add / Sub / Mul / Div of constants (Gemma's 1 + w)
+                  Identity and elementwise Add / Sub / Mul / Div of constants (Gemma's 1 + w); ConstantOfShape of a
+                  constant shape (the ONNX zoo's light files write every weight so), up to _FILL_LIMIT elements
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from normconv.report import Site, Why
 FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 _SEE_THROUGH = ("Cast", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity")
 _ARITH = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}
+_FILL_LIMIT = 1 << 27  # elements a ConstantOfShape is evaluated up to (512 MB of float32): past it, not read as a constant
 
 
 def name_of(node: ir.Node) -> str:
@@ -62,6 +64,13 @@ def const(v: ir.Value | None, depth: int = 6) -> np.ndarray | None:
         if a is None:
             return None
         return a.value.numpy() if hasattr(a.value, "numpy") else np.asarray(a.value)
+    if node.op_type == "ConstantOfShape":  # value (one element; float32 0 when absent) at a constant shape
+        shape = const(node.inputs[0], depth - 1) if node.inputs else None
+        if shape is None or np.prod(shape, dtype=np.int64) > _FILL_LIMIT:
+            return None
+        a = node.attributes.get("value")
+        fill = a.value.numpy().reshape(-1) if a is not None else np.zeros(1, np.float32)
+        return np.full([int(s) for s in shape.reshape(-1)], fill[0], dtype=fill.dtype)
     if node.op_type in _SEE_THROUGH:
         first = const(node.inputs[0], depth - 1)
         rest = [const(i, depth - 1) for i in node.inputs[1:] if i is not None]

@@ -10,8 +10,10 @@
                         exact only when the conv pads nothing: padding pads BN's output with 0, not with t
 
 Guards (as the torch fold's): the BN in inference mode with constant statistics; the conv's output read by the BN
-alone (and the BN's by the conv alone, before it); weights and bias initializers read by nothing else. A BN with no
-foldable neighbour stays one BatchNormalization, listed with why.
+alone (and the BN's by the conv alone, before it); weights and bias constants read by nothing else (an initializer,
+a Constant, or a constant computed from them: rules/base.const). An initializer the file also lists as a graph input
+(IR version >= 4) is a default a caller may override: never baked into a fold. A BN with no foldable neighbour stays
+one BatchNormalization, listed with why.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class FoldWhy(Why):
     FOLDED_INTO_NEXT = "folded-into-next"
     TRAINING_MODE = "training-mode"
     STATS_NOT_CONSTANT = "stats-not-constant"
+    OVERRIDABLE = "overridable-initializer"
     WEIGHT_NOT_CONSTANT = "weight-not-constant"
     SHARED_OUTPUT = "shared-output"
     SHARED_WEIGHT = "shared-weight"
@@ -39,7 +42,10 @@ class FoldWhy(Why):
 
 
 def _affine(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
-    """(s, t) of an inference BN in float64, else None."""
+    """(s, t) of an inference BN in float64, else None (a statistic that is not a constant, or a graph input: a
+    default a caller may override, which a fold would bake in)."""
+    if any(v is None or v.is_graph_input() for v in bn.inputs[1:5]):
+        return None
     g, b, mu, var = (const(v) for v in bn.inputs[1:5])
     if any(p is None for p in (g, b, mu, var)):
         return None
@@ -47,14 +53,27 @@ def _affine(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
     return s, b.astype(np.float64) - mu.astype(np.float64) * s
 
 
-def _own(v: ir.Value | None, node: ir.Node) -> bool:
-    """``v`` is a constant (an initializer or a Constant node's output) only ``node`` reads."""
-    return v is not None and v.const_value is not None and not v.is_graph_input() and \
-        all(u.node is node for u in v.uses())
+def _own(v: ir.Value | None, node: ir.Node) -> np.ndarray | None:
+    """The constant ``v`` holds (``const``: an initializer, a Constant, a constant computed by constants) when only
+    ``node`` reads it and no caller can feed it (not a graph input), else None."""
+    if v is None or v.is_graph_input() or any(u.node is not node for u in v.uses()):
+        return None
+    return const(v)
 
 
-def _init(op, array: np.ndarray, like: ir.Value, name: str):
-    return op.initializer(ir.tensor(np.ascontiguousarray(array.astype(like.dtype.numpy())), name=name), name=name)
+def _overridable(*values: ir.Value | None) -> ir.Value | None:
+    """The first of ``values`` that is an initializer the file also lists as a graph input (IR version >= 4: a
+    default a caller may feed another value for; below 4, passes/ir3.py has made them constants)."""
+    return next((v for v in values if v is not None and v.is_graph_input() and v.is_initializer()), None)
+
+
+OVERRIDABLE = "{name} is an initializer the file also lists as a graph input: a default a caller may override, " \
+              "which a fold would bake in"
+
+
+def _init(op, array: np.ndarray, like: np.ndarray, name: str):
+    """A new initializer holding ``array`` in ``like``'s dtype (the constant it replaces)."""
+    return op.initializer(ir.tensor(np.ascontiguousarray(array.astype(like.dtype)), name=name), name=name)
 
 
 class FoldForward(NormRule):
@@ -81,6 +100,9 @@ class FoldForward(NormRule):
             return self.refuse(context, W.TRAINING_MODE, "BatchNormalization in training mode", bn)
         st = _affine(bn)
         if st is None:
+            fed = _overridable(*bn.inputs[1:5])
+            if fed is not None:
+                return self.refuse(context, W.OVERRIDABLE, f"its statistic {OVERRIDABLE.format(name=fed.name)}", bn)
             return self.refuse(context, W.STATS_NOT_CONSTANT, "its statistics are not constants", bn)
         if len(z.uses()) != 1 or z.is_graph_output() or (mm is not None and (len(mm.uses()) != 1 or
                                                                              mm.is_graph_output())):
@@ -88,14 +110,18 @@ class FoldForward(NormRule):
         inner = mm.producer() if mm is not None else prod
         own = inner.inputs[2] if len(inner.inputs) > 2 and inner.op_type != "MatMul" else None
         added = (prod.inputs[1] if prod.inputs[0] is mm else prod.inputs[0]) if mm is not None else None
-        if not _own(w, inner) or any(v is not None and not _own(v, n) for v, n in ((own, inner), (added, prod))):
-            return self.refuse(context, W.SHARED_WEIGHT if w.const_value is not None else W.WEIGHT_NOT_CONSTANT,
+        w_c, own_c, added_c = _own(w, inner), _own(own, inner), _own(added, prod)
+        if w_c is None or any(v is not None and c is None for v, c in ((own, own_c), (added, added_c))):
+            fed = _overridable(w, own, added)
+            if fed is not None:
+                return self.refuse(context, W.OVERRIDABLE, f"the {p} weight {OVERRIDABLE.format(name=fed.name)}", w)
+            return self.refuse(context, W.SHARED_WEIGHT if const(w) is not None else W.WEIGHT_NOT_CONSTANT,
                                f"the {p} weight or bias is not a constant it alone reads", w)
-        weight = w.const_value.numpy().astype(np.float64)
+        weight = w_c.astype(np.float64)
         s, t = st
-        b = own.const_value.numpy().astype(np.float64) if own is not None else np.zeros(len(s))
+        b = own_c.astype(np.float64) if own is not None else np.zeros(len(s))
         if added is not None:  # the bias added after the op: one value per output channel (axis 1)
-            per = per_feature(added.const_value.numpy(), z.shape, (1,)) if z.shape is not None else None
+            per = per_feature(added_c, z.shape, (1,)) if z.shape is not None else None
             if per is None or per.size != len(s):
                 return self.refuse(context, W.AXIS_NOT_FEATURES, "the added bias is not one value per channel", added)
             b = b + per
@@ -108,11 +134,11 @@ class FoldForward(NormRule):
             b = b * float(attr(inner, "beta", 1.0))
             if own is not None and b.size not in (1, len(s)):
                 return self.refuse(context, W.AXIS_NOT_FEATURES, "the Gemm bias is not per output feature", own)
-        self._new = (inner, weight, np.broadcast_to(b.reshape(-1), s.shape) * s + t, s)
+        self._new = (inner, weight, np.broadcast_to(b.reshape(-1), s.shape) * s + t, s, w_c)
         return MatchResult()
 
     def rewrite(self, op, x, w, z, **_):
-        inner, weight, b, s = self._new
+        inner, weight, b, s, like = self._new
         p = self.options["producer"].removesuffix("Add") if self.options["producer"] != "MatMulAdd" else "MatMulAdd"
         self.done(self._bn, FoldWhy.FOLDED, f"folded into {inner.op_type} {name_of(inner)} (float64)")
         if p == "Conv":
@@ -127,7 +153,7 @@ class FoldForward(NormRule):
         else:
             weight = weight * s[None, :]
         wname, bname = f"{w.name}_bnfold", f"{w.name}_bnfold_bias"
-        new_w, new_b = _init(op, weight, w, wname), _init(op, b, w, bname)
+        new_w, new_b = _init(op, weight, like, wname), _init(op, b, like, bname)
         attrs = {k: a.value for k, a in inner.attributes.items() if k != "beta"}
         if p in ("MatMul", "MatMulAdd"):
             return op.Add(op.MatMul(x, new_w), new_b)
@@ -153,7 +179,12 @@ class FoldBackward(NormRule):
         if len(y.uses()) != 1 or y.is_graph_output():
             return self.refuse(context, W.SHARED_OUTPUT, "the BN output is read by more than the conv", y, at=bn)
         bias = conv.inputs[2] if len(conv.inputs) > 2 else None
-        if not _own(w, conv) or (bias is not None and not _own(bias, conv)):
+        w_c, b_c = _own(w, conv), _own(bias, conv)
+        if w_c is None or (bias is not None and b_c is None):
+            fed = _overridable(w, bias)
+            if fed is not None:
+                return self.refuse(context, W.OVERRIDABLE, f"the conv weight {OVERRIDABLE.format(name=fed.name)}",
+                                   w, at=bn)
             return self.refuse(context, W.SHARED_WEIGHT, "the conv weight or bias is not a constant initializer it "
                                                          "alone reads", w, at=bn)
         pads = attr(conv, "pads", []) or []
@@ -162,25 +193,26 @@ class FoldBackward(NormRule):
         if any(int(p) for p in pads) or auto not in ("NOTSET", "VALID"):
             return self.refuse(context, W.PADDED_CONV, "the conv after it pads its input: padding pads the BN "
                                                        "output with 0, not with its shift (not exact)", at=bn)
-        self._conv = conv
+        self._conv, self._consts = conv, (w_c, b_c)
         return MatchResult()
 
     def rewrite(self, op, x, w, **_):
         conv, bn = self._conv, self._bn
         s, t = _affine(bn)
-        weight = w.const_value.numpy().astype(np.float64)
+        like, b_c = self._consts
+        weight = like.astype(np.float64)
         g = int(attr(conv, "group", 1))
         cout, cin_g = weight.shape[:2]
         # channel of input j in the group of output o
         chan = (np.arange(cout)[:, None] // (cout // g)) * cin_g + np.arange(cin_g)[None, :]
         extra = (1,) * (weight.ndim - 2)
-        bias = conv.inputs[2] if len(conv.inputs) > 2 else None
-        b = bias.const_value.numpy().astype(np.float64) if bias is not None else np.zeros(cout)
+        b = b_c.astype(np.float64) if b_c is not None else np.zeros(cout)
         b = b + (weight * t[chan].reshape(chan.shape + extra)).reshape(cout, -1).sum(axis=1)
         weight = weight * s[chan].reshape(chan.shape + extra)
         self.done(bn, FoldWhy.FOLDED_INTO_NEXT, f"folded into the next Conv {name_of(conv)} (no padding; float64)")
         attrs = {k: a.value for k, a in conv.attributes.items()}
-        return op.Conv(x, _init(op, weight, w, f"{w.name}_bnfold"), _init(op, b, w, f"{w.name}_bnfold_bias"), **attrs)
+        return op.Conv(x, _init(op, weight, like, f"{w.name}_bnfold"), _init(op, b, like, f"{w.name}_bnfold_bias"),
+                       **attrs)
 
 
 def rules(log: SiteLog) -> list:
