@@ -223,6 +223,50 @@ def test_a_model_that_takes_one_sample_gets_batch_1(tmp_path, cli, cls):
                                    model(input_ids=ids).logits)
 
 
+def _forecaster(name: str):
+    import transformers
+
+    small = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                 encoder_ffn_dim=32, decoder_ffn_dim=32, prediction_length=4, context_length=8, lags_sequence=[1, 2, 3],
+                 num_time_features=2)
+    if name == "patchtst":  # BatchNorm in every encoder layer (its default norm_type)
+        cfg = transformers.PatchTSTConfig(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8,
+                                          d_model=16, num_attention_heads=2, num_hidden_layers=2, ffn_dim=32,
+                                          prediction_length=8)
+        return _tiny(transformers.PatchTSTForPrediction, cfg)
+    if name == "patchtsmixer":
+        cfg = transformers.PatchTSMixerConfig(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8,
+                                              d_model=16, num_layers=2, prediction_length=8, norm_mlp="BatchNorm")
+        return _tiny(transformers.PatchTSMixerForPrediction, cfg)
+    if name == "informer":
+        return _tiny(transformers.InformerForPrediction, transformers.InformerConfig(**small))
+    return _tiny(transformers.TimeSeriesTransformerForPrediction, transformers.TimeSeriesTransformerConfig(
+        **small, input_size=3, num_static_real_features=2, num_static_categorical_features=1, cardinality=[5],
+        embedding_dimension=[2]))
+
+
+@pytest.mark.parametrize("name", ["patchtst", "patchtsmixer", "informer", "time_series_transformer"])
+def test_forecasters_get_a_history(tmp_path, cli, name):
+    """A forecaster takes ``past_values`` of its config's context length (and, with lags, time features, an observed
+    mask and static features): every command refused its folder ("no example inputs", exit 2)."""
+    model = _forecaster(name)
+    inputs = hf_example_inputs(model)
+    assert inputs is not None and inputs.kwargs["past_values"].shape[:2] == (
+        (2, 32) if name.startswith("patch") else (2, 11))  # context, plus the largest lag where the model has lags
+    with torch.no_grad():
+        model(**inputs.kwargs)
+    for m in model.modules():  # statistics away from the identity, as training leaves them
+        if isinstance(m, torch.nn.BatchNorm1d):
+            m.running_mean.uniform_(-1, 1), m.running_var.uniform_(0.5, 2)
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("fold", str(tmp_path / "m"), "-o", str(tmp_path / "out"), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["passed"] and any("second shape" in v["label"] for v in report["validation"])
+    if name == "patchtst":  # the BatchNorm before each feed-forward is folded into its first linear
+        assert sum(s["applied"] for s in report["sites"]) == 2
+
+
 @pytest.mark.parametrize("size", [1_000_000, -224], ids=["huge", "negative"])
 def test_a_config_asking_for_impossible_inputs_is_one_line(tmp_path, cli, size):
     from transformers import ConvNextConfig, ConvNextModel

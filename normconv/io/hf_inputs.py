@@ -10,6 +10,8 @@ One spelling per kind of model:
   patches with an ``image_grid_thw``; M-RoPE models also get ``mm_token_type_ids`` (text 0, image 1). Where the
   image tokens cannot be counted, the language model alone is run (token ids, no pixels);
 - dual encoders (CLIP, SigLIP: a text and a vision config, no image token): pixels and token ids side by side;
+- time series: a history of the config's ``context_length`` (``past_values``; with lags, time features and an
+  observed mask where the model takes them: TimeSeriesTransformer, Informer, Autoformer);
 - speech: a second of waveform, or filterbank features (Whisper's fixed window), with decoder ids where the
   model is an encoder-decoder.
 
@@ -43,7 +45,7 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
     g = torch.Generator().manual_seed(0)
     params = forward_params(model)
     kwargs: dict[str, Any] = _pixels(config, params, batch, seq, g) if "pixel_values" in params else \
-        _audio(config, params, batch, seq, g)
+        _series(config, params, batch, g) if "past_values" in params else _audio(config, params, batch, seq, g)
     text = getattr(config, "text_config", None)
     vocab = getattr(text if text is not None else config, "vocab_size", None)
     takes_text = bool("input_ids" in params and vocab and (not kwargs or text is not None))  # pixels alone: no text
@@ -133,6 +135,32 @@ def _audio(config, params: list[str], batch: int, seq: int, g: torch.Generator) 
     width = (getattr(config, "input_feat_per_channel", None) or bins or getattr(config, "feature_size", None)
              or 80) * (getattr(config, "input_channels", None) or 1)
     return {"input_features": _randn("input_features", (batch, 4 * seq, width), g)}
+
+
+def _series(config, params: list[str], batch: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A forecaster's history (``past_values``) at the config's ``context_length``: PatchTST / PatchTSMixer take
+    (batch, context, num_input_channels); TimeSeriesTransformer / Informer / Autoformer take the context plus their
+    largest lag (``lags_sequence``), ``input_size`` values a step (a univariate series: no last axis), with as many
+    time features a step and an all-observed mask."""
+    context = getattr(config, "context_length", None)
+    lags = getattr(config, "lags_sequence", None)
+    if not context:
+        return {}
+    if not lags:
+        return {"past_values": _randn("past_values", (batch, context, getattr(config, "num_input_channels", 1)), g)}
+    steps, size = context + max(lags), getattr(config, "input_size", 1)
+    shape = (batch, steps) if size == 1 else (batch, steps, size)
+    out = {"past_values": _randn("past_values", shape, g), "past_observed_mask": torch.ones(shape)}
+    features = getattr(config, "num_time_features", 0)
+    if "past_time_features" in params:  # zero features a step is a valid (empty) last axis
+        out["past_time_features"] = _randn("past_time_features", (batch, steps, features), g) if features \
+            else torch.zeros(batch, steps, 0)
+    if getattr(config, "num_static_categorical_features", 0) and "static_categorical_features" in params:
+        out["static_categorical_features"] = torch.zeros(batch, config.num_static_categorical_features,
+                                                         dtype=torch.long)
+    if getattr(config, "num_static_real_features", 0) and "static_real_features" in params:
+        out["static_real_features"] = _randn("static_real_features", (batch, config.num_static_real_features), g)
+    return out
 
 
 def _randn(name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:
