@@ -8,6 +8,8 @@ optimizations disabled), and ORT CPU latency of OUT / IN, optimizations disabled
 rounds, one intra-op thread).
 
   python benchmarks/onnx_in.py --files DIR_WITH_ONNX_FILES --out benchmarks/results/onnx_in.md
+  python benchmarks/onnx_in.py --all --files .../site-packages/onnx/backend/test/data/light --out ...
+      (--all: every .onnx under --files, e.g. the ONNX model zoo's light files the onnx package ships)
 """
 
 from __future__ import annotations
@@ -88,11 +90,12 @@ def main() -> None:
     ap.add_argument("--files", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--all", action="store_true", help="every .onnx file under --files, not the wheels' five")
     args = ap.parse_args()
     found = {p.name: p for p in Path(args.files).rglob("*.onnx")}
     rows = []
     tmp = Path(tempfile.mkdtemp())
-    for name in FILES:
+    for name in (sorted(found) if args.all else FILES):
         src = found[name]
         atol = 1e-2 if name == "model.onnx" else None  # magika: E[x²] − E[x]² in float32 (see README)
         specs = parity.specs(str(src), onnx_in.to_ir(onnx_in.load(str(src)).proto), None)

@@ -238,6 +238,10 @@ def _forecaster(name: str):
         cfg = transformers.PatchTSMixerConfig(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8,
                                               d_model=16, num_layers=2, prediction_length=8, norm_mlp="BatchNorm")
         return _tiny(transformers.PatchTSMixerForPrediction, cfg)
+    if name == "timesfm":  # a univariate series, no channel axis
+        return _tiny(transformers.TimesFmModelForPrediction, transformers.TimesFmConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+            context_length=64, horizon_length=8, patch_length=32))
     if name == "informer":
         return _tiny(transformers.InformerForPrediction, transformers.InformerConfig(**small))
     return _tiny(transformers.TimeSeriesTransformerForPrediction, transformers.TimeSeriesTransformerConfig(
@@ -245,14 +249,14 @@ def _forecaster(name: str):
         embedding_dimension=[2]))
 
 
-@pytest.mark.parametrize("name", ["patchtst", "patchtsmixer", "informer", "time_series_transformer"])
+@pytest.mark.parametrize("name", ["patchtst", "patchtsmixer", "timesfm", "informer", "time_series_transformer"])
 def test_forecasters_get_a_history(tmp_path, cli, name):
     """A forecaster takes ``past_values`` of its config's context length (and, with lags, time features, an observed
     mask and static features): every command refused its folder ("no example inputs", exit 2)."""
     model = _forecaster(name)
     inputs = hf_example_inputs(model)
-    assert inputs is not None and inputs.kwargs["past_values"].shape[:2] == (
-        (2, 32) if name.startswith("patch") else (2, 11))  # context, plus the largest lag where the model has lags
+    assert inputs is not None and inputs.kwargs["past_values"].shape[:2] == {
+        "patchtst": (2, 32), "patchtsmixer": (2, 32), "timesfm": (2, 64)}.get(name, (2, 11))  # context (+ largest lag)
     with torch.no_grad():
         model(**inputs.kwargs)
     for m in model.modules():  # statistics away from the identity, as training leaves them

@@ -139,15 +139,17 @@ def _audio(config, params: list[str], batch: int, seq: int, g: torch.Generator) 
 
 def _series(config, params: list[str], batch: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """A forecaster's history (``past_values``) at the config's ``context_length``: PatchTST / PatchTSMixer take
-    (batch, context, num_input_channels); TimeSeriesTransformer / Informer / Autoformer take the context plus their
+    (batch, context, num_input_channels), TimesFM (batch, context); TimeSeriesTransformer / Informer / Autoformer take the context plus their
     largest lag (``lags_sequence``), ``input_size`` values a step (a univariate series: no last axis), with as many
     time features a step and an all-observed mask."""
     context = getattr(config, "context_length", None)
     lags = getattr(config, "lags_sequence", None)
     if not context:
         return {}
-    if not lags:
-        return {"past_values": _randn("past_values", (batch, context, getattr(config, "num_input_channels", 1)), g)}
+    if not lags:  # a config without channels (TimesFM) takes univariate series: no last axis
+        channels = getattr(config, "num_input_channels", None)
+        return {"past_values": _randn("past_values", (batch, context) if channels is None else
+                                      (batch, context, channels), g)}
     steps, size = context + max(lags), getattr(config, "input_size", 1)
     shape = (batch, steps) if size == 1 else (batch, steps, size)
     out = {"past_values": _randn("past_values", shape, g), "past_observed_mask": torch.ones(shape)}
