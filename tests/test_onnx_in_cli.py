@@ -76,6 +76,22 @@ def test_not_verified_exits_1_and_writes_nothing(cli, tmp_path):
     assert code == 1 and "nothing written" in err and not (tmp_path / "o.onnx").exists()
 
 
+def test_a_check_that_compared_nothing_is_said_so(cli, tmp_path):
+    """A file whose outputs are all 0 on the inputs drawn (Shrink with lambd past every draw, from the onnx wheel's
+    tests): nothing was compared, which is no pass (exit 1) and no difference either: the line says which."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Shrink", ["x"], ["y"], lambd=1e6)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5])])
+    src = tmp_path / "shrink.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    code, _, err = cli("export", src, "-o", tmp_path / "o.onnx")
+    assert code == 1 and "nothing compared" in err and "differs" not in err.splitlines()[-1]
+    assert "nothing written" in err and not (tmp_path / "o.onnx").exists()
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()

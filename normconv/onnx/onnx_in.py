@@ -299,6 +299,8 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
         report.validation.extend(parity.compare_files(str(src.path), str(tmp), sizes, atol, rtol))
         if not report.passed:
             bad = next(v for v in report.validation if not v.passed)
+            if not bad.outputs:  # nothing compared (its label says why): not a difference, and not a pass
+                raise VerificationError(f"{command}: {bad.label}; nothing written", report)
             raise VerificationError(f"{command}: {bad.label} differs from the input beyond tolerance ({bad.worst}; "
                                     f"{bad.criterion}); nothing written", report)
         if out is not None:
