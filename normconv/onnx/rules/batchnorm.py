@@ -174,7 +174,8 @@ class FoldBackward(NormRule):
         W = FoldWhy
         bn, conv = y.producer(), z.producer()
         self._bn = bn
-        if attr(bn, "training_mode", 0) or _affine(bn) is None:
+        st = None if attr(bn, "training_mode", 0) else _affine(bn)
+        if st is None:
             return MatchResult().fail("not an inference BN with constant statistics")
         if len(y.uses()) != 1 or y.is_graph_output():
             return self.refuse(context, W.SHARED_OUTPUT, "the BN output is read by more than the conv", y, at=bn)
@@ -193,13 +194,12 @@ class FoldBackward(NormRule):
         if any(int(p) for p in pads) or auto not in ("NOTSET", "VALID"):
             return self.refuse(context, W.PADDED_CONV, "the conv after it pads its input: padding pads the BN "
                                                        "output with 0, not with its shift (not exact)", at=bn)
-        self._conv, self._consts = conv, (w_c, b_c)
+        self._conv, self._consts = conv, (w_c, b_c, st)
         return MatchResult()
 
     def rewrite(self, op, x, w, **_):
         conv, bn = self._conv, self._bn
-        s, t = _affine(bn)
-        like, b_c = self._consts
+        like, b_c, (s, t) = self._consts  # the (s, t) check computed: one float64 pass per BN
         weight = like.astype(np.float64)
         g = int(attr(conv, "group", 1))
         cout, cin_g = weight.shape[:2]
