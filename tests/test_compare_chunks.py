@@ -68,3 +68,33 @@ def test_comparing_gpt2_sized_logits_holds_no_whole_float64_copies():
     85 MB above the resident set here, chunked 21 MB."""
     grown_kb = int(subprocess.run([sys.executable, "-c", _PEAK], check=True, capture_output=True, text=True).stdout)
     assert grown_kb < 45 * 1024
+
+
+def _by_formula(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> dict[str, float]:
+    """The module docstring's statistics, written out in torch over the whole leaf in float64."""
+    r, c = ref.double().reshape(-1), cand.double().reshape(-1)
+    diff = torch.where((r == c) | (r.isnan() & c.isnan()), 0.0, (r - c).abs())
+    fr, fc = (torch.where(torch.isfinite(t), t, 0.0) for t in (r, c))
+    return {"max_abs_error": float(diff.max()),
+            "max_rel_error": float((diff / r.abs().clamp_min(atol if atol > 0 else 1e-30)).max()),
+            "cosine": float(fr @ fc / (fr.norm() * fc.norm())) if fr.norm() > 0 and fc.norm() > 0
+            else float(torch.equal(r, c)),
+            "passed": bool(torch.isfinite(diff).all() and (diff <= atol + rtol * r.abs()).all())}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_each_statistic_is_its_formula(dtype):
+    """The statistics (taken in numpy, chunk by chunk) are the formulas' on the whole leaf, in every float dtype, with
+    NaN, infinities on one side or both, signed zeros and exact equality."""
+    cases = list(_cases()) + [("signed zero", torch.tensor([-0.0, 1.0]), torch.tensor([0.0, 1.0])),
+                              ("equal", torch.ones(9), torch.ones(9))]
+    for name, ref, cand in cases:
+        if not ref.is_floating_point() or name == "zeros":  # all zeros: nothing compared (tested elsewhere)
+            continue
+        ref, cand = ref.to(dtype), cand.to(dtype)
+        got = compare(ref, cand, 1e-3, 1e-3).outputs[0]
+        want = _by_formula(ref, cand, 1e-3, 1e-3)
+        assert got.passed == want.pop("passed"), name
+        for field, x in want.items():
+            y = getattr(got, field)
+            assert (x != x and y != y) or y == pytest.approx(x, rel=1e-9, abs=1e-300), (name, dtype, field, x, y)

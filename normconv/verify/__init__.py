@@ -64,6 +64,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
@@ -382,18 +383,24 @@ def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, r
                                                                                 f"expected {tuple(ref.shape)}")
     if ref.numel() == 0:
         return OutputError(name, 0.0, 0.0, 1.0, ref.dtype == cand.dtype, scale=0.0, scale_error=0.0, rms_error=0.0)
-    # in float64 a chunk at a time (GPT-2's 2 x 16 x 50257 logits whole: 80 MB of temporaries)
-    maxima, sums, mismatch, within, equal = [], torch.zeros(4, dtype=torch.float64), False, True, True
-    for r, c in zip(ref.detach().reshape(-1).split(_CHUNK), cand.detach().reshape(-1).split(_CHUNK)):
-        r, c = r.to("cpu", torch.float64), c.to("cpu", torch.float64)
-        diff = torch.where((r == c) | (r.isnan() & c.isnan()), 0.0, (r - c).abs())  # equal inf / NaN: no difference
-        mismatch = mismatch or bool((~torch.isfinite(diff)).any())  # a NaN or an infinity on one side only
-        maxima.append(torch.stack([diff.max(), (diff / r.abs().clamp_min(atol if atol > 0 else 1e-30)).max()]))
-        fr, fc, fd = (torch.where(torch.isfinite(t), t, 0.0) for t in (r, c, diff))
-        sums += torch.stack([fr @ fr, fc @ fc, fr @ fc, fd @ fd])
-        within = within and bool((diff <= atol + rtol * r.abs()).all())
-        equal = equal and torch.equal(r, c)
-    max_abs, max_rel = (float(v) for v in torch.stack(maxima).max(0).values)  # a NaN anywhere stays NaN
+    # in float64 a chunk at a time (GPT-2's 2 x 16 x 50257 logits whole: 80 MB of temporaries), in numpy: a small
+    # leaf's dozen element-wise steps cost a microsecond each there, ten in torch's dispatcher
+    maxima, sums, mismatch, within, equal = [], np.zeros(4), False, True, True
+    with np.errstate(all="ignore"):  # inf - inf, 0 / 0: NaN by design, judged below
+        for r, c in zip(ref.detach().reshape(-1).split(_CHUNK), cand.detach().reshape(-1).split(_CHUNK)):
+            r, c = r.to("cpu", torch.float64).numpy(), c.to("cpu", torch.float64).numpy()
+            same = (r == c) | (np.isnan(r) & np.isnan(c))  # equal inf / NaN: no difference
+            diff = np.where(same, 0.0, np.abs(r - c))
+            finite = np.isfinite(diff)
+            mismatch = mismatch or not finite.all()  # a NaN or an infinity on one side only
+            ra = np.abs(r)
+            maxima.append((diff.max(), (diff / np.maximum(ra, atol if atol > 0 else 1e-30)).max()))
+            fr, fc, fd = (np.where(np.isfinite(t), t, 0.0) for t in (r, c, diff))
+            # einsum, not BLAS's dot: BLAS's own threads would fight torch's for the cores
+            sums += [np.einsum("i,i->", a, b) for a, b in ((fr, fr), (fc, fc), (fr, fc), (fd, fd))]
+            within = within and bool((diff <= atol + rtol * ra).all())
+            equal = equal and bool((r == c).all())
+    max_abs, max_rel = (float(v) for v in np.max(maxima, axis=0))  # a NaN anywhere stays NaN
     rr, cc, rc, dd = (float(v) for v in sums)
     cosine = rc / (math.sqrt(rr) * math.sqrt(cc)) if rr > 0 and cc > 0 else float(equal)
     rms = math.sqrt(dd) / math.sqrt(rr) if rr > 0 else (0.0 if max_abs == 0 else float("inf"))
