@@ -55,6 +55,7 @@ class DeepNormWhy(Why):
     AMBIGUOUS = "residual-ambiguous"  # the add does not tell x from f(x)
     INLINE_NORM = "inline-norm"  # the norm is no module to set eps on or hook
     NOT_IDENTIFIED = "sublayer-not-identified"  # f(x) has no module output to hook, or its roles are not found
+    RESHAPED = "branch-reshaped"  # f(x) is added reshaped / transposed after its module: no module output is f(x)
     SHARED_NORM = "norm-shared"  # the norm module is also called where it is no post-LN sublayer
     MODEL_REFUSED = "model-refused"  # this sublayer is fine, the model as a whole is refused (``Analysis.refusal``)
 
@@ -62,7 +63,7 @@ class DeepNormWhy(Why):
 # the sublayer analysis's rule -> this pass's decision
 _SUBLAYER = {SublayerWhy.AMBIGUOUS: DeepNormWhy.AMBIGUOUS, SublayerWhy.INLINE_NORM: DeepNormWhy.INLINE_NORM,
              SublayerWhy.BRANCH_NORMED: DeepNormWhy.BRANCH_NORMED, SublayerWhy.SHARED_NORM: DeepNormWhy.SHARED_NORM,
-             SublayerWhy.NOT_IDENTIFIED: DeepNormWhy.NOT_IDENTIFIED}
+             SublayerWhy.NOT_IDENTIFIED: DeepNormWhy.NOT_IDENTIFIED, SublayerWhy.RESHAPED: DeepNormWhy.RESHAPED}
 
 # ---------------------------------------------------------------------------------------------------------
 # constants (DESIGN.md section 4, the paper's table 1)

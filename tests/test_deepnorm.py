@@ -16,7 +16,7 @@ from hf_tiny import tiny_bart, tiny_bert, tiny_gpt2
 from normconv.graph.detect import find_norms
 from normconv.errors import NormconvError
 from normconv.graph.capture import capture
-from normconv.api import deepnorm as api_deepnorm
+from normconv.api import deepnorm as api_deepnorm, inspect as normconv_inspect
 from normconv.io.load import load
 from normconv.models import get
 from normconv.models.transformer import PostLNEncoderLayer
@@ -954,3 +954,35 @@ def test_probabilities_masked_after_the_softmax_still_name_v():
     assert report.passed and len(applied(report)) == 4
     subs = {r["norm"]: r for r in report.extra["sublayers"]}
     assert subs["layers.0.ln1"]["projections"]["v"] == ["layers.0.v"]
+
+
+class _SeqFirstAttention(nn.Module):
+    """A post-LN block of a batch-first model whose nn.MultiheadAttention runs sequence-first (transposes around it),
+    and whose FFN's last linear runs on rows viewed flat and back: each branch reaches the add after its module."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 4)  # batch_first=False
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):  # (B, T, D)
+        h = x.transpose(0, 1)
+        x = self.ln1(x + self.attn(h, h, h)[0].transpose(0, 1))
+        b, t, d = x.shape
+        return self.ln2(x + self.down(F.gelu(self.up(x)).reshape(b * t, -1)).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 32), (5, 5, 32)])
+def test_a_branch_added_after_a_transpose_is_refused_in_words(shape):
+    # its scale would commute with the transpose, but the literal reference needs f(x) as added: before, the reference
+    # failed with a broadcasting RuntimeError (exit 3), or, batch == length, subtracted a transposed f (a false exit 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(_SeqFirstAttention(), _SeqFirstAttention()).eval()
+    with pytest.raises(NormconvError, match=r"0\.attn is added to the stream through transpose") as err:
+        api_deepnorm(model, Inputs((torch.randn(*shape),)))
+    assert err.value.code.name == "REFUSED"
+    codes = {s["target"]: p["code"] for s in normconv_inspect(model, torch.randn(*shape)).sites for p in s["plan"]
+             if p["pass"] == dn.NAME}
+    assert codes["0.ln1"] == codes["1.ln1"] == dn.DeepNormWhy.RESHAPED.value
+    assert codes["0.ln2"] == codes["1.ln2"] == dn.DeepNormWhy.RESHAPED.value  # the FFN's reshape outside its linear

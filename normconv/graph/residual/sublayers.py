@@ -39,6 +39,7 @@ class SublayerWhy(Why):
     BRANCH_NORMED = "branch-normed"  # x + LN(f(x)): the layers normalize their branches, not the stream
     NOT_IDENTIFIED = "sublayer-not-identified"  # f(x) has no module output to hook, or its roles are not found
     SHARED_NORM = "norm-shared"  # the norm module is also called where it is no post-LN sublayer
+    RESHAPED = "branch-reshaped"  # f(x) is added reshaped / transposed after its module: no module output is f(x)
 
 
 BRANCH_NORMED = "branch normed"  # the words that open those problems
@@ -173,6 +174,13 @@ def sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], a
         sub.code, sub.problem = SublayerWhy.NOT_IDENTIFIED, (f"{NOT_IDENTIFIED}: f(x) ends in {bkind} "
                                                              f"({bnode.name}), not a module output to hook")
         return sub
+    after = _op_after(cap, branch, sub.branch_module)
+    if after is not None:
+        sub.code, sub.problem = SublayerWhy.RESHAPED, (
+            f"{NOT_IDENTIFIED}: the output of {sub.branch_module} is added to the stream through {after}, so no "
+            f"module output is f(x) as added (its scale would commute, but the literal LN(alpha*x + f(x)) the "
+            f"rewrite is proven against needs f(x) itself)")
+        return sub
     end = bnode
     if mha is None and not _only_feeds(cap, end, add):
         sub.code, sub.problem = SublayerWhy.NOT_IDENTIFIED, (f"{NOT_IDENTIFIED}: the output of "
@@ -302,6 +310,25 @@ def _calls(cap: Captured, module: str) -> int:
     weight = f"{module}.weight"
     projs = [_proj(cap, n, "out") for n in cap.gm.graph.nodes if _is_linear(cap, n)]
     return sum(1 for p in projs if p is not None and p.weight == weight)
+
+
+def _op_after(cap: Captured, operand: Any, module: str) -> str | None:
+    """The first op other than a pass-through one (dropout, identity, a cast) between ``module``'s output and the
+    add's operand ``operand``, going back from the add; None when the operand is the module's output (computed inside
+    the module, its call in FX, or item 0 of the tuple that call returns)."""
+    node = operand
+    for _ in range(64):
+        if not isinstance(node, fx.Node):
+            return "a constant"
+        if module in cap.owner_stack(node):
+            return None
+        if _name(node) == "getitem" and node.args[1] == 0 and isinstance(node.args[0], fx.Node) and \
+                node.args[0].op == "call_module" and node.args[0].target == module:
+            return None
+        if cap.op(node) not in TRANSPARENT or not node.args:
+            return _name(node) or node.op
+        node = node.args[0]
+    return "a chain of ops"
 
 
 def _only_feeds(cap: Captured, node: fx.Node, add: fx.Node) -> bool:
