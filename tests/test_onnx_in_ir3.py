@@ -116,3 +116,33 @@ def test_a_file_onnxruntime_does_not_load_is_refused_in_one_line(cli, tmp_path):
     code, out, err = cli("fold", str(src), "-o", str(tmp_path / "o.onnx"))
     assert code == 2 and "does not load in onnxruntime" in err and "Add(6)" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and not (tmp_path / "o.onnx").exists()
+
+
+@pytest.mark.parametrize("ir_version", [3, 7])
+def test_a_float16_file_lists_its_initializers_as_float16(tmp_path, ir_version):
+    """An IR 3 file (every initializer a listed input) in float16: a weight no fold replaced (the conv after the Relu)
+    is cast by the half pass, and its input entry says float16 too. Before, its entry kept the float32 the input
+    declared: onnxruntime could not load the file normconv wrote (exit 2), onnx.checker refused the light SqueezeNet
+    (exit 1). From IR 4 on, a listed initializer is a caller's input: it keeps its type."""
+    src = _conv_bn(tmp_path, ir_version, listed=ir_version == 3)
+    m = onnx.load(str(src))
+    w2 = numpy_helper.from_array(np.random.default_rng(1).standard_normal((4, 6, 1, 1)).astype(np.float32), "w2")
+    m.graph.initializer.append(w2)
+    if ir_version == 3:
+        m.graph.input.append(helper.make_tensor_value_info("w2", TensorProto.FLOAT, [4, 6, 1, 1]))
+    m.graph.node.append(helper.make_node("Conv", ["out", "w2"], ["y2"]))
+    m.graph.output[0].CopyFrom(helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["n", 4, "h", "w"]))
+    onnx.save(m, str(src))
+    out = tmp_path / "h.onnx"
+    # outputs up to ~30: float16's rounding there is ~0.015, past the element-wise default 1e-2 near zero
+    r = onnx_in.run(str(src), "export", str(out), dtype="float16", atol=5e-2)
+    assert r.passed and r.extra["checker"].startswith("passed")
+    written = onnx.load(str(out))
+    onnx.checker.check_model(written, full_check=True)
+    types = {t.name: t.data_type for t in written.graph.initializer}
+    assert types["w2"] == TensorProto.FLOAT16
+    listed = {v.name: v.type.tensor_type.elem_type for v in written.graph.input}
+    assert all(listed[k] == v for k, v in types.items()) if ir_version == 3 else set(listed) == {"x"}
+    x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    (a,), (b,) = _run(src, x), _run(out, x)
+    assert np.abs(a).max() > 0.1 and np.abs(a - b).max() < 2e-2 * np.abs(a).max()

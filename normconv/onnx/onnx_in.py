@@ -14,6 +14,7 @@ layout are kept. ``inspect`` runs the same plan without writing.
 from __future__ import annotations
 
 import collections
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -121,8 +122,9 @@ def _as_written(proto: onnx.ModelProto, src: Source) -> onnx.ModelProto:
     del proto.graph.value_info[:]
     list_initializers(proto)  # IR < 4: every initializer listed as a graph input again
     declared = {v.name: v for v in list(src.proto.graph.input) + list(src.proto.graph.output)}
+    initializers = {t.name for t in proto.graph.initializer}  # typed by their tensors (a half export casts them)
     for v in list(proto.graph.input) + list(proto.graph.output):
-        if v.name in declared:
+        if v.name in declared and v.name not in initializers:
             v.type.CopyFrom(declared[v.name].type)
     proto.producer_name, proto.producer_version = src.proto.producer_name, src.proto.producer_version
     return proto
@@ -301,8 +303,12 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
             bad = next(v for v in report.validation if not v.passed)
             if not bad.outputs:  # nothing compared (its label says why): not a difference, and not a pass
                 raise VerificationError(f"{command}: {bad.label}; nothing written", report)
+            overflow = dtype == "float16" and not math.isfinite(bad.max_abs_error)  # inf / NaN where the input is not
             raise VerificationError(f"{command}: {bad.label} differs from the input beyond tolerance ({bad.worst}; "
-                                    f"{bad.criterion}); nothing written", report)
+                                    f"{bad.criterion})" + (": the float16 file overflows where the float32 input "
+                                                           "computes finite values (activations beyond float16's "
+                                                           "65504)" if overflow else "") + "; nothing written",
+                                    report)
         if out is not None:
             written = [f for f in (tmp, tmpdir / (tmp.name + ".data")) if f.exists()]
             publish([(f, out.parent / f.name) for f in written])  # over a folder of that name only with --overwrite
