@@ -64,10 +64,48 @@ def test_bad_inputs_exit_2_in_one_line(cli, tmp_path):
     src = G.save(G.conv_bn(), tmp_path / "cb.onnx")
     code, _, err = cli("fold", src, "-o", src)
     assert code == 2 and "refusing to overwrite the input" in err
+    hard = tmp_path / "hard.onnx"  # the input under another name: a hard link (was replaced, exit 0)
+    hard.hardlink_to(src)
+    code, _, err = cli("fold", src, "-o", hard, "--overwrite")
+    assert code == 2 and "under another name" in err and hard.stat().st_ino == Path(src).stat().st_ino
     code, _, err = cli("swap", src)
     assert code == 2 and "inspect, fold and export read ONNX files" in err
     code, _, err = cli("export", src, "-o", tmp_path / "o.onnx", "--dtype", "bfloat16")
     assert code == 2 and "normconv writes float16" in err
+
+
+@pytest.mark.parametrize("command, flags", [("fold", ["--eval"]), ("fold", ["--in-place", "--static"]),
+                                            ("export", ["--no-fold"]), ("export", ["--validate", "cuda"]),
+                                            ("export", ["--baseline"]), ("inspect", ["--capture", "torch.export"])])
+def test_a_flag_an_onnx_input_cannot_honour_is_refused(cli, tmp_path, command, flags):
+    """Every flag is obeyed or refused in one line, never dropped (fold took only -i, --atol, --rtol and --overwrite:
+    '--dtype float16' wrote a float32 file, exit 0); the input untouched, nothing written."""
+    src = G.save(G.conv_bn(), tmp_path / "cb.onnx")
+    before = Path(src).read_bytes()
+    out = ["-o", str(tmp_path / "o.onnx")] if command != "inspect" else []
+    code, _, err = cli(command, src, *out, *flags)
+    assert code == 2 and err.count("\n") == 1 and "not supported with it" in err
+    assert all(f in err for f in flags if f.startswith("--")) and "an .onnx input" in err
+    assert Path(src).read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["cb.onnx"]
+
+
+def test_fold_of_an_onnx_file_takes_dtype(cli, tmp_path):
+    src = G.save(G.conv_bn(), tmp_path / "cb.onnx")
+    code, _, err = cli("fold", src, "-o", tmp_path / "h.onnx", "--dtype", "float16")
+    assert code == 0, err
+    types = {t.data_type for t in onnx.load(str(tmp_path / "h.onnx")).graph.initializer}
+    assert types == {onnx.TensorProto.FLOAT16} and "BatchNormalization" not in _ops(tmp_path / "h.onnx")
+
+
+def test_one_input_shape_may_leave_out_its_name(cli, tmp_path):
+    """As for a torch model (README): a file with one input takes -i D0,D1,...; the same name twice is refused."""
+    src = G.save(G.conv_bn(), tmp_path / "cb.onnx")
+    name = onnx.load(src).graph.input[0].name
+    code, out, err = cli("fold", src, "-o", tmp_path / "o.onnx", "-i", "3,4,10,10", "--json")
+    assert code == 0, err
+    assert any(f"{name}=(3, 4, 10, 10)" in v["label"] for v in _json(out)["validation"])
+    code, _, err = cli("fold", src, "-o", tmp_path / "p.onnx", "-i", f"{name}:1,4,8,8", "-i", "2,4,8,8")
+    assert code == 2 and "given twice" in err and not (tmp_path / "p.onnx").exists()
 
 
 def test_not_verified_exits_1_and_writes_nothing(cli, tmp_path):

@@ -110,12 +110,19 @@ def options_from_flags(output: Optional[str] = None, atol: Optional[float] = Non
                    accept_specialized=accept_specialized, static=static, overwrite=overwrite)
 
 
+def refuse_flags(what: str, flags: list[tuple[str, bool]]) -> None:
+    """The flags set in ``flags`` (name, given) that a path of a command cannot honour, refused in one line before
+    anything is read: a flag is obeyed or refused, never dropped."""
+    unsupported = [flag for flag, on in flags if on]
+    if unsupported:
+        raise NormconvError(f"{what}: {', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not "
+                            f"supported with it")
+
+
 def check_stream_flags(what: str, flags: list[tuple[str, bool]], output: Optional[str]) -> None:
     """``--stream`` reads a Hugging Face folder and writes a new one (-o): the flags it cannot honour (those set
     in ``flags``) and a missing -o are refused in one line, before anything is read."""
-    unsupported = [flag for flag, on in flags if on]
-    if unsupported:
-        raise NormconvError(f"--stream {what} only: {', '.join(unsupported)} is not supported with it")
+    refuse_flags(f"--stream {what} only", flags)
     if output is None:
         raise NormconvError("--stream writes a new folder: give it with -o")
 
@@ -250,5 +257,5 @@ def user_errors(fn: Callable) -> Callable:
 
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt",
-           "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx",
+           "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx", "refuse_flags",
            "show_progress", "progress_wanted"]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
-                                 emit, is_onnx, load_half_target, options_from_flags, user_errors)
+                                 emit, is_onnx, load_half_target, refuse_flags, options_from_flags, user_errors)
 from normconv.errors import NormconvError
 from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET
 
@@ -76,6 +76,12 @@ def register(app: typer.Typer) -> None:
         if is_onnx(model):  # an ONNX file: fold + fuse, validated against the file given
             from normconv.onnx import onnx_in
 
+            refuse_flags("an .onnx input is rewritten as an ONNX file (validated on onnxruntime's CPU provider)", [
+                ("--static", static), ("--no-fold", no_fold), ("--no-canonicalize", no_canonicalize),
+                ("--validate", validate.replace(" ", "").lower() != "cpu"), ("--baseline", baseline),
+                ("--repeats", repeats != 10), ("--device", device != "cpu"), ("--skip-fusion", skip_fusion is not None),
+                ("--dim-name", bool(dim_name)), ("--weights", weights is not None), ("--trust-pickle", trust_pickle),
+                ("--trust-remote-code", trust_remote_code), ("--accept-specialized", accept_specialized)])
             emit(onnx_in.run(model, "export", output, target, opset, input_shape=input_shape, atol=atol, rtol=rtol,
                              dtype=dtype, keep_fp32=keep_fp32, overwrite=overwrite), as_json)
             return

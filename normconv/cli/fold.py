@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, check_stream_flags, emit, is_onnx, load_half_target, options_from_flags, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, is_onnx, refuse_flags, load_half_target, options_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
     "--eval", help="rewrite a model saved in training mode as its eval-mode self (BN then uses its running statistics)")]
@@ -45,8 +45,13 @@ def register(app: typer.Typer) -> None:
         if is_onnx(model):  # an ONNX file in, an ONNX file out, validated in onnxruntime
             from normconv.onnx import onnx_in
 
-            emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol, overwrite=overwrite),
-                 as_json)
+            refuse_flags("an .onnx input is rewritten as an ONNX file", [
+                ("--eval", eval_mode), ("--weights", weights is not None), ("--trust-pickle", trust_pickle),
+                ("--trust-remote-code", trust_remote_code), ("--in-place", in_place), ("--static", static),
+                ("--bench", bench), ("--normconv-modules", normconv_modules), ("--stream", stream),
+                ("--accept-specialized", accept_specialized)])
+            emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol, dtype=dtype,
+                             overwrite=overwrite), as_json)
             return
         if stream:
             from normconv.stream import fold as streaming

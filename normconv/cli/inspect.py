@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from normconv.cli.common import (TrustCodeOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
-                                 is_onnx, load_half_target, user_errors)
+                                 is_onnx, load_half_target, refuse_flags, user_errors)
 from normconv.errors import NormconvError
 
 if TYPE_CHECKING:
@@ -42,6 +42,10 @@ def register(app: typer.Typer) -> None:
         if is_onnx(model):  # an ONNX file: what fold and export would do at each site
             from normconv.onnx import onnx_in
 
+            refuse_flags("an .onnx input is inspected as an ONNX file", [
+                ("--weights", weights is not None), ("--trust-pickle", trust_pickle),
+                ("--trust-remote-code", trust_remote_code), ("--dtype", dtype is not None),
+                ("--capture", capture != "auto"), ("--calibration", calibration is not None)])
             emit(onnx_in.run(model, "inspect", None, input_shape=input_shape), as_json)
             return
 

@@ -220,6 +220,7 @@ def _check(path: Path, target: str, src: Source) -> tuple[bool, str]:
 
 
 def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
+    from normconv.io.ledger import Ledger
     from normconv.io.write import check_writable
 
     if out.suffix.lower() != ".onnx":
@@ -231,6 +232,11 @@ def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
     if target in reads or (target.parent / (out.name + ".data")).resolve() in reads:
         raise NormconvError(f"refusing to write {out}: it or its external data would overwrite the input's "
                             f"external data; choose another -o")
+    ledger = Ledger()  # what was read, by real path and by inode: a hard link to the input is the input
+    for f in [src.path, *(src.path.parent / e for e in src.external)]:
+        ledger.record(f)
+    for f in (out, out.parent / (out.name + ".data")):
+        ledger.check_write(f, overwrite=overwrite)
     return check_writable(out, overwrite)
 
 

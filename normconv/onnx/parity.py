@@ -120,6 +120,8 @@ def _parse(items: list[str], names: list[str]) -> dict[str, tuple[list[int], Any
     out = {}
     for item in items:
         parts = item.split(":")
+        if len(names) == 1 and parts[0] not in names and parts[0].replace(",", "").strip().isdigit():
+            parts = names + parts  # one input: its name may be left out (D0,D1,...[:DTYPE]), as for a torch model
         if len(parts) not in (2, 3) or parts[0] not in names:
             raise NormconvError(f"bad --input-shape {item!r}: expected NAME:D0,D1,...[:DTYPE] with NAME one of "
                                 f"{', '.join(names)}")
@@ -135,6 +137,8 @@ def _parse(items: list[str], names: list[str]) -> dict[str, tuple[list[int], Any
             if key not in _NP:
                 raise NormconvError(f"bad --input-shape {item!r}: unknown dtype {parts[2]!r}")
             dtype = _NP[key]
+        if parts[0] in out:
+            raise NormconvError(f"bad --input-shape {item!r}: {parts[0]} is given twice")
         out[parts[0]] = (dims, dtype)
     return out
 
