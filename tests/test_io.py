@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 
 from normconv.errors import NormconvError
 from normconv.io.inputs import parse_input_shapes
@@ -311,3 +312,33 @@ def test_console_script_imports_a_factory_from_the_current_folder(tmp_path):
                        text=True)
     assert r.returncode == 0, r.stderr
     assert [s["kind"] for s in json.loads(r.stdout)["sites"]] == ["layernorm"]
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_torch_s_own_transformer_layer_loads_without_opt_in(tmp_path, activation):
+    """nn.TransformerEncoderLayer pickles its activation (torch.nn.functional.relu, torch._C._nn.gelu): torch's own
+    functional ops, allowlisted like torch.nn's classes (was refused, naming every class, without --trust-pickle)."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, activation=activation, batch_first=True).eval()
+    path = tmp_path / "layer.pt"
+    torch.save(layer, path)
+    loaded = load(str(path), input_shapes=["2,5,16"])
+    x = torch.randn(2, 5, 16)
+    assert loaded.fmt == "pickle" and torch.equal(loaded.model(x), layer(x))
+
+
+def test_a_name_a_trusted_module_merely_imported_is_refused(tmp_path, cli):
+    """torch.nn.modules.module imports collections.namedtuple: the name torch.nn.modules.module.namedtuple passes the
+    allowlist's prefix rule, and torch's weights_only unpickler, matching an object by where it is defined, still
+    refuses it (the rule normconv relies on when it allowlists by prefix)."""
+    import zipfile
+
+    path, forged = tmp_path / "a.pt", tmp_path / "forged.pt"
+    torch.save({"a": 1}, path)
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(forged, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = b"\x80\x02ctorch.nn.modules.module\nnamedtuple\nq\x00."
+            dst.writestr(info, data)
+    line = _expect_error(cli, "inspect", forged, "-i", X, match="refusing to unpickle")
+    assert "torch.nn.modules.module.namedtuple" in line

@@ -139,8 +139,12 @@ def shown_globals(globs: list[str]) -> str:
     return ", ".join(globs[:8]) + (f" and {len(globs) - 8} more" if len(globs) > 8 else "")
 
 
-# classes whose unpickling runs only torch's or normconv's own code: loaded without --trust-pickle
-_TRUSTED_PREFIXES = ("torch.nn.modules.", "normconv.models.", "normconv.nn.rmsnorm.", "normconv.nn.modules.")
+# globals whose unpickling runs only torch's or normconv's own code, loaded without --trust-pickle: torch.nn's and
+# normconv's module classes, and torch's functional ops (an nn.TransformerEncoderLayer pickles its activation,
+# torch.nn.functional.relu or torch._C._nn.gelu). torch's weights_only unpickler matches an allowlisted object by
+# where it is defined: a name a trusted module merely imports (torch.nn.modules.module.namedtuple) stays refused
+_TRUSTED_PREFIXES = ("torch.nn.modules.", "normconv.models.", "normconv.nn.rmsnorm.", "normconv.nn.modules.",
+                     "torch.nn.functional.", "torch._C._nn.")
 REFUSED = object()
 
 
