@@ -8,7 +8,8 @@
                            op: a permutation moves it, a row-major reshape keeps axis a of size C iff the sizes
                            before it multiply to the same number (LeViT: (N, L, C) -flatten(0, 1)-> (N*L, C))
   ConvTranspose weight is (in, out/groups, k...): output channel o of group g is W[g*ipg:(g+1)*ipg, o - g*opg].
-All arithmetic in float64, cast back to the weight dtype. BN modules become nn.Identity (the user's class and
+All arithmetic in float64, cast back to the weight dtype; in float16 / bfloat16 a fold whose weights or bias would pass
+half the dtype's max (its products would overflow) is not made, and that BN stays. BN modules become nn.Identity (the user's class and
 state_dict keys stay); a functional / inline BN is removed from the traced graph (a GraphModule comes back).
 A BN with no foldable neighbour is left as it is: its eval kernel is one fused per-channel pass already
 (measured against a scale-and-shift in benchmarks/results/fold.md).
@@ -25,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, batchnorm_sites, channel_affine, fold_backward,
-                                      fold_forward, is_pass_through)
+                                      fold_forward, folded_backward, folded_forward, is_pass_through)
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
 from normconv.match import PERMUTE, VIEW, arg, batch_norm_args, call_name, permutation
@@ -70,6 +71,7 @@ class FoldWhy(Why):
     NO_SHAPE = "no-shape"  # no recorded shape to follow the channel axis
     TRANSPOSED_READER = "transposed-conv-reader"  # bn -> ConvTranspose: its edge outputs see fewer inputs
     ZERO_PADDING = "zero-padding"  # bn -> conv padding zeros, which would have to be t
+    HALF_RANGE = "past-half-range"  # the folded weight or bias would pass half of float16's / bfloat16's max
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,11 @@ def _decide(ctx: Layers, site: NormSite) -> Decision:
         return Decision(site, False, str(why), code=FoldWhy(why.code.value))
     except _Skip as why:
         return Decision(site, False, str(why), code=why.code)
-    reasons = []
+    reasons, codes = [], set()
     for direction, finder in (("backward", _backward_layer), ("forward", _forward_layer)):
         try:
             path = finder(ctx, site, len(s))
+            _in_range(ctx.cap.modules.get(path), path, s, t, direction)
             if _keeps_shift(ctx.cap.modules.get(path), site, direction):
                 return Decision(site, True, f"fold the scale into {path} ({direction}); the shift stays as a "
                                             f"ChannelShift: torch's CPU ConvTranspose is 3-12x slower with a bias",
@@ -129,9 +132,25 @@ def _decide(ctx: Layers, site: NormSite) -> Decision:
                             FoldWhy.BACKWARD if direction == "backward" else FoldWhy.FORWARD)
         except _Skip as why:
             reasons.append(f"{direction}: {why}")
+            codes.add(why.code)
     # no foldable neighbour  =>  BN stays: its eval kernel is one per-channel pass already (measured)
     return Decision(site, False, f"no foldable neighbour ({'; '.join(reasons)}); left as is",
-                    code=FoldWhy.NO_NEIGHBOUR)
+                    code=FoldWhy.HALF_RANGE if FoldWhy.HALF_RANGE in codes else FoldWhy.NO_NEIGHBOUR)
+
+
+def _in_range(layer: nn.Module | None, path: str, s: torch.Tensor, t: torch.Tensor, direction: str) -> None:
+    """A half layer's folded weight and bias (computed in float64, as the fold will) within half its dtype's max:
+    past it the products overflow (``graph.headroom``'s rule), so the BN stays where it was."""
+    w = getattr(layer, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float16, torch.bfloat16):
+        return
+    limit = torch.finfo(w.dtype).max
+    big = max(float(v.abs().max()) for v in (folded_backward if direction == "backward" else folded_forward)(
+        layer, s, t))
+    if not big <= limit / 2:  # NaN too
+        raise _Skip(FoldWhy.HALF_RANGE, f"the folded weights of {path} would reach {big:.3g}, past half of "
+                                        f"{str(w.dtype).removeprefix('torch.')}'s max {limit:.6g} (its products "
+                                        f"would overflow)")
 
 
 # -- neighbours ---------------------------------------------------------------------------------------------

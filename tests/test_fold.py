@@ -187,6 +187,35 @@ def test_low_precision_keeps_dtype(dtype):
     assert isinstance(folded[1], nn.Identity)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_fold_past_the_half_range_leaves_that_bn(dtype):
+    """A half model where one fold would write weights past half the dtype's max (1000 x a scale ~95 in float16; 1e36
+    x 1e4 in bfloat16): that BN stays, with its reason, the others fold, and the result equals the original at two
+    fresh shapes. Before, the fold wrote inf into the conv and the whole command failed its check."""
+    big = 1000.0 if dtype == torch.float16 else 1e36
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    model = randomize_bn(model).eval()
+    with torch.no_grad():
+        model[0].weight.fill_(big)
+        model[0].bias.zero_()
+        model[1].running_mean.zero_()
+        model[1].running_var.fill_(1e-4 if dtype == torch.float16 else 1e-8)
+        model[1].weight.fill_(1.0)
+        model[3].weight.mul_(1e-2)  # outputs ~1: the half dtype's element-wise check holds there
+    model = model.to(dtype)
+    x = (torch.randn(2, 3, 8, 8) * (1e-3 if dtype == torch.float16 else 1e-37)).to(dtype)
+    folded, report = fold(model, x)
+    codes = {s.target: s.code for s in report.sites}
+    assert codes["1"] == "past-half-range" and "past half of" in skipped(report)["1"]
+    assert isinstance(folded[1], nn.BatchNorm2d) and isinstance(folded[4], nn.Identity)
+    assert torch.isfinite(folded[0].weight).all() and report.passed
+    for shape in ((1, 3, 9, 9), (3, 3, 6, 7)):
+        y = torch.randn(shape).to(dtype) * (1e-3 if dtype == torch.float16 else 1e-37)
+        with torch.no_grad():
+            a, b = model(y).float(), folded(y).float()
+        assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-2 * a.abs().max()
+
+
 # -- guards: each leaves the model exact and says why ----------------------------------------------------------
 
 

@@ -246,6 +246,11 @@ def statistics(cap: Captured, site: NormSite) -> dict[str, torch.Tensor | None]:
 
 def fold_backward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> None:
     """layer -> (s y + t)  =>  layer' (W scaled per output channel, b' = b s + t); in place, float64 math."""
+    store(layer, *folded_backward(layer, s, t))
+
+
+def folded_backward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fold_backward``'s new (weight, bias) in float64, the layer untouched."""
     w = layer.weight.detach().to(torch.float64)
     ones = [1] * (w.dim() - 2)
     # conv / linear -> bn  =>  W'[o] = W[o] s[o]
@@ -257,23 +262,27 @@ def fold_backward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> None:
     else:
         w = w * s.reshape(-1, *([1] * (w.dim() - 1)))
     b = layer.bias.detach().to(torch.float64) if layer.bias is not None else torch.zeros_like(s)
-    store(layer, w, b * s + t)
+    return w, b * s + t
 
 
 def fold_forward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> None:
     """(s x + t) -> layer  =>  layer' (W scaled per input channel, b' = b + W t); in place, float64 math."""
+    store(layer, *folded_forward(layer, s, t))
+
+
+def folded_forward(layer: nn.Module, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fold_forward``'s new (weight, bias) in float64, the layer untouched."""
     w = layer.weight.detach().to(torch.float64)
     b = layer.bias.detach().to(torch.float64) if layer.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype)
     if isinstance(layer, nn.Linear):
         # bn -> linear  =>  W' = W diag(s),  b' = b + W t
-        store(layer, w * s.reshape(1, -1), b + w @ t)
-        return
+        return w * s.reshape(1, -1), b + w @ t
     # bn -> conv (no zero padding)  =>  input channel of W[o, j] is (o // (out/groups)) * (in/groups) + j
     g, out, ipg = layer.groups, w.shape[0], w.shape[1]
     sg = s.reshape(g, ipg).repeat_interleave(out // g, dim=0)  # (out, in/groups)
     tg = t.reshape(g, ipg).repeat_interleave(out // g, dim=0)
     delta = (w.reshape(out, ipg, -1).sum(-1) * tg).sum(1)
-    store(layer, w * sg.reshape(out, ipg, *([1] * (w.dim() - 2))), b + delta)
+    return w * sg.reshape(out, ipg, *([1] * (w.dim() - 2))), b + delta
 
 
 def store(layer: nn.Module, w: torch.Tensor, b: torch.Tensor) -> None:
@@ -292,5 +301,6 @@ def batchnorm_sites(norms: Sequence[NormSite]) -> list[NormSite]:
 
 
 __all__ = ["BNWhy", "Refusal", "Layers", "LAYERS", "LAYER_OPS", "layer_path", "is_pass_through", "as_module",
-           "channel_affine", "channel_vector", "statistics", "fold_backward", "fold_forward", "store",
+           "channel_affine", "channel_vector", "statistics", "fold_backward", "fold_forward", "folded_backward",
+           "folded_forward", "store",
            "batchnorm_sites"]
