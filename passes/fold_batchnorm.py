@@ -29,7 +29,7 @@ from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, batchnorm_site
                                       fold_forward, folded_backward, folded_forward, is_pass_through)
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
-from normconv.match import PERMUTE, VIEW, arg, batch_norm_args, call_name, permutation
+from normconv.match import PERMUTE, VIEW, call_name, permutation
 from normconv.report import PassResult, Site, Why
 from normconv.nn.modules import ChannelShift
 
