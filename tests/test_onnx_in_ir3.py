@@ -146,3 +146,55 @@ def test_a_float16_file_lists_its_initializers_as_float16(tmp_path, ir_version):
     x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
     (a,), (b,) = _run(src, x), _run(out, x)
     assert np.abs(a).max() > 0.1 and np.abs(a - b).max() < 2e-2 * np.abs(a).max()
+
+
+def test_constant_initializers_fold_what_a_caller_could_override(cli, tmp_path):
+    """--constant-initializers (onnxruntime's remove_initializer_from_input.py, as a flag): an IR 7 file listing its
+    initializers as inputs has its BatchNorm folded, validated against the file as given (its inputs at their
+    defaults), and the output's only input is the real one; without the flag the site says how."""
+    src = _conv_bn(tmp_path, 7, listed=True)
+    before = src.read_bytes()
+    code, _, err = cli("fold", str(src), "-o", str(tmp_path / "k.onnx"), "--json")
+    assert code == 0 and _ops(tmp_path / "k.onnx").get("BatchNormalization") == 1
+    code, out, err = cli("fold", str(src), "-o", str(tmp_path / "c.onnx"), "--constant-initializers", "--json")
+    assert code == 0, err
+    r = __import__("json").loads(out[out.index("{"):])
+    assert r["extra"]["folded_batchnorm"] == 1 and set(r["extra"]["constant_initializers"]) == {"w", "b", "gamma",
+                                                                                                  "beta", "stat_shape"}
+    written = onnx.load(str(tmp_path / "c.onnx"))
+    assert [v.name for v in written.graph.input] == ["x"] and "BatchNormalization" not in _ops(tmp_path / "c.onnx")
+    for shape in ((1, 3, 8, 8), (2, 3, 11, 7)):
+        x = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+        (a,), (b,) = _run(src, x), _run(tmp_path / "c.onnx", x)
+        assert np.abs(a).max() > 0.1 and np.abs(a - b).max() < 1e-5
+    assert src.read_bytes() == before
+    code, _, err = cli("fold", "zoo:resnet", "--constant-initializers")
+    assert code == 2 and "goes with an .onnx input only" in err
+
+
+def test_torch_legacy_export_with_initializers_as_inputs(cli, tmp_path):
+    """torch.onnx.export(..., keep_initializers_as_inputs=True), an IR >= 4 file whose every weight is an overridable
+    input: nothing folds by default (each site says why), everything with --constant-initializers."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1),
+                          nn.BatchNorm2d(4)).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_(0, 0.3)
+            m.running_var.uniform_(0.5, 2)
+    src = tmp_path / "legacy.onnx"
+    torch.onnx.export(model, (torch.randn(1, 3, 16, 16),), str(src), dynamo=False, opset_version=17,
+                      keep_initializers_as_inputs=True, do_constant_folding=False, input_names=["x"],
+                      dynamic_axes={"x": {0: "n"}})
+    assert _ops(src)["BatchNormalization"] == 2 and onnx.load(str(src)).ir_version >= 4
+    code, _, err = cli("fold", str(src), "-o", str(tmp_path / "d.onnx"))
+    assert code == 0 and _ops(tmp_path / "d.onnx")["BatchNormalization"] == 2
+    code, _, err = cli("fold", str(src), "-o", str(tmp_path / "f.onnx"), "--constant-initializers")
+    assert code == 0, err
+    assert "BatchNormalization" not in _ops(tmp_path / "f.onnx")
+    x = np.random.default_rng(0).standard_normal((3, 3, 16, 16)).astype(np.float32)
+    (a,), (b,) = _run(src, x), _run(tmp_path / "f.onnx", x)
+    assert np.abs(a - b).max() < 1e-5 * max(1.0, np.abs(a).max())

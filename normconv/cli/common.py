@@ -66,6 +66,10 @@ AcceptSpecializedOpt = Annotated[bool, typer.Option(
     "--accept-specialized", help="accept a rewrite whose capture took a branch on tensor values as the example "
                                  "inputs take it, unproven for the other branch (default: proven or refused)")]
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="relative tolerance (default by dtype: fp32 1e-4)")]
+ConstantInitializersOpt = Annotated[bool, typer.Option(
+    "--constant-initializers", help="an .onnx input: read the initializers it also lists as graph inputs (defaults a "
+                                    "caller could override) as the constants they hold, so their BatchNorms fold; "
+                                    "they are no inputs of the output")]
 
 
 def is_onnx(spec: str) -> bool:
@@ -257,5 +261,5 @@ def user_errors(fn: Callable) -> Callable:
 
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt",
-           "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx", "refuse_flags",
+           "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx", "refuse_flags", "ConstantInitializersOpt",
            "show_progress", "progress_wanted"]

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
+from normconv.cli.common import (ConstantInitializersOpt, AcceptSpecializedOpt, OverwriteOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
                                  emit, is_onnx, load_half_target, refuse_flags, options_from_flags, user_errors)
 from normconv.errors import NormconvError
 from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET
@@ -66,6 +66,7 @@ def register(app: typer.Typer) -> None:
         trust_remote_code: TrustCodeOpt = False,
         dtype: DtypeOpt = None,
         accept_specialized: AcceptSpecializedOpt = False,
+        constant_initializers: ConstantInitializersOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Export to ONNX with every norm as one fused op; validate in onnxruntime (exit 1, no file, if it fails)."""
@@ -83,8 +84,11 @@ def register(app: typer.Typer) -> None:
                 ("--dim-name", bool(dim_name)), ("--weights", weights is not None), ("--trust-pickle", trust_pickle),
                 ("--trust-remote-code", trust_remote_code), ("--accept-specialized", accept_specialized)])
             emit(onnx_in.run(model, "export", output, target, opset, input_shape=input_shape, atol=atol, rtol=rtol,
-                             dtype=dtype, keep_fp32=keep_fp32, overwrite=overwrite), as_json)
+                             dtype=dtype, keep_fp32=keep_fp32, overwrite=overwrite,
+                             constant_initializers=constant_initializers), as_json)
             return
+        if constant_initializers:
+            raise NormconvError("--constant-initializers goes with an .onnx input only")
         opset = DEFAULT_OPSET if opset is None else opset
 
         providers = parse_providers(validate)

@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
+from normconv.errors import NormconvError
+from normconv.cli.common import (ConstantInitializersOpt, AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
                          TrustOpt, WeightsOpt, check_stream_flags, emit, is_onnx, refuse_flags, load_half_target, options_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
@@ -37,6 +38,7 @@ def register(app: typer.Typer) -> None:
                              "the model; writes the same architecture with each folded BatchNorm made the "
                              "identity, verified block by block")] = False,
         accept_specialized: AcceptSpecializedOpt = False,
+        constant_initializers: ConstantInitializersOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Fold BatchNorm into the conv / linear next to it; exits 1 (writing nothing) if outputs drift."""
@@ -51,8 +53,10 @@ def register(app: typer.Typer) -> None:
                 ("--bench", bench), ("--normconv-modules", normconv_modules), ("--stream", stream),
                 ("--accept-specialized", accept_specialized)])
             emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol, dtype=dtype,
-                             overwrite=overwrite), as_json)
+                             overwrite=overwrite, constant_initializers=constant_initializers), as_json)
             return
+        if constant_initializers:
+            raise NormconvError("--constant-initializers goes with an .onnx input only")
         if stream:
             from normconv.stream import fold as streaming
 

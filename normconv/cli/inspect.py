@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from normconv.cli.common import (TrustCodeOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
+from normconv.cli.common import (ConstantInitializersOpt, TrustCodeOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
                                  is_onnx, load_half_target, refuse_flags, user_errors)
 from normconv.errors import NormconvError
 
@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
         calibration: Annotated[Optional[str], typer.Option(
             "--calibration", help="with --dtype float16/bfloat16: a .pt or .safetensors of input tensors (a tensor, "
                                   "a list, or a dict by argument name) to measure headroom on")] = None,
+        constant_initializers: ConstantInitializersOpt = False,
         as_json: JsonOpt = False,
     ) -> None:
         """List every norm site: kind, eps, placement, and what each pass would do with it or why not.
@@ -46,8 +47,11 @@ def register(app: typer.Typer) -> None:
                 ("--weights", weights is not None), ("--trust-pickle", trust_pickle),
                 ("--trust-remote-code", trust_remote_code), ("--dtype", dtype is not None),
                 ("--capture", capture != "auto"), ("--calibration", calibration is not None)])
-            emit(onnx_in.run(model, "inspect", None, input_shape=input_shape), as_json)
+            emit(onnx_in.run(model, "inspect", None, input_shape=input_shape,
+                             constant_initializers=constant_initializers), as_json)
             return
+        if constant_initializers:
+            raise NormconvError("--constant-initializers goes with an .onnx input only")
 
         if capture not in CAPTURES:
             raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")

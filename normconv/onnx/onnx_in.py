@@ -79,6 +79,23 @@ def load(spec: str) -> Source:
     return Source(path, proto, external)
 
 
+def as_constants(src: Source) -> tuple[Source, list[str]]:
+    """``--constant-initializers``: the graph inputs of an IR >= 4 file that name an initializer dropped (a copy of the
+    proto; the file is not touched), so the rules read them as the constants the file holds, as onnxruntime's
+    ``remove_initializer_from_input.py`` does. Returns the new source and the names dropped. The file given stays the
+    reference: onnxruntime runs it with those inputs at their defaults."""
+    names = {t.name for t in src.proto.graph.initializer}
+    dropped = [v.name for v in src.proto.graph.input if v.name in names]
+    if not dropped:
+        return src, []
+    proto = onnx.ModelProto()
+    proto.CopyFrom(src.proto)
+    kept = [v for v in proto.graph.input if v.name not in names]
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept)
+    return Source(src.path, proto, src.external), dropped
+
+
 def to_ir(proto: onnx.ModelProto) -> ir.Model:
     """The model in onnx-ir with inferred shapes (a rule reads ranks and static sizes): onnxruntime's symbolic
     shape inference (it follows Shape -> Concat -> Reshape chains that onnx's own inference loses, as in
@@ -242,10 +259,12 @@ def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
 
 def run(spec: str, command: str, output: str | None, target: str = "onnx", opset: int | None = None,
         input_shape: list[str] | None = None, atol: float | None = None, rtol: float | None = None,
-        dtype: str | None = None, keep_fp32: str = "auto", overwrite: bool = False) -> Report:
+        dtype: str | None = None, keep_fp32: str = "auto", overwrite: bool = False,
+        constant_initializers: bool = False) -> Report:
     """``normconv fold|export IN.onnx -o OUT.onnx`` (and ``inspect IN.onnx`` with output None); ``dtype``
     "float16": the output in half precision (passes/half.py), validated against the float32 input; ``overwrite``:
-    an existing OUT (a folder too) is replaced, never the input."""
+    an existing OUT (a folder too) is replaced, never the input; ``constant_initializers``: initializers the file
+    also lists as inputs are read as constants (``as_constants``) and are no inputs of the output."""
     if dtype not in (None, "float32", "float16"):
         raise NormconvError(f"--dtype {dtype} with an .onnx input: normconv writes float16 (or float32) ONNX files")
     if keep_fp32 not in HALF_KEEP:
@@ -253,8 +272,16 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
     phase("load", detail=spec)
     src = load(spec)
     out = _guard_output(src, Path(output), overwrite) if output is not None else None
+    dropped: list[str] = []
+    if constant_initializers:
+        src, dropped = as_constants(src)
     phase("rewrite", detail=command)
     model, report, converted = plan(src, command, target, opset)
+    if constant_initializers:
+        report.notes.append(f"--constant-initializers: {len(dropped)} initializer(s) the file also lists as inputs "
+                            f"read as the constants it holds" + (" and no longer inputs of the output" if dropped else
+                                                                 " (none: nothing changed)"))
+        report.extra["constant_initializers"] = dropped
     if dtype == "float16":
         half = HalfPrecision(keep_fp32)
         model = half(model).model

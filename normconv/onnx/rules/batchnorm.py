@@ -68,7 +68,7 @@ def _overridable(*values: ir.Value | None) -> ir.Value | None:
 
 
 OVERRIDABLE = "{name} is an initializer the file also lists as a graph input: a default a caller may override, " \
-              "which a fold would bake in"
+              "which a fold would bake in (--constant-initializers reads them as constants)"
 
 
 def _init(op, array: np.ndarray, like: np.ndarray, name: str):
