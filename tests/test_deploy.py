@@ -546,3 +546,28 @@ def test_a_folder_transformers_does_not_load_back_is_refused_naming_the_weight(c
     assert code == 2 and len(lines) == 1, err
     assert "model.embed_tokens.weight" in lines[0] and names in lines[0] and "out.pt2" in lines[0], lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_channels_first_norm_swapped_to_a_folder(cli, tmp_path):
+    """ConvNeXt's stem LayerNorm is channels-first (ConvNextLayerNorm over dim 1 of NCHW): swap --partial makes it an
+    RMSNorm, and the folder form measures what the class adds to its weight on a layout it computes on. Before, the
+    probe fed it (batch, features) and the command died with an internal error (exit 3)."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    torch.manual_seed(0)
+    model = ConvNextForImageClassification(ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                                                          num_labels=3, image_size=32)).eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if "layernorm" in name.lower() and isinstance(getattr(m, "weight", None), torch.Tensor):
+                m.weight.add_(torch.randn_like(m.weight) * 0.2)
+                m.bias.add_(torch.randn_like(m.bias) * 0.2)
+    source, out = tmp_path / "in", tmp_path / "out"
+    model.save_pretrained(source)
+    rep = _json(cli, "swap", source, "--to", "rmsnorm", "--partial", "-o", out)
+    assert rep["passed"] and any(s["applied"] for s in rep["sites"])
+    back = ConvNextForImageClassification.from_pretrained(out).eval()
+    for shape in ((2, 3, 32, 32), (1, 3, 64, 48)):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(back(x).logits, model(x).logits, atol=1e-4, rtol=1e-4)

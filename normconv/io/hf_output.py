@@ -151,9 +151,17 @@ def _offset(norm: nn.Module) -> float:
     probe._parameters["weight"] = nn.Parameter(torch.zeros_like(w), requires_grad=False)
     if isinstance(getattr(probe, "bias", None), torch.Tensor):
         probe._parameters["bias"] = nn.Parameter(torch.zeros_like(probe.bias), requires_grad=False)
-    y = run(probe, Inputs((torch.randn(3, *w.shape, dtype=w.dtype),)))
-    y = y[0] if isinstance(y, tuple) else y
-    return 1.0 if float(y.abs().max()) > 1e-3 else 0.0
+    # the features last (a LayerNorm, an RMSNorm), else first after the batch (ConvNeXt's channels_first LayerNorm
+    # over (N, C, H, W), a 1-D signal's (N, C, L)): the first layout the module computes on
+    for shape in ((3, *w.shape), (3, *w.shape, 2, 2), (3, *w.shape, 4)):
+        try:
+            y = run(probe, Inputs((torch.randn(shape, dtype=w.dtype),)))
+        except Exception:  # noqa: BLE001 - not this layout: the next
+            continue
+        y = y[0] if isinstance(y, tuple) else y
+        return 1.0 if float(y.abs().max()) > 1e-3 else 0.0
+    raise NormconvError(f"{type(norm).__name__} computes on none of the layouts (batch, features), (batch, channels, "
+                        f"H, W), (batch, channels, L): what it adds to its weight cannot be measured")
 
 
 def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str, folds: dict[str, tuple[str, str]],
