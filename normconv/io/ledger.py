@@ -148,7 +148,7 @@ class Ledger:
                 raise NormconvError(f"refusing to overwrite {out}: the input {e.real} is inside it")
         if st is not None and overwrite and stat.S_ISDIR(st.st_mode):
             return path  # a real folder (not a symlink to one), replaced whole with --overwrite
-        if st is not None and not stat.S_ISREG(st.st_mode) and not folder:
+        if st is not None and not stat.S_ISREG(st.st_mode) and not (folder and stat.S_ISDIR(st.st_mode)):
             how = "choose a new path, or pass --overwrite to replace the folder whole" if stat.S_ISDIR(st.st_mode) \
                 else "choose a new path"
             raise NormconvError(f"refusing to write {out}: it is {_kind(st.st_mode)}; an output only ever replaces a "

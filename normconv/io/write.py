@@ -210,7 +210,8 @@ def replace(tmp: str | os.PathLike, path: Path) -> None:
         os.rename(path, old)
         os.rename(tmp, path)
         tmp = old
-    shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
+    # the old one: a folder's tree removed, anything else (a file, a link: never followed) unlinked
+    shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) and not os.path.islink(tmp) else _unlink(tmp)
 
 
 def publish(moves: list[tuple[str | os.PathLike, Path]], check: Callable[[], None] | None = None) -> None:
