@@ -281,6 +281,20 @@ def test_overwrite_onto_a_link_to_a_folder_is_refused(cli, hf_folders, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "other"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_folder_written_gets_the_mode_mkdir_would_give(cli, hf_folders, tmp_path, stream):
+    """0777 minus the umask, streamed or not (the stream published mkdtemp's 0700 folder)."""
+    import os
+    import stat
+
+    out = tmp_path / "out"
+    code, _, err = cli("swap", hf_folders["gpt2"], "--to", "rmsnorm", *(["--stream"] if stream else []), "-o", out)
+    assert code == 0, err
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
+
+
 def test_replacing_a_link_removes_the_link_never_what_it_points_to(tmp_path):
     """io.write.replace over a path that is a link to a folder (should one get past the checks): the new folder takes
     its place, the link itself is removed (it was left behind: rmtree does not remove a link), the folder it pointed to

@@ -331,11 +331,12 @@ def latched(path: str) -> Iterator[LatchedFile]:
         raise f.error
 
 
-def _follow_umask(path: str) -> None:
-    """mkstemp creates 0600; a written model gets what open() would give (0666 minus the umask), like torch.save."""
+def follow_umask(path: str, mode: int = 0o666) -> None:
+    """mkstemp creates 0600, mkdtemp 0700; a written model gets what open() would give (``mode`` 0666 minus the umask,
+    like torch.save; a folder 0777 minus it, like mkdir)."""
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    os.chmod(path, mode & ~mask)
 
 
 class _Probe(pickle.Pickler):
@@ -386,7 +387,7 @@ def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
         model.__dict__.pop(INPUTS_ATTR, None)
     if unchecked:
         fill_zip_crcs(path)  # ... and filled in from the page cache by ISA-L: the same standard zip (io.checksum)
-    _follow_umask(path)
+    follow_umask(path)
 
 
 def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool = False,
@@ -444,7 +445,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
             raise
         _pinned_all(info, f"torch.export cannot save the program with dynamic dimensions ({describe(exc)})")
         return write_pt2(model, path, inputs, static=True, info=info)
-    _follow_umask(path)
+    follow_umask(path)
 
 
 def _pinned_all(info: dict, why: str) -> bool:
@@ -514,7 +515,7 @@ def write_safetensors(model: nn.Module, path: str, inputs: Inputs | None) -> Non
 
     with latched(path) as f:
         f.write(save(untied_state(model), metadata={"format": "pt"}))
-    _follow_umask(path)
+    follow_umask(path)
 
 
 def untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -577,12 +578,10 @@ def write_hf_folder(model: nn.Module, path: str, inputs: Inputs | None) -> None:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o777 & ~mask)
+    follow_umask(path, 0o777)
     for name in os.listdir(path):  # save_pretrained's weights come 0600 (a temp file renamed): as open() makes them
         if os.path.isfile(os.path.join(path, name)):
-            _follow_umask(os.path.join(path, name))
+            follow_umask(os.path.join(path, name))
 
 
 WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
@@ -590,5 +589,5 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
 }
 
 __all__ = ["WRITERS", "torch_only", "normconv_parts", "load_needs", "graph_modules", "holds_graph_modules",
-           "unpicklable", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch",
+           "unpicklable", "follow_umask", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch",
            "INPUTS_ATTR"]

@@ -22,7 +22,7 @@ import torch.nn as nn
 from normconv.errors import NormconvError, describe
 from normconv.io import durable
 from normconv.io.ledger import Ledger
-from normconv.io.outputs import WRITERS, config_mismatch, unpicklable
+from normconv.io.outputs import WRITERS, config_mismatch, follow_umask, unpicklable
 from normconv.verify import Inputs
 
 
@@ -129,7 +129,9 @@ def temp_file(path: Path, folder: bool = False) -> str:
     """A new temp file (or folder) next to ``path``; call it inside ``signals_held``, assigning the name in the same
     block, so an interrupt finds it known to the code that removes it."""
     if folder:
-        return tempfile.mkdtemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+        tmp = tempfile.mkdtemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
+        follow_umask(tmp, 0o777)  # mkdtemp makes 0700: the folder published gets what mkdir would give
+        return tmp
     fd, tmp = tempfile.mkstemp(prefix=temp_name(path), suffix=TEMP_SUFFIX, dir=str(path.parent))
     os.close(fd)
     return tmp
