@@ -129,6 +129,32 @@ def test_stream_equals_the_in_memory_swap_and_loads(tmp_path, family):
             assert torch.allclose(model(**inputs.kwargs).logits, loaded(**inputs.kwargs).logits, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_a_checkpoint_stored_without_its_base_model_prefix_streams(tmp_path, family):
+    """The hub's openai-community/gpt2 and facebook/opt-* store the base model's keys (h.0.ln_1.bias, decoder.*),
+    not the head model's (transformer.h.0..., model.decoder...): from_pretrained adds the prefix, and so does the
+    stream's renaming now (it said 'the checkpoint has no tensor transformer.h.0.ln_1.bias', exit 2). The output keeps
+    the stored names and loads with from_pretrained, equal to the original at two shapes."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    model = _saved(FAMILIES[family], src, shard="10GB")
+    base = getattr(model, model.base_model_prefix)
+    (src / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    report = normconv.stream_swap(str(src), str(out))
+    assert report.passed and not list(tmp_path.glob(".*normconv-tmp"))
+    stored = set(load_file(str(src / "model.safetensors")))
+    assert stored <= set(load_file(str(out / "model.safetensors")))  # the stored names kept
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    for inputs in _shapes(model):
+        with torch.no_grad():
+            ref, got = model(**inputs.kwargs).logits, loaded(**inputs.kwargs).logits
+        assert torch.allclose(ref, got, atol=1e-5, rtol=1e-5), (ref - got).abs().max()
+
+
 def _rms_swap(model: nn.Module) -> int:
     """The README's recipe: each LayerNorm whose bias is zero becomes nn.RMSNorm with the same weight and eps."""
     n = 0

@@ -98,7 +98,7 @@ class Checkpoint:
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-        meta = dict.fromkeys(model.state_dict())
+        meta = dict.fromkeys(model.state_dict(), True)  # transformers adds or strips the prefix where a value is not None
         for k in self.weight_map:
             name, converted = rename_source_key(k, renamings, converters, getattr(model, "base_model_prefix", None),
                                                 meta)
