@@ -142,8 +142,8 @@ def _in_range(layer: nn.Module | None, path: str, s: torch.Tensor, t: torch.Tens
     """A half layer's folded weight and bias (computed in float64, as the fold will) within half its dtype's max:
     past it the products overflow (``graph.headroom``'s rule), so the BN stays where it was."""
     w = getattr(layer, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float16, torch.bfloat16):
-        return
+    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float16, torch.bfloat16) or w.is_meta:
+        return  # a meta weight (--stream's analysis): no values yet; its blocks are checked as they are written
     limit = torch.finfo(w.dtype).max
     big = max(float(v.abs().max()) for v in (folded_backward if direction == "backward" else folded_forward)(
         layer, s, t))
