@@ -92,6 +92,19 @@ def test_input_shape_parsing_positional_and_dtype():
     assert inputs.args[0].shape == (1, 3, 4, 4) and inputs.args[0].dtype == torch.float16
 
 
+def test_token_ids_are_integers_unless_a_dtype_says_otherwise(cli, hf_folders):
+    """-i input_ids:1,64 (no :int64) made float ids, and every command said 'the model rejected its example inputs'."""
+    from hf_tiny import tiny_bert
+
+    model, _ = tiny_bert()
+    inputs = parse_input_shapes(model, ["input_ids:2,7"])
+    ids = inputs.kwargs.get("input_ids", inputs.args[0] if inputs.args else None)
+    assert ids.dtype == torch.int64 and ids.shape == (2, 7) and int(ids.max()) < model.config.vocab_size
+    assert parse_input_shapes(model, ["input_ids:2,7:int32"]).args[0].dtype == torch.int32
+    code, _, err = cli("inspect", hf_folders["bert"], "-i", "input_ids:1,9")
+    assert code == 0, err
+
+
 def test_dtype_flag_casts_model_and_inputs():
     loaded = load("zoo:resnet", dtype="float64")
     assert next(loaded.model.parameters()).dtype == torch.float64

@@ -155,7 +155,10 @@ def parse_input_shapes(model: nn.Module, specs: list[str]) -> Inputs:
                                 f"commas") from None
         if any(d <= 0 for d in shape):
             raise NormconvError(f"bad --input-shape {spec!r}: dimensions must be positive")
-        dtype = parse_dtype(parts[2]) if len(parts) == 3 else torch.float32
+        # token ids are integers whatever the spelling omits (input_ids, decoder_input_ids): floats there only make
+        # the model refuse its example
+        dtype = parse_dtype(parts[2]) if len(parts) == 3 else torch.int64 if name.endswith("input_ids") else \
+            torch.float32
         nbytes = math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else
                                      (8 if dtype == torch.bool else torch.iinfo(dtype).bits)) // 8
         memory = memory_bytes()
