@@ -501,3 +501,74 @@ def test_cli_bad_input_exits_2(cli, tmp_path):
     assert code == 2 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1
     code, _, stderr = cli("canonicalize", "zoo:tutorial_ln", "-o", tmp_path / "no" / "such" / "dir.pt")
     assert code == 2 and "does not exist" in stderr
+
+
+class _FreeSizeNorms(nn.Module):
+    """Hand-written norms over axes whose size the model leaves free (users' GroupNorm via reshape, InstanceNorm via
+    flatten, a per-channel norm over time, a LayerNorm over C, H, W without affine), after a conv."""
+
+    def __init__(self, how: str, rank: int):
+        super().__init__()
+        self.how = how
+        self.conv = (nn.Conv2d if rank == 4 else nn.Conv1d)(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        n = y.shape[0]
+        if self.how == "group":
+            z = y.reshape(n, 2, -1)
+        elif self.how == "instance":
+            z = y.flatten(2)
+        else:
+            z = y
+        dims = (1, 2, 3) if self.how == "chw" else (-1,)
+        mu = z.mean(dim=dims, keepdim=True)
+        var = ((z - mu) ** 2).mean(dim=dims, keepdim=True)
+        return ((z - mu) / torch.sqrt(var + 1e-5)).reshape(y.shape)
+
+
+@pytest.mark.parametrize("how, shape, other", [("group", (2, 8, 6, 6), (3, 8, 5, 7)),
+                                               ("instance", (2, 8, 6, 6), (1, 8, 10, 10)),
+                                               ("time", (2, 8, 16), (3, 8, 11)),
+                                               ("chw", (2, 8, 6, 6), (1, 8, 9, 9))])
+def test_a_norm_over_free_sizes_is_never_passed_pinned_to_the_example(how, shape, other):
+    """A native LayerNorm(normalized_shape) pins the sizes the hand-written norm leaves free. The check's second shape
+    now moves a small image's sides (from 4, was 8) and a conv signal's length, so such a rewrite fails its proof
+    (exit 1) instead of passing and raising at the next size; a rewrite that passes runs at every size."""
+    from normconv.errors import VerificationError
+
+    torch.manual_seed(0)
+    model = _FreeSizeNorms(how, len(shape)).eval()
+    try:
+        new, report = canonicalize(model, torch.randn(shape))
+    except VerificationError as exc:
+        assert "fails where the original runs" in str(exc) or "differ" in str(exc)
+        return
+    assert report.passed
+    for s in (other, shape):
+        x = torch.randn(s)
+        assert compare(run(model, Inputs((x,))), run(new, Inputs((x,)))).passed
+
+
+def test_a_functional_norm_over_a_slice_of_its_input_s_shape():
+    """F.layer_norm(y, y.shape[-1:]): the shape is a traced slice of the input's sizes (a Node, not a tuple): every
+    command said 'TypeError: Node object is not iterable' (exit 3). Now the site reads its sizes off the input."""
+    import torch.nn.functional as F
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return F.layer_norm(y, y.shape[-2:]) + F.rms_norm(y, y.size()[1:])
+
+    from normconv.api import inspect
+
+    x = torch.randn(2, 8, 6, 6)
+    sites = inspect(Blk().eval(), x).sites
+    assert sorted((s["kind"], tuple(s["normalized_shape"])) for s in sites) == [("layernorm", (6, 6)),
+                                                                                ("rmsnorm", (8, 6, 6))]
+    new, report = canonicalize(Blk().eval(), x)
+    assert report.passed

@@ -7,10 +7,14 @@ SkipLayerNormalization when a residual add is fused in.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
+
+from normconv.errors import NormconvError
 
 from normconv.match import arg, scalar
 from normconv.kinds.base import NormKind, shape_text
@@ -19,12 +23,25 @@ from normconv.kinds.base import NormKind, shape_text
 def trailing_call_fields(cap: Any, node: Any, x: Any, eps_index: int) -> dict[str, Any]:
     """normalized_shape, dims and eps of F.layer_norm / F.rms_norm (sizes read off the input when traced as
     ``(x.shape[-1],)``); eps None when the call leaves it to the default."""
-    given = tuple(arg(node, 1, "normalized_shape") or ())
+    given = arg(node, 1, "normalized_shape") or ()
     shape = cap.shape(x)
+    if isinstance(given, fx.Node):  # x.shape[-1:], x.size()[1:] in a symbolic trace: a slice of the input's sizes
+        given = _sliced_sizes(given, len(shape) if shape else None)
+    given = tuple(given)
     ns = given
     if not all(isinstance(d, int) for d in ns):
         ns = tuple(shape[len(shape) - len(ns):]) if shape and len(shape) >= len(ns) else None
     return dict(normalized_shape=ns, dims=tuple(range(-len(given), 0)), eps=scalar(arg(node, eps_index, "eps")))
+
+
+def _sliced_sizes(node: fx.Node, rank: int | None) -> tuple[None, ...]:
+    """As many unknown sizes as ``x.shape[a:b]`` takes from a rank-``rank`` input (their values are read off the
+    input's recorded shape); another computed shape is refused in words."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], slice) and \
+            rank is not None:
+        return (None,) * len(range(rank)[node.args[1]])
+    raise NormconvError(f"the normalized_shape of {node.name}'s norm is computed ({node.format_node()[:120]}): normconv "
+                        f"reads a literal shape or a slice of the input's shape (x.shape[-1:])")
 
 
 def trailing_scale(site: Any, w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

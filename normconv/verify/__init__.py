@@ -197,10 +197,14 @@ def _other_side(n: int) -> int:
     return n - step if n >= 96 else n + step
 
 
+LAST = "last"  # other_shape: the length of a (batch, channels, length) input moved by -1
+
+
 def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     """The same inputs at a second shape where the model's dimensions are free: batch 1 (2 when the example's is
     1; batch 1 is where batch-dependent code differs most), for sequences ((B, L) ids and masks, (B, L, C)
-    activations) length - 1, and for images ((B, C, H, W) floats) H and W each moved by the largest power of two
+    activations) length - 1, for a conv's signal ((B, C, L) floats whose dim 1 is fixed) L - 1, and for images
+    ((B, C, H, W) floats, sides from 4) H and W each moved by the largest power of two
     that divides it, at most 32 (smaller from 96 up, larger below: 224 -> 192, 32 -> 64, 8 -> 16), so every stride
     the example's size fits, the new size fits too, at the least extra work for a small example, then batch + 1.
     Each candidate is tried on ``model``; the first it accepts with an output that can fail a comparison (not
@@ -216,14 +220,19 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
             t.shape[1] > 2
 
     def image(t: torch.Tensor) -> bool:
-        return t.dim() == 4 and t.is_floating_point() and min(t.shape[2:]) >= 8
+        return t.dim() == 4 and t.is_floating_point() and min(t.shape[2:]) >= 4
+
+    def signal(t: torch.Tensor) -> bool:  # (batch, channels, length): a conv's 1-D input, its length the free axis
+        return t.dim() == 3 and t.is_floating_point() and t.shape[2] > 2
 
     def reshape(t: Any, new_batch: int, dl: int, spatial: bool) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
             return t
         size = list(t.shape)
         size[0] = new_batch
-        if dl and seq_axis(t):
+        if dl == LAST and signal(t):
+            size[2] -= 1
+        elif dl and dl != LAST and seq_axis(t):
             size[1] += dl
         if spatial and image(t):
             size[2:] = [_other_side(n) for n in size[2:]]
@@ -232,7 +241,10 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
 
     has_seq = any(seq_axis(t) for t in tensors)
     other = 1 if batch > 1 else 2
-    tries = ((other, -1), (other, 0), (batch, -1)) if has_seq else ((other, 0),)
+    # (B, C, L) floats: a sequence's length is dim 1, a conv's is dim 2 (LAST): each tried before the batch alone
+    tries = ((other, -1),) if has_seq else ()
+    tries += ((other, LAST),) if any(signal(t) for t in tensors) else ()
+    tries += ((other, 0),) + (((batch, -1),) if has_seq else ())
     tries += ((batch + 1, 0),) if other != batch + 1 else ()
     if any(image(t) for t in tensors):  # another image size first, then the batch alone (fixed-size models)
         tries = tuple((b, dl, True) for b, dl in tries) + tuple((b, dl, False) for b, dl in tries)
