@@ -85,6 +85,10 @@ def _copy_module(m: nn.Module, memo: dict[int, Any]) -> nn.Module:
             state[k] = v  # what deepcopy returns for them: the object itself
         elif type(v) in _EMPTY_NEW and not v and id(v) not in memo:
             state[k] = type(v)()
+        elif isinstance(v, torch.Tensor) and v.grad_fn is not None:
+            # a tensor computed from parameters (the deprecated torch.nn.utils.weight_norm's weight, recomputed by
+            # its hook before each forward): shared, as parameters are; deepcopy refuses a non-leaf
+            state[k] = v
         else:
             state[k] = copy.deepcopy(v, memo)
     new.__setstate__(state)

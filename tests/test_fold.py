@@ -417,3 +417,24 @@ def test_the_trust_check_compares_the_graph_with_the_reference_it_is_given():
     assert capture(model, inputs, reference=run(model, inputs)).method == "symbolic_trace"
     cap = capture(model, inputs, reference=run(model, inputs) + 1)
     assert cap.method == "torch.export" and "traced graph differs from eager" in cap.attempts["symbolic_trace"]
+
+
+def test_a_layer_under_the_old_weight_norm_hook_is_left_with_its_reason():
+    """torch.nn.utils.weight_norm (deprecated, still common in audio models) keeps the weight as a tensor computed
+    from weight_g and weight_v by a hook before each forward: copying the model died on it (deepcopy refuses a
+    non-leaf, a RuntimeError out of every command), and a fold into it would be undone by the hook. Now the copy
+    shares it, the BN after it stays with the reason, the other folds, and the model is unchanged."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.manual_seed(0)
+    model = randomize_bn(nn.Sequential(torch.nn.utils.weight_norm(nn.Conv2d(3, 8, 3)), nn.BatchNorm2d(8), nn.ReLU(),
+                                       nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4))).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    folded, report = fold(model, torch.randn(2, 3, 8, 8))
+    assert "weight_norm" in skipped(report)["1"] and isinstance(folded[4], nn.Identity) and report.passed
+    for shape in ((1, 3, 9, 9), (3, 3, 12, 7)):
+        y = torch.randn(shape)
+        with torch.no_grad():
+            assert torch.allclose(model(y), folded(y), atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -102,6 +102,10 @@ class Layers:
             raise Refusal(BNWhy.TIED_WEIGHT, f"{path} shares its weight with {others[0]}")
         if parametrize.is_parametrized(mod):
             raise Refusal(BNWhy.PARAMETRIZED, f"{path} has a parametrized weight")
+        # the deprecated torch.nn.utils.weight_norm: a hook recomputes the weight from weight_g, weight_v each forward
+        if any(type(h).__name__ == "WeightNorm" for h in mod._forward_pre_hooks.values()):
+            raise Refusal(BNWhy.PARAMETRIZED, f"{path}'s weight is recomputed before each forward (torch.nn.utils."
+                                              f"weight_norm's hook; torch.nn.utils.remove_weight_norm first)")
         if not mod.weight.is_floating_point():
             raise Refusal(BNWhy.NON_FLOAT, f"{path} has a {mod.weight.dtype} weight")
         return path, mod
