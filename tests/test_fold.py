@@ -438,3 +438,25 @@ def test_a_layer_under_the_old_weight_norm_hook_is_left_with_its_reason():
         with torch.no_grad():
             assert torch.allclose(model(y), folded(y), atol=1e-5, rtol=1e-5)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_layer_whose_weight_the_forward_also_reads_is_left():
+    """bn(c1(x)) + F.conv2d(x, c1.weight): folding into c1 would change the functional conv too. Refused with the
+    reason, as two modules sharing a weight are (it was folded, and only the final check caught it: exit 1)."""
+    import torch.nn.functional as F
+
+    class FuncW(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return self.bn(self.c1(x)) + F.conv2d(x, self.c1.weight, None, padding=1)
+
+    torch.manual_seed(1)
+    model = randomize_bn(FuncW()).eval()
+    folded, report = fold(model, torch.randn(2, 8, 5, 5))
+    assert "also read by the forward" in skipped(report)["bn"] and report.passed
+    y = torch.randn(1, 8, 7, 6)
+    with torch.no_grad():
+        assert torch.allclose(model(y), folded(y), atol=1e-5, rtol=1e-5)

@@ -82,6 +82,11 @@ class Layers:
                 p = mod._parameters.get(pname)
                 if p is not None:
                     self.holders.setdefault(id(p), []).append(path)
+        # a weight the forward also reads itself (F.conv2d(x, self.conv.weight)): a graph node besides its layer's call
+        self.read: dict[str, str] = {}
+        for n in cap.gm.graph.nodes:
+            if n.op == "get_attr" and cap.modules.get(n.target.rpartition(".")[0]) is not None:
+                self.read.setdefault(n.target.rpartition(".")[0], n.target)
 
     def check(self, node: fx.Node, what: str) -> tuple[str, nn.Module]:
         """(path, module) of the conv / linear computing ``node``, if its weight can carry a fold; else Refusal."""
@@ -100,6 +105,8 @@ class Layers:
                   if p != path]
         if others:
             raise Refusal(BNWhy.TIED_WEIGHT, f"{path} shares its weight with {others[0]}")
+        if path in self.read:
+            raise Refusal(BNWhy.TIED_WEIGHT, f"{self.read[path]} is also read by the forward itself")
         if parametrize.is_parametrized(mod):
             raise Refusal(BNWhy.PARAMETRIZED, f"{path} has a parametrized weight")
         # the deprecated torch.nn.utils.weight_norm: a hook recomputes the weight from weight_g, weight_v each forward
