@@ -165,7 +165,8 @@ def second_shape(alt: tuple[Inputs, Any] | None, rewritten: nn.Module, atol: flo
     except Exception as exc:
         return [Validation(float("inf"), float("inf"), atol or 0.0, rtol or 0.0, False, 0.0,
                            (OutputError("output", float("inf"), float("inf"), 0.0, False),),
-                           f"{label}: the rewritten model fails where the original runs ({type(exc).__name__})")]
+                           f"{label}: the rewritten model fails where the original runs "
+                           f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})")]
     return [compare(expected, candidate, atol, rtol, label=label, floors=floors)]
 
 
