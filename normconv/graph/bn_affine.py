@@ -70,11 +70,15 @@ class Layers:
     def __init__(self, cap: Captured):
         self.cap = cap
         self.calls: dict[str, int] = {}
+        # a weight the forward also reads itself (F.conv2d(x, self.conv.weight)): a graph node besides its layer's call
+        self.read: dict[str, str] = {}
         for n in cap.gm.graph.nodes:
             if cap.op(n) in LAYER_OPS:
                 path = layer_path(cap, n)
                 if path is not None:
                     self.calls[path] = self.calls.get(path, 0) + 1
+            elif n.op == "get_attr" and cap.modules.get(n.target.rpartition(".")[0]) is not None:
+                self.read.setdefault(n.target.rpartition(".")[0], n.target)
         # parameter object -> module paths holding it (tied weights cannot carry a fold for one module)
         self.holders: dict[int, list[str]] = {}
         for path, mod in cap.model.named_modules():  # each module object once, under its first path
@@ -82,11 +86,6 @@ class Layers:
                 p = mod._parameters.get(pname)
                 if p is not None:
                     self.holders.setdefault(id(p), []).append(path)
-        # a weight the forward also reads itself (F.conv2d(x, self.conv.weight)): a graph node besides its layer's call
-        self.read: dict[str, str] = {}
-        for n in cap.gm.graph.nodes:
-            if n.op == "get_attr" and cap.modules.get(n.target.rpartition(".")[0]) is not None:
-                self.read.setdefault(n.target.rpartition(".")[0], n.target)
 
     def check(self, node: fx.Node, what: str) -> tuple[str, nn.Module]:
         """(path, module) of the conv / linear computing ``node``, if its weight can carry a fold; else Refusal."""

@@ -21,17 +21,16 @@ LISTED_UNTIL = 4  # below this IR version every initializer is a graph input
 
 
 class InitializerInputs(ir.passes.InPlacePass):
-    """Drop the graph inputs of an IR < 4 model that name an initializer; ``dropped`` counts them."""
+    """Drop the graph inputs of an IR < 4 model that name an initializer."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.dropped = 0
         if model.ir_version >= LISTED_UNTIL:
             return ir.passes.PassResult(model, False)
         graph = model.graph
-        for v in [v for v in graph.inputs if v.is_initializer()]:  # a constant in IR < 4: not a caller's input
+        listed = [v for v in graph.inputs if v.is_initializer()]
+        for v in listed:  # a constant in IR < 4: not a caller's input
             graph.inputs.remove(v)
-            self.dropped += 1
-        return ir.passes.PassResult(model, bool(self.dropped))
+        return ir.passes.PassResult(model, bool(listed))
 
 
 def list_initializers(proto: onnx.ModelProto) -> None:
