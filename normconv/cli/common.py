@@ -123,6 +123,14 @@ def refuse_flags(what: str, flags: list[tuple[str, bool]]) -> None:
                             f"supported with it")
 
 
+def onnx_only(flags: list[tuple[str, bool]]) -> None:
+    """The flags set in ``flags`` (name, given) that only an .onnx input honours, given with a torch model: refused
+    in one line before anything is read."""
+    given = [flag for flag, on in flags if on]
+    if given:
+        raise NormconvError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with an .onnx input only")
+
+
 def check_stream_flags(what: str, flags: list[tuple[str, bool]], output: Optional[str]) -> None:
     """``--stream`` reads a Hugging Face folder and writes a new one (-o): the flags it cannot honour (those set
     in ``flags``) and a missing -o are refused in one line, before anything is read."""

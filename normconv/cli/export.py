@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from normconv.cli.common import (ConstantInitializersOpt, AcceptSpecializedOpt, OverwriteOpt, TrustCodeOpt, AtolOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, RtolOpt, TrustOpt, WeightsOpt,
-                                 emit, is_onnx, load_half_target, refuse_flags, options_from_flags, user_errors)
+                                 emit, is_onnx, load_half_target, onnx_only, refuse_flags, options_from_flags, user_errors)
 from normconv.errors import NormconvError
 from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET
 
@@ -87,8 +87,7 @@ def register(app: typer.Typer) -> None:
                              dtype=dtype, keep_fp32=keep_fp32, overwrite=overwrite,
                              constant_initializers=constant_initializers), as_json)
             return
-        if constant_initializers:
-            raise NormconvError("--constant-initializers goes with an .onnx input only")
+        onnx_only([("--constant-initializers", constant_initializers)])
         opset = DEFAULT_OPSET if opset is None else opset
 
         providers = parse_providers(validate)

@@ -6,9 +6,8 @@ from typing import Annotated
 
 import typer
 
-from normconv.errors import NormconvError
 from normconv.cli.common import (ConstantInitializersOpt, AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, check_stream_flags, emit, is_onnx, refuse_flags, load_half_target, options_from_flags, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, is_onnx, onnx_only, refuse_flags, load_half_target, options_from_flags, user_errors)
 
 EvalOpt = Annotated[bool, typer.Option(
     "--eval", help="rewrite a model saved in training mode as its eval-mode self (BN then uses its running statistics)")]
@@ -55,8 +54,7 @@ def register(app: typer.Typer) -> None:
             emit(onnx_in.run(model, "fold", output, input_shape=input_shape, atol=atol, rtol=rtol, dtype=dtype,
                              overwrite=overwrite, constant_initializers=constant_initializers), as_json)
             return
-        if constant_initializers:
-            raise NormconvError("--constant-initializers goes with an .onnx input only")
+        onnx_only([("--constant-initializers", constant_initializers)])
         if stream:
             from normconv.stream import fold as streaming
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from normconv.cli.common import (ConstantInitializersOpt, TrustCodeOpt, DtypeOpt, InputShapeOpt, JsonOpt, ModelArg, TrustOpt, WeightsOpt, emit,
-                                 is_onnx, load_half_target, refuse_flags, user_errors)
+                                 is_onnx, load_half_target, onnx_only, refuse_flags, user_errors)
 from normconv.errors import NormconvError
 
 if TYPE_CHECKING:
@@ -50,8 +50,7 @@ def register(app: typer.Typer) -> None:
             emit(onnx_in.run(model, "inspect", None, input_shape=input_shape,
                              constant_initializers=constant_initializers), as_json)
             return
-        if constant_initializers:
-            raise NormconvError("--constant-initializers goes with an .onnx input only")
+        onnx_only([("--constant-initializers", constant_initializers)])
 
         if capture not in CAPTURES:
             raise NormconvError(f"unknown --capture {capture!r}; choose auto, symbolic_trace or torch.export")
