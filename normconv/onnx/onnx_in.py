@@ -29,7 +29,7 @@ from normconv.onnx.passes.convert import ConvertOpset
 from normconv.onnx.passes.function_types import TypeFunctionBodies
 from normconv.onnx.passes.dangling import RegisterDangling
 from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
-from normconv.onnx.passes.ir3 import InitializerInputs, list_initializers
+from normconv.onnx.passes.ir3 import InitializerInputs, list_initializers, unlisted
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
 from normconv.onnx.rules import batchnorm, fold_rules, fuse_rules
@@ -80,20 +80,11 @@ def load(spec: str) -> Source:
 
 
 def as_constants(src: Source) -> tuple[Source, list[str]]:
-    """``--constant-initializers``: the graph inputs of an IR >= 4 file that name an initializer dropped (a copy of the
-    proto; the file is not touched), so the rules read them as the constants the file holds, as onnxruntime's
-    ``remove_initializer_from_input.py`` does. Returns the new source and the names dropped. The file given stays the
-    reference: onnxruntime runs it with those inputs at their defaults."""
-    names = {t.name for t in src.proto.graph.initializer}
-    dropped = [v.name for v in src.proto.graph.input if v.name in names]
-    if not dropped:
-        return src, []
-    proto = onnx.ModelProto()
-    proto.CopyFrom(src.proto)
-    kept = [v for v in proto.graph.input if v.name not in names]
-    del proto.graph.input[:]
-    proto.graph.input.extend(kept)
-    return Source(src.path, proto, src.external), dropped
+    """``--constant-initializers``: the graph inputs of an IR >= 4 file that name an initializer dropped (``ir3.unlisted``;
+    the file is not touched), so the rules read them as the constants the file holds. Returns the new source and the
+    names dropped. The file given stays the reference: onnxruntime runs it with those inputs at their defaults."""
+    proto, dropped = unlisted(src.proto)
+    return (Source(src.path, proto, src.external) if dropped else src), dropped
 
 
 def to_ir(proto: onnx.ModelProto) -> ir.Model:

@@ -9,7 +9,8 @@
                    file declared (``list_initializers``), so the written file keeps the format's rule
 
 From IR version 4 on, an initializer that is also a graph input is a default a caller may override: it stays an input
-and the rules do not read it as a constant.
+and the rules do not read it as a constant, unless the user says it is one (``--constant-initializers``:
+``unlisted``, what onnxruntime's ``remove_initializer_from_input.py`` does).
 """
 
 from __future__ import annotations
@@ -41,3 +42,18 @@ def list_initializers(proto: onnx.ModelProto) -> None:
     for t in proto.graph.initializer:
         if t.name not in listed:  # the format's rule below IR 4: an initializer is a graph input
             proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+
+
+def unlisted(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of ``proto`` (the file's own is not touched) without the graph inputs that name an initializer, at any
+    IR version, and the names dropped (``proto`` itself where none is)."""
+    names = {t.name for t in proto.graph.initializer}
+    dropped = [v.name for v in proto.graph.input if v.name in names]
+    if not dropped:
+        return proto, []
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    kept = [v for v in out.graph.input if v.name not in names]  # a default the caller could override: a constant now
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
+    return out, dropped
