@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, batchnorm_sites, channel_affine, fold_backward,
-                                      fold_forward, folded_backward, folded_forward, is_pass_through)
+                                      fold_forward, folded_backward, folded_forward, is_pass_through, store)
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
 from normconv.match import PERMUTE, VIEW, call_name, permutation
@@ -85,6 +85,8 @@ class Decision:
     layer: str | None = None  # module path of the conv / linear that absorbs the BN
     affine: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)  # (s, t)
     code: FoldWhy | None = None
+    # a half layer's folded (weight, bias) in float64, computed once by the range check and stored by the pass
+    folded: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def to_site(self) -> Site:
         return (apply if self.applied else skip)(NAME, self.site, self.reason, self.code)
@@ -123,13 +125,13 @@ def _decide(ctx: Layers, site: NormSite) -> Decision:
     for direction, finder in (("backward", _backward_layer), ("forward", _forward_layer)):
         try:
             path = finder(ctx, site, len(s))
-            _in_range(ctx.cap.modules.get(path), path, s, t, direction)
+            folded = _in_range(ctx.cap.modules.get(path), path, s, t, direction)
             if _keeps_shift(ctx.cap.modules.get(path), site, direction):
                 return Decision(site, True, f"fold the scale into {path} ({direction}); the shift stays as a "
                                             f"ChannelShift: torch's CPU ConvTranspose is 3-12x slower with a bias",
                                 direction, path, (s, t), FoldWhy.KEEPS_SHIFT)
             return Decision(site, True, f"fold into {path} ({direction})", direction, path, (s, t),
-                            FoldWhy.BACKWARD if direction == "backward" else FoldWhy.FORWARD)
+                            FoldWhy.BACKWARD if direction == "backward" else FoldWhy.FORWARD, folded)
         except _Skip as why:
             reasons.append(f"{direction}: {why}")
             codes.add(why.code)
@@ -138,19 +140,22 @@ def _decide(ctx: Layers, site: NormSite) -> Decision:
                     code=FoldWhy.HALF_RANGE if FoldWhy.HALF_RANGE in codes else FoldWhy.NO_NEIGHBOUR)
 
 
-def _in_range(layer: nn.Module | None, path: str, s: torch.Tensor, t: torch.Tensor, direction: str) -> None:
+def _in_range(layer: nn.Module | None, path: str, s: torch.Tensor, t: torch.Tensor,
+              direction: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A half layer's folded weight and bias (computed in float64, as the fold will) within half its dtype's max:
-    past it the products overflow (``graph.headroom``'s rule), so the BN stays where it was."""
+    past it the products overflow (``graph.headroom``'s rule), so the BN stays where it was. Returns them (the fold
+    stores them as they are), None for a layer that is not half precision."""
     w = getattr(layer, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float16, torch.bfloat16) or w.is_meta:
-        return  # a meta weight (--stream's analysis): no values yet; its blocks are checked as they are written
+        return None  # a meta weight (--stream's analysis): no values yet; its blocks are checked as they are written
     limit = torch.finfo(w.dtype).max
-    big = max(float(v.abs().max()) for v in (folded_backward if direction == "backward" else folded_forward)(
-        layer, s, t))
+    folded = (folded_backward if direction == "backward" else folded_forward)(layer, s, t)
+    big = max(float(v.abs().max()) for v in folded)
     if not big <= limit / 2:  # NaN too
         raise _Skip(FoldWhy.HALF_RANGE, f"the folded weights of {path} would reach {big:.3g}, past half of "
                                         f"{str(w.dtype).removeprefix('torch.')}'s max {limit:.6g} (its products "
                                         f"would overflow)")
+    return folded
 
 
 # -- neighbours ---------------------------------------------------------------------------------------------
@@ -320,7 +325,10 @@ class FoldBatchNorm(Pass):
                 layer.bias = None  # convT -> bn  =>  convT(W s) -> ChannelShift(t)
                 shifts[d.site.target] = ChannelShift(t.to(layer.weight.dtype))
                 continue
-            (fold_backward if d.direction == "backward" else fold_forward)(layer, s, t)
+            if d.folded is not None:  # a half layer: the float64 values its range check computed
+                store(layer, *d.folded)
+            else:
+                (fold_backward if d.direction == "backward" else fold_forward)(layer, s, t)
         as_graph = any(d.site.source == "functional" or d.site.target != d.site.owner and d.site.source != "module"
                        for d in done)
         if as_graph:
