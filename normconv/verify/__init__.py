@@ -197,7 +197,15 @@ def _other_side(n: int) -> int:
     return n - step if n >= 96 else n + step
 
 
-LAST = "last"  # other_shape: the length of a (batch, channels, length) input moved by -1
+@dataclass(frozen=True)
+class _Try:
+    """One candidate of ``other_shape``: the batch, a sequence's length moved by ``seq``, a conv signal's length
+    moved by -1 (``signal``), image sides moved (``spatial``)."""
+
+    batch: int
+    seq: int = 0
+    signal: bool = False
+    spatial: bool = False
 
 
 def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
@@ -225,34 +233,31 @@ def other_shape(model: nn.Module, inputs: Inputs) -> tuple[Inputs, Any] | None:
     def signal(t: torch.Tensor) -> bool:  # (batch, channels, length): a conv's 1-D input, its length the free axis
         return t.dim() == 3 and t.is_floating_point() and t.shape[2] > 2
 
-    def reshape(t: Any, new_batch: int, dl: int, spatial: bool) -> Any:
+    def reshape(t: Any, c: _Try) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
             return t
         size = list(t.shape)
-        size[0] = new_batch
-        if dl == LAST and signal(t):
+        size[0] = c.batch
+        if c.signal and signal(t):
             size[2] -= 1
-        elif dl and dl != LAST and seq_axis(t):
-            size[1] += dl
-        if spatial and image(t):
+        elif c.seq and seq_axis(t):
+            size[1] += c.seq
+        if c.spatial and image(t):
             size[2:] = [_other_side(n) for n in size[2:]]
         index = [torch.arange(n) % m for n, m in zip(size, t.shape)]  # cycle the example's own values
         return t[torch.meshgrid(*index, indexing="ij")] if t.dim() else t
 
     has_seq = any(seq_axis(t) for t in tensors)
     other = 1 if batch > 1 else 2
-    # (B, C, L) floats: a sequence's length is dim 1, a conv's is dim 2 (LAST): each tried before the batch alone
-    tries = ((other, -1),) if has_seq else ()
-    tries += ((other, LAST),) if any(signal(t) for t in tensors) else ()
-    tries += ((other, 0),) + (((batch, -1),) if has_seq else ())
-    tries += ((batch + 1, 0),) if other != batch + 1 else ()
+    # (B, C, L) floats: a sequence's length is dim 1, a conv's is dim 2 (signal): each tried before the batch alone
+    tries = [_Try(other, seq=-1)] if has_seq else []
+    tries += [_Try(other, signal=True)] if any(signal(t) for t in tensors) else []
+    tries += [_Try(other)] + ([_Try(batch, seq=-1)] if has_seq else [])
+    tries += [_Try(batch + 1)] if other != batch + 1 else []
     if any(image(t) for t in tensors):  # another image size first, then the batch alone (fixed-size models)
-        tries = tuple((b, dl, True) for b, dl in tries) + tuple((b, dl, False) for b, dl in tries)
-    else:
-        tries = tuple((b, dl, False) for b, dl in tries)
-    for new_batch, dl, spatial in tries:
-        alt = Inputs(tuple(reshape(x, new_batch, dl, spatial) for x in inputs.args),
-                     {k: reshape(v, new_batch, dl, spatial) for k, v in inputs.kwargs.items()})
+        tries = [replace(c, spatial=True) for c in tries] + tries
+    for c in tries:
+        alt = Inputs(tuple(reshape(x, c) for x in inputs.args), {k: reshape(v, c) for k, v in inputs.kwargs.items()})
         try:
             # guarded (``run``): a forward may rewrite the module's own attributes for the shape it sees (Swin
             # shrinks its window to a smaller image); forward_guard puts them back, as for the example's forward
