@@ -231,20 +231,21 @@ def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
     from normconv.io.ledger import Ledger
     from normconv.io.write import check_writable
 
+    """``out`` refused before any work where it, or the external data written beside it, is anything the input
+    read (the file, its external data; by real path and by inode: a symlink or a hard link to the input is the
+    input), or is no regular file; else the path to write."""
     if out.suffix.lower() != ".onnx":
         raise NormconvError(f"output {out} must end with .onnx")
-    target = out.resolve()
-    if target == src.path.resolve():
-        raise NormconvError(f"refusing to overwrite the input {out}: choose another -o")
-    reads = {(src.path.parent / e).resolve() for e in src.external}
-    if target in reads or (target.parent / (out.name + ".data")).resolve() in reads:
-        raise NormconvError(f"refusing to write {out}: it or its external data would overwrite the input's "
-                            f"external data; choose another -o")
-    ledger = Ledger()  # what was read, by real path and by inode: a hard link to the input is the input
+    ledger = Ledger()
     for f in [src.path, *(src.path.parent / e for e in src.external)]:
         ledger.record(f)
-    for f in (out, out.parent / (out.name + ".data")):
-        ledger.check_write(f, overwrite=overwrite)
+    ledger.check_write(out, overwrite=overwrite)
+    sidecar = out.parent / (out.name + ".data")  # where a file past 2 GB, or one read with external data, puts it
+    try:
+        ledger.check_write(sidecar, overwrite=overwrite)
+    except NormconvError as exc:
+        raise NormconvError(f"refusing to write {out}: its external data would go to {sidecar.name} ({exc.message})",
+                            exc.code) from None
     return check_writable(out, overwrite)
 
 
