@@ -5,6 +5,7 @@
   x * rsqrt(mean(x^2) + eps) * (1 + w)   (Gemma)        ->  make_rmsnorm(shape, eps, 1 + w)
   (x - running_mean) / sqrt(running_var + eps) * w + b  ->  nn.BatchNormNd(C, eps), eval, stats copied
   (x - mean_HW(x)) / sqrt(var_HW(x) + eps) * w + b      ->  nn.InstanceNormNd(C, eps, affine)
+  the first over x.view(N, G, -1), viewed back, * w + b ->  nn.GroupNorm(G, C, eps) (G = C: nn.InstanceNormNd)
   any of the first two over non-trailing dims D (NAFNet's channels-first LayerNorm2d: D = dim 1 of NCHW)
                                                         ->  MovedDimNorm(native, D): native(x.movedim(D, -1)) moved back
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import operator
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -283,8 +284,18 @@ class Captured:
             return name.split(".")[0] in _NOISE_FUNCTIONS or (node.target is getattr)
         return node.op == "call_method" and node.target in ("size", "dim")
 
+    def is_size(self, node: fx.Node) -> bool:
+        """A size read (``is_noise``) or integer arithmetic on sizes alone (``N, C, H, W = x.size()``, ``C // G``):
+        a number the forward computes, no tensor."""
+        if self.is_noise(node):
+            return True
+        args = [a for a in node.args if isinstance(a, fx.Node)]
+        return node.op == "call_function" and node.target in _SIZE_OPS and bool(args) and \
+            all(self.is_size(a) for a in args)
+
 
 _NOISE_FUNCTIONS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_size"}
+_SIZE_OPS = frozenset({operator.getitem, operator.mul, operator.floordiv, operator.add, operator.sub, operator.truediv})
 
 
 def _in_place(node: fx.Node) -> bool:

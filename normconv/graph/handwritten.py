@@ -3,6 +3,7 @@
   y = (x - mean_D(x)) * rsqrt(var_D(x) + eps) [* w] [+ b]     -> layernorm (instancenorm on every spatial dim)
   y = x * rsqrt(mean_D(x^2) + eps) [* w | * (1 + w)]           -> rmsnorm (Llama, T5, Gemma styles)
   y = (x - running_mean) / sqrt(running_var + eps) [* w] [+ b] -> batchnorm (inference form)
+  the layernorm form over x.view(N, G, -1), viewed back         -> groupnorm (instancenorm: G = C) (``graph.grouped``)
   scale = w * rsqrt(running_var + eps); y = x * scale + (b - running_mean * scale)
                                                                -> batchnorm (the frozen form: torchvision's, DETR's,
                                                                   timm's and detectron2's FrozenBatchNorm2d)
@@ -21,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
+from normconv.graph.grouped import regrouped
 from normconv.match import PARAM_VIEW, arg, dims_of, scalar
 from normconv.graph.site import NormSite
 
@@ -329,10 +331,17 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
         if x is not x_stat:
             raise NoMatch
 
+    # x.view(N, G, -1) standardized and viewed back  =>  GroupNorm(G, C) of x (``graph.grouped``)
+    found = regrouped(cap, x, y) if kind == "layernorm" and pre_weight is None and isinstance(x, fx.Node) and \
+        _negative(dims, len(cap.shape(x) or ()) or None) == (-1,) else None
+    groups = found[2] if found else None
+    if found:
+        acc |= {x.name, found[1].name}
+        x = found[0]
     # affine tail: [* w | * (1 + w)] [+ b], casts anywhere
     weight, bias = pre_weight, None
     offset = 0.0
-    out = y
+    out = found[1] if found else y
     upcasts = any(cap.op(cap.nodes[n]) == "cast" for n in acc)
     while len(cap.users(out)) == 1:
         u = cap.users(out)[0]
@@ -375,7 +384,7 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     in_dt, y_dt = cap.dtype(x), cap.dtype(y)
     upcast = any(cap.op(cap.nodes[n]) == "cast" for n in acc) and (in_dt != y_dt or in_dt is None)
     return _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_mean, running_var,
-                     upcast or _casts_to_float32(cap, acc))
+                     upcast or _casts_to_float32(cap, acc), groups)
 
 
 def _var_mean_of(node: Any, index: int) -> fx.Node | None:
@@ -411,13 +420,18 @@ def _casts_to_float32(cap: Captured, acc: set[str]) -> bool:
     return False
 
 
-def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_mean, running_var, upcast):
+def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_mean, running_var, upcast,
+              groups=None):
     shape = cap.shape(x)
     rank = len(shape) if shape else None
     ndims = _negative(dims, rank)
     normalized_shape = None
     num_features = None
     notes: list[str] = []
+    if groups:  # a regrouped view: per-group statistics (one group per channel on an image: the InstanceNorm)
+        kind = "instancenorm" if groups == shape[1] and rank in (4, 5) else "groupnorm"
+        ndims, num_features = (tuple(range(2 - rank, 0)) if kind == "instancenorm" else None), shape[1]
+        notes.append(f"written over a view of {groups} group(s) per sample")
     if kind == "layernorm" and ndims is not None and rank is not None:
         trailing = ndims == tuple(range(-len(ndims), 0))
         spatial = tuple(range(2 - rank, 0))
@@ -454,6 +468,7 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
     return NormSite(
         target=target, kind=kind, source="handwritten", node=out.name, input=x.name, owner=owner,
         module_type=module_type, dims=ndims, normalized_shape=normalized_shape, num_features=num_features,
+        num_groups=groups if kind == "groupnorm" else None,
         eps=eps, weight=weight, bias=bias, weight_offset=offset, running_mean=running_mean,
         running_var=running_var, upcast=upcast, nodes=tuple(sorted(acc, key=order.__getitem__)),
         self_contained=self_contained, notes=tuple(notes),
@@ -539,7 +554,7 @@ def owns_only(cap: Captured, owner: str, acc: set[str]) -> bool:
     for n in cap.gm.graph.nodes:
         if n.name in acc or n.op in ("placeholder", "get_attr", "output"):
             continue
-        if cap.is_noise(n):
+        if cap.is_size(n):  # x.size() and the arithmetic on it that shapes the norm's views
             continue
         stack = cap.owner_stack(n)
         # a node of another call of the module is that call's
