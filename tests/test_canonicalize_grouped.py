@@ -112,6 +112,40 @@ def test_tokens_flattened_to_rows_stay_a_layernorm_free_in_length():
     _fresh(model, new, [(1, 11, 16), (3, 4, 16)])
 
 
+class OverCHW(nn.Module):
+    """A hand-written LayerNorm over (C, H, W) of a conv's output, its affine per channel, per element, or none."""
+
+    def __init__(self, affine: str, c: int = 8, side: int = 12):
+        super().__init__()
+        self.conv, self.affine = nn.Conv2d(3, c, 3, padding=1), affine
+        shape = (c, 1, 1) if affine == "channel" else (c, side, side)
+        if affine != "none":
+            self.w, self.b = nn.Parameter(torch.randn(shape)), nn.Parameter(torch.randn(shape))
+
+    def forward(self, x):
+        y = self.conv(x)
+        mu = y.mean((1, 2, 3), keepdim=True)
+        z = (y - mu) / torch.sqrt(((y - mu) ** 2).mean((1, 2, 3), keepdim=True) + 1e-5)
+        return z * self.w + self.b if self.affine != "none" else z
+
+
+@pytest.mark.parametrize("affine", ["none", "channel", "element"])
+def test_norm_over_every_dim_but_the_batch(affine):
+    """No affine or one per channel: GroupNorm(1, C) (PoolFormer's GroupNorm1), any image size; an affine per
+    element pins the sizes itself: LayerNorm((C, H, W)), exact at the size the weights fix."""
+    torch.manual_seed(0)
+    model = OverCHW(affine).eval()
+    new, report = canonicalize(model, torch.randn(2, 3, 12, 12))
+    assert report.passed
+    norms = [m for m in new.modules() if isinstance(m, (nn.GroupNorm, nn.LayerNorm))]
+    if affine == "element":
+        assert [type(m) for m in norms] == [nn.LayerNorm] and norms[0].normalized_shape == (8, 12, 12)
+        _fresh(model, new, [(1, 3, 12, 12), (3, 3, 12, 12)])
+    else:
+        assert [type(m) for m in norms] == [nn.GroupNorm] and norms[0].num_groups == 1
+        _fresh(model, new, [(1, 3, 20, 9), (3, 3, 5, 16)])
+
+
 def grouped_net() -> nn.Module:
     """The CLI's model spec (tests.test_canonicalize_grouped:grouped_net)."""
     torch.manual_seed(0)

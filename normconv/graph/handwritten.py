@@ -428,6 +428,13 @@ def _assemble(cap, kind, x, out, acc, dims, eps, weight, bias, offset, running_m
     normalized_shape = None
     num_features = None
     notes: list[str] = []
+    # over every dim but the batch of an image or volume, any affine per channel  =>  GroupNorm(1, C) (PoolFormer's
+    # GroupNorm1), which takes any size; an affine per element pins the sizes itself: a LayerNorm; a weight
+    # standardized per filter (a parameter, not an activation) stays the layernorm its fold pass reads
+    if kind == "layernorm" and rank and rank >= 4 and ndims == tuple(range(1 - rank, 0)) and \
+            cap.param_name(x) is None and \
+            all(p is None or getattr(cap.tensor(p), "numel", lambda: 0)() == shape[1] for p in (weight, bias)):
+        groups = 1
     if groups:  # a regrouped view: per-group statistics (one group per channel on an image: the InstanceNorm)
         kind = "instancenorm" if groups == shape[1] and rank in (4, 5) else "groupnorm"
         ndims, num_features = (tuple(range(2 - rank, 0)) if kind == "instancenorm" else None), shape[1]
