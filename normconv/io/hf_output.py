@@ -11,7 +11,8 @@ original module classes, the rewritten weights), as ``--stream`` writes it, so t
   BatchNorm -> Identity      the BatchNorm left as the identity (weight 1, bias 0, mean 0, var 1 - eps), or as a
   (or ChannelShift)          per-channel shift where its layer had no bias to carry it: backward fold t, forward
                              fold t / s (``folds``: the fold pass's BatchNorm -> (layer, direction))
-  tied weights that differ   untied (config: tie_word_embeddings = false)
+  tied weights that differ   untied (config: tie_word_embeddings = false), and every tensor the architecture built
+                             so holds apart (asked of it on the meta device) saved under its own key
   a tensor the original      not expressible (a bias added to a linear config.json gives none): NormconvError
   lacks                      naming it, before anything is written (swap keeps such a bias on its norm instead)
   anything else              not expressible: NormconvError naming what
@@ -26,6 +27,7 @@ the model), the refusal says so, naming the weight, instead of reporting a faile
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from typing import Any, Iterator, Sequence
 
@@ -79,10 +81,11 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
         if key not in new_state or new_state[key].shape != value.shape:
             raise NormconvError(f"{key} has no counterpart of its shape in the rewritten model")
         _set(model, key, new_state[key])
-    untied = _untied(original, ties, orig_modules, new_state)
+    untied, kept = _untied(original, ties, new_state)
     if untied:
         for config in _configs(model):
             config.tie_word_embeddings = False
+        _own_tensors(model, kept)
         notes.append(f"untied {' / '.join(untied[0])} (config.json: tie_word_embeddings = false)")
     if swapped:
         kinds = sorted(set(swapped.values()))
@@ -192,23 +195,61 @@ def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str, 
         target._parameters["bias"] = nn.Parameter(shift.to(old.bias.dtype), old.bias.requires_grad)
 
 
-def _untied(original: nn.Module, ties: list[list[str]], modules: dict[str, nn.Module],
-            new_state: dict[str, torch.Tensor]) -> list[list[str]]:
-    """The tie groups whose output head the rewrite gives other values than the rest: the one untie config.json can
-    say (tie_word_embeddings = false). Inside a group the others must stay one tensor (BART-style encoder and decoder
-    embeddings are the shared one by construction): NormconvError where the rewrite splits them."""
-    out = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
-    head = next((f"{p}.weight" for p, m in modules.items() if out is not None and m is out), None)
-    untied = []
-    for group in ties:
-        rest = [k for k in group if k != head]
-        split = next((k for k in rest[1:] if not torch.equal(new_state[rest[0]], new_state[k])), None)
-        if split is not None:
-            raise NormconvError(f"{rest[0]} and {split} are one tensor in the architecture config.json describes, "
-                                f"and the rewrite gives them different values")
-        if len(rest) < len(group) and not torch.equal(new_state[rest[0]], new_state[head]):
-            untied.append(group)
-    return untied
+def _untied(original: nn.Module, ties: list[list[str]],
+            new_state: dict[str, torch.Tensor]) -> tuple[list[list[str]], list[set[str]]]:
+    """The tie groups the rewrite gives different values, and the ties the architecture keeps when config.json says
+    tie_word_embeddings = false (``_ties_untied``: transformers 5 then gives BART's encoder and decoder embeddings, and
+    BERT's decoder bias, tensors of their own). A split the architecture cannot hold even so: NormconvError."""
+    differ = [g for g in ties if any(not torch.equal(new_state[g[0]], new_state[k]) for k in g[1:])]
+    if not differ:
+        return [], []
+    kept = _ties_untied(original)
+    for group in differ:
+        for k in group[1:]:
+            if not torch.equal(new_state[group[0]], new_state[k]) and any({group[0], k} <= t for t in kept):
+                raise NormconvError(f"{group[0]} and {k} are one tensor in the architecture config.json describes, "
+                                    f"even untied, and the rewrite gives them different values")
+    return differ, kept
+
+
+def _ties_untied(original: nn.Module) -> list[set[str]]:
+    """The state_dict keys that stay one tensor in ``original``'s architecture built with tie_word_embeddings = false
+    (on the meta device: the library's own answer); every tie as it is where the architecture cannot be built so."""
+    config = copy.deepcopy(getattr(original, "config", None))
+    for c in _configs_of(config):
+        c.tie_word_embeddings = False
+    try:
+        with torch.device("meta"), _library_quiet():
+            fresh = type(original)(config)
+    except Exception:  # noqa: BLE001 - a class that takes no config alone: every tie kept, as before
+        return [set(g) for g in _tie_groups(original)]
+    return [set(g) for g in _tie_groups(fresh)]
+
+
+@contextlib.contextmanager
+def _library_quiet() -> Iterator[None]:
+    """transformers' warnings about the config it is built from (normconv's check already said what matters)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _own_tensors(model: nn.Module, kept: list[set[str]]) -> None:
+    """Parameters one tensor in ``model`` that the untied architecture gives tensors of their own, each given its
+    own copy: save_pretrained writes a shared tensor under one key, and from_pretrained would leave the others at
+    their initial values."""
+    by_tensor: dict[Any, list[str]] = {}  # the same bytes: one tensor to save_pretrained
+    for key, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault((p.data_ptr(), p.numel()) if p.device.type != "meta" else id(p), []).append(key)
+    for keys in by_tensor.values():
+        for k in keys[1:]:
+            if not any({keys[0], k} <= t for t in kept):  # apart once loaded: its own copy
+                _set(model, k, model.get_parameter(k).detach().clone())
 
 
 def _tie_groups(model: nn.Module) -> list[list[str]]:
@@ -220,7 +261,10 @@ def _tie_groups(model: nn.Module) -> list[list[str]]:
 
 
 def _configs(model: nn.Module) -> list[Any]:
-    config = getattr(model, "config", None)
+    return _configs_of(getattr(model, "config", None))
+
+
+def _configs_of(config: Any) -> list[Any]:
     return [c for c in (config, getattr(config, "text_config", None)) if c is not None and
             hasattr(c, "tie_word_embeddings")]
 
