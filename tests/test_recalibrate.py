@@ -124,6 +124,21 @@ def test_cli(cli, tmp_path):
     assert code == 2 and "error:" in stderr and "Traceback" not in stderr
 
 
+def test_output_never_written_over_the_calibration_data(cli, tmp_path):
+    """-o naming the --calibration file, with --in-place, or through a symlink: refused in one line (the run's ledger
+    records the calibration file); it was replaced by the pickled model, exit 0."""
+    torch.manual_seed(0)
+    src, calib, link = tmp_path / "m.pt", tmp_path / "calib.pt", tmp_path / "link.pt"
+    torch.save(B.net(nn.BatchNorm2d), src)
+    torch.save(torch.randn(8, 3, 8, 8), calib)
+    link.symlink_to(calib)
+    data = calib.read_bytes()
+    for given, out, extra in ((calib, calib, ()), (calib, calib, ("--in-place",)), (link, calib, ()), (calib, link, ())):
+        code, _, stderr = cli("recalibrate", src, "--trust-pickle", "--calibration", given, "-o", out, *extra)
+        assert code == 2 and "refusing to" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert calib.read_bytes() == data and link.is_symlink()
+
+
 def test_nothing_else_changed_is_checked_on_a_model_past_the_rounding_budget(cli, tmp_path, monkeypatch):
     """A model normconv loaded itself, past the budget under which its own rounding is measured, is written in place
     by most commands; recalibrate compares the result with the original afterwards, so its original is kept: a pass

@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         from normconv.io.inputs import load_calibration, parse_dtype
 
         loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
-        data = load_calibration(calibration, loaded.model)
+        data = load_calibration(calibration, loaded.model, loaded.ledger)
         if dtype is not None:  # the model was cast: its calibration floats too
             data = data.to(parse_dtype(dtype, floating=True))
         report, _ = run(loaded, options_from_flags(output, atol, rtol, in_place, bench, normconv_modules),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,9 @@ from normconv.errors import NormconvError
 from normconv.io.archive import memory_bytes
 from normconv.io.pickles import read_tensors
 from normconv.verify import Inputs
+
+if TYPE_CHECKING:  # the annotation only: the caller hands its run's ledger in
+    from normconv.io.ledger import Ledger
 
 HF_SEQ_LEN = 16
 HF_BATCH = 2
@@ -94,13 +97,16 @@ def with_attention_mask(model: nn.Module, inputs: Inputs) -> Inputs | None:
 _INPUT_MEMORY_SHARE = 0.5
 
 
-def load_calibration(path_text: str, model: nn.Module | None = None) -> Inputs:
+def load_calibration(path_text: str, model: nn.Module | None = None, ledger: Ledger | None = None) -> Inputs:
     """Calibration inputs from a .pt (weights_only) or .safetensors file of tensors: one tensor or a list / tuple
     of tensors (positional arguments), or a dict (keyword arguments by forward parameter name; keys "0", "1",
-    ... are positional). One-line NormconvError on anything else."""
+    ... are positional). One-line NormconvError on anything else. ``ledger``: the run's record of what it read (an
+    output is never written over the calibration file, through any link)."""
     path = Path(path_text)
     if not path.is_file():
         raise NormconvError(f"no such calibration file: {path_text}")
+    if ledger is not None:
+        ledger.record(path)
     obj: Any = read_tensors(path, path_text, "pickles objects; save a tensor, a list or a dict of tensors")
     if isinstance(obj, torch.Tensor):
         return Inputs((obj,))
