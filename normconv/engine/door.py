@@ -269,6 +269,8 @@ def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Input
         expected = [(inputs, loaded.checked_output())] + ([alt] if alt else [])
 
     def proven(tmp: str) -> None:  # before the folder is renamed into place (while the disk writes it)
+        if loaded.path is not None and Path(loaded.path).is_dir():  # the tokenizer and the rest, as --stream copies
+            report.notes.extend(hf_output.copy_side_files(loaded.path, tmp))
         try:
             checks = hf_output.check(tmp, type(loaded.model), expected, opts.atol, opts.rtol, written=form)
         except NormconvError as exc:  # transformers' own round trip changes this architecture

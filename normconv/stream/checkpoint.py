@@ -26,6 +26,7 @@ from normconv.errors import NormconvError
 from normconv.io import config_size, durable, hf_folder
 from normconv.io.archive import memory_bytes
 from normconv.io.hf_folder import safetensors_header, tensor_names
+from normconv.io.hf_output import OTHER_WEIGHTS
 from normconv.io.ledger import Ledger
 from normconv.io.load import hf_model_class, remote_code
 from normconv.io.write import check_writable
@@ -33,7 +34,6 @@ from normconv.io.write import check_writable
 INDEX = hf_folder.SAFE_INDEX
 SINGLE = hf_folder.SAFE_SINGLE
 # weight files of other formats are not copied: they would hold the original weights under the rewritten config
-_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".safetensors", ".gguf")
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -275,7 +275,7 @@ def copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, st
             if untied:
                 config["tie_word_embeddings"] = False
             (tmp / entry.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        elif entry.is_file() and entry.suffix in _OTHER_WEIGHTS:
+        elif entry.is_file() and entry.suffix in OTHER_WEIGHTS:
             skipped.append(entry.name)
         elif entry.is_dir():
             shutil.copytree(entry, tmp / entry.name, symlinks=True)
