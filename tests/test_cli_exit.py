@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from normconv.io.load import load
@@ -53,3 +54,14 @@ def test_a_reader_that_went_away_exits_141_quietly(tmp_path):
     assert p.wait(timeout=300) == 141, err
     assert err == "" and out.is_file()
     torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("args", [("swap", "zoo:llama", "--to", "rmsnorm"), ("fold", "no/such/model.pt"),
+                                  ("inspect", "zoo:resnet", "--capture", "nonsense")])
+def test_json_is_one_object_on_a_refusal_too(cli, args):
+    """--json: stdout is one JSON object whatever the exit, a refusal's message, code and exit code included (it
+    was empty, and a script parsing stdout crashed on it); stderr keeps its one line."""
+    code, out, err = cli(*args, "--json")
+    r = json.loads(out)
+    assert code == 2 and r["passed"] is False and r["exit_code"] == 2 and r["code"] in ("refused", "bad-input")
+    assert r["error"] in err and len(err.strip().splitlines()) == 1

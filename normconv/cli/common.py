@@ -220,8 +220,14 @@ def emit(report: Report, as_json: bool, printer: Callable[[Report], None] | None
             printer(report)
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int, as_json: bool = False, kind: str | None = None) -> None:
+    """One line on stderr and the exit code; with ``--json`` also one object on stdout (``passed`` false, the
+    message, its code, the exit code), so that stdout is always one JSON object."""
     end_progress()
+    if as_json:
+        import json
+
+        sys.stdout.write(json.dumps({"passed": False, "error": message, "code": kind, "exit_code": code}) + "\n")
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
     raise typer.Exit(code)
@@ -250,11 +256,11 @@ def user_errors(fn: Callable) -> Callable:
         except VerificationError as exc:
             if exc.report is not None:
                 emit(exc.report, as_json)
-            fail(str(exc), exc.exit_code)
+            fail(str(exc), exc.exit_code, as_json and exc.report is None, exc.code.value)
         except NormconvError as exc:
-            fail(str(exc), exc.exit_code)
+            fail(str(exc), exc.exit_code, as_json, exc.code.value)
         except KeyboardInterrupt:
-            fail("interrupted", 130)
+            fail("interrupted", 130, as_json, "interrupted")
         except BrokenPipeError:  # stdout's reader went away (`normconv inspect --json | head -1`): not a bug
             reader_gone()
         except (typer.Exit, typer.Abort, SystemExit):
@@ -263,7 +269,7 @@ def user_errors(fn: Callable) -> Callable:
             if os.environ.get("NORMCONV_DEBUG"):
                 traceback.print_exc()
             fail(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
-                 f"(set NORMCONV_DEBUG=1 for the traceback)", EXIT_INTERNAL)
+                 f"(set NORMCONV_DEBUG=1 for the traceback)", EXIT_INTERNAL, as_json, "internal")
 
     return wrapper
 
