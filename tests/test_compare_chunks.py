@@ -73,13 +73,14 @@ def test_comparing_gpt2_sized_logits_holds_no_whole_float64_copies():
 def _by_formula(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> dict[str, float]:
     """The module docstring's statistics, written out in torch over the whole leaf in float64."""
     r, c = ref.double().reshape(-1), cand.double().reshape(-1)
-    diff = torch.where((r == c) | (r.isnan() & c.isnan()), 0.0, (r - c).abs())
+    same = (r == c) | (r.isnan() & c.isnan())
+    diff = torch.where(same, 0.0, (r - c).abs())
     fr, fc = (torch.where(torch.isfinite(t), t, 0.0) for t in (r, c))
     return {"max_abs_error": float(diff.max()),
             "max_rel_error": float((diff / r.abs().clamp_min(atol if atol > 0 else 1e-30)).max()),
             "cosine": float(fr @ fc / (fr.norm() * fc.norm())) if fr.norm() > 0 and fc.norm() > 0
             else float(torch.equal(r, c)),
-            "passed": bool(torch.isfinite(diff).all() and (diff <= atol + rtol * r.abs()).all())}
+            "passed": bool(torch.isfinite(diff).all() and ((diff <= atol + rtol * r.abs()) | same).all())}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -98,3 +99,15 @@ def test_each_statistic_is_its_formula(dtype):
         for field, x in want.items():
             y = getattr(got, field)
             assert (x != x and y != y) or y == pytest.approx(x, rel=1e-9, abs=1e-300), (name, dtype, field, x, y)
+
+
+def test_nan_in_the_same_places_passes_the_element_wise_rule_too():
+    """NaN for NaN is no difference under --atol / --rtol as under the scale rule (NaN + rtol * NaN compared false:
+    a file whose output is NaN where its input's is, every --dtype float16 run of an ONNX file, failed, max abs 0);
+    a NaN on one side only still fails both."""
+    a = torch.tensor([1.0, float("nan"), 2.0, float("inf")])
+    same = torch.tensor([1.0, float("nan"), 2.0 + 1e-6, float("inf")])
+    one_side = torch.tensor([1.0, 0.5, 2.0, float("inf")])
+    for tol in ((None, None), (1e-3, 1e-3), (0.0, 0.0)):
+        assert compare(a, same, *tol).passed == (tol[0] != 0.0), tol  # 1e-6 off: within 1e-3, not within 0
+        assert not compare(a, one_side, *tol).passed and not compare(one_side, a, *tol).passed, tol

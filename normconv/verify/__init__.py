@@ -36,7 +36,7 @@ The price: an error confined to elements far below the output's largest (one cha
 other channels are 1e4 larger) is judged against the largest; give --atol / --rtol for the element-wise check.
 
 Given tolerances (``atol`` or ``rtol`` not None: ``--atol`` / ``--rtol``, or a caller's own) are honoured as given:
-every element within atol + rtol |b| (torch.allclose). Half-precision outputs (float16, bfloat16) keep their
+every element within atol + rtol |b|, NaN where the reference is NaN (torch.allclose, equal_nan). Half-precision outputs (float16, bfloat16) keep their
 element-wise defaults (DEFAULT_TOLERANCE): their rounding x 2^10 would pass a real error (0.5 in float16), and
 the commands judge a half model against its float32 computation with budgets of their own. Integer and bool
 outputs must be equal.
@@ -415,7 +415,7 @@ def _leaf_error(name: str, ref: torch.Tensor, cand: torch.Tensor, atol: float, r
             fr, fc, fd = (np.where(np.isfinite(t), t, 0.0) for t in (r, c, diff))
             # einsum, not BLAS's dot: BLAS's own threads would fight torch's for the cores
             sums += [np.einsum("i,i->", a, b) for a, b in ((fr, fr), (fc, fc), (fr, fc), (fd, fd))]
-            within = within and bool((diff <= atol + rtol * ra).all())
+            within = within and bool(((diff <= atol + rtol * ra) | same).all())  # NaN for NaN: within
             equal = equal and bool((r == c).all())
     max_abs, max_rel = (float(v) for v in np.max(maxima, axis=0))  # a NaN anywhere stays NaN
     rr, cc, rc, dd = (float(v) for v in sums)
