@@ -210,3 +210,29 @@ def conv_bn_sigmoid(opset=13, cin=16, cout=4, spread=1e4, planted=0.0):
              _f("v", np.linspace(0.5, 2, cout)), _f("c12", np.array(-12.0))]
     return model(nodes, [h.make_tensor_value_info("x", T.FLOAT, ["n", cin, "h", "w"])],
                  [h.make_tensor_value_info("prob", T.FLOAT, None)], inits, opset)
+
+
+def bn_spatial0(before=False, per_channel=False, c=4):
+    """Opset 7 BatchNormalization with spatial=0 (statistics per element, shaped (C, H, W)) after a Conv (``before``:
+    in front of one), beside a Conv -> BN (spatial=1, one value per channel) that folds. ``per_channel``: the (C, H, W)
+    statistics are equal along H and W (one value per channel written per element)."""
+    hw, shape = (6, 6), (c, 6, 6)
+    stats = [RNG.random(shape) + 0.5, RNG.standard_normal(shape), RNG.standard_normal(shape), RNG.random(shape) + 0.5]
+    if per_channel:
+        stats = [np.broadcast_to(a[:, :1, :1], shape) for a in stats]
+    inits = [_f(n, a) for n, a in zip(("s", "b", "m", "v"), stats)]
+    if before:
+        nodes = [h.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n0"], name="bn0", spatial=0),
+                 h.make_node("Conv", ["n0", "w"], ["y"], name="conv")]
+        inits.append(_f("w", RNG.standard_normal((5, c, 3, 3))))
+        x = h.make_tensor_value_info("x", T.FLOAT, ["n", c, *hw])
+    else:
+        nodes = [h.make_node("Conv", ["x", "w"], ["c0"], name="conv"),
+                 h.make_node("BatchNormalization", ["c0", "s", "b", "m", "v"], ["y"], name="bn0", spatial=0)]
+        inits.append(_f("w", RNG.standard_normal((c, c, 3, 3))))
+        x = h.make_tensor_value_info("x", T.FLOAT, ["n", c, 8, 8])
+    bn, more = _bn("c1", "y1", c, name="bn1")
+    nodes += [h.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"), bn]
+    inits += more + [_f("w1", RNG.standard_normal((c, c, 1, 1)))]
+    return model(nodes, [x], [h.make_tensor_value_info("y", T.FLOAT, None),
+                              h.make_tensor_value_info("y1", T.FLOAT, None)], inits, 7)

@@ -245,3 +245,20 @@ def test_a_sigmoid_output_is_judged_through_its_logits(tmp_path):
     plan = parity.plan_sizes(src, parity.specs(src, onnx_ir.load(src), None))
     found = parity.compare_files(src, str(wrong), plan, None, None)
     assert found and not any(v.passed for v in found)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_bn_with_per_element_statistics_is_kept_with_a_code(tmp_path, before):
+    """Opset 7's spatial=0 BatchNormalization: statistics per element, (C, H, W). A conv folds one scale per channel,
+    so that BN stays, listed with its code; the BN beside it still folds (was: exit 3, numpy broadcast error)."""
+    report, ops = _run(tmp_path, G.bn_spatial0(before=before), command="fold")
+    assert ops["BatchNormalization"] == 1 and ops["Conv"] == 2
+    assert _codes(report) == {"per-element-statistics": 1, "folded": 1}
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_bn_with_per_element_statistics_equal_per_channel_folds(tmp_path, before):
+    """spatial=0 statistics that hold one value per channel (equal along H and W) fold as a spatial BN's."""
+    report, ops = _run(tmp_path, G.bn_spatial0(before=before, per_channel=True), command="fold")
+    assert ops == {"Conv": 2}
+    assert _codes(report) == collections.Counter(["folded-into-next" if before else "folded", "folded"])

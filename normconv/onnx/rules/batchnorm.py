@@ -9,11 +9,12 @@
   before Conv:          W'[o, j] = W[o, j]·s[c],  b'[o] = b[o] + Σ_{j,k} W[o, j, k]·t[c]   (c = g(o)·Cin/g + j)
                         exact only when the conv pads nothing: padding pads BN's output with 0, not with t
 
-Guards (as the torch fold's): the BN in inference mode with constant statistics; the conv's output read by the BN
-alone (and the BN's by the conv alone, before it); weights and bias constants read by nothing else (an initializer,
-a Constant, or a constant computed from them: rules/base.const). An initializer the file also lists as a graph input
-(IR version >= 4) is a default a caller may override: never baked into a fold. A BN with no foldable neighbour stays
-one BatchNormalization, listed with why.
+Guards (as the torch fold's): the BN in inference mode with constant statistics, one value per channel (opset 7's
+spatial=0 writes them per element, (C, H, W): they fold only where they are equal along H, W); the conv's output
+read by the BN alone (and the BN's by the conv alone, before it); weights and bias constants read by nothing else
+(an initializer, a Constant, or a constant computed from them: rules/base.const). An initializer the file also lists
+as a graph input (IR version >= 4) is a default a caller may override: never baked into a fold. A BN with no
+foldable neighbour stays one BatchNormalization, listed with why.
 """
 
 from __future__ import annotations
@@ -35,22 +36,41 @@ class FoldWhy(Why):
     WEIGHT_NOT_CONSTANT = "weight-not-constant"
     SHARED_OUTPUT = "shared-output"
     SHARED_WEIGHT = "shared-weight"
+    PER_ELEMENT = "per-element-statistics"  # spatial=0 statistics (C, H, W) that vary along H, W: no conv folds them
     AXIS_NOT_FEATURES = "axis-not-features"
     PADDED_CONV = "padded-conv"
     BAD_GROUPS = "bad-groups"
     STANDALONE = "no-foldable-neighbour"
 
 
-def _affine(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
-    """(s, t) of an inference BN in float64, else None (a statistic that is not a constant, or a graph input: a
-    default a caller may override, which a fold would bake in)."""
+def _stats(bn: ir.Node) -> list[np.ndarray] | None:
+    """γ, β, μ, σ² of an inference BN, else None (a statistic that is not a constant, or a graph input: a default a
+    caller may override, which a fold would bake in)."""
     if any(v is None or v.is_graph_input() for v in bn.inputs[1:5]):
         return None
-    g, b, mu, var = (const(v) for v in bn.inputs[1:5])
-    if any(p is None for p in (g, b, mu, var)):
+    stats = [const(v) for v in bn.inputs[1:5]]
+    return None if any(p is None for p in stats) else stats
+
+
+def _affine(bn: ir.Node, stats: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(s, t) per channel in float64; None when the statistics are not one value per channel: spatial=0 (opset 7)
+    writes them per element, (C, D1, ...), which a fold takes only where they are equal along D1, ..."""
+    per = []
+    for p in stats:
+        flat = p.astype(np.float64).reshape(len(p), -1) if p.ndim else None
+        if flat is None or not flat.size or not (flat == flat[:, :1]).all():
+            return None
+        per.append(flat[:, 0])
+    if len({len(p) for p in per}) != 1:
         return None
-    s = g.astype(np.float64) / np.sqrt(var.astype(np.float64) + float(attr(bn, "epsilon", 1e-5)))
-    return s, b.astype(np.float64) - mu.astype(np.float64) * s
+    g, b, mu, var = per
+    s = g / np.sqrt(var + float(attr(bn, "epsilon", 1e-5)))
+    return s, b - mu * s
+
+
+def _not_per_channel(bn: ir.Node, stats: list[np.ndarray]) -> str:
+    return (f"its statistics are per element (shape {tuple(stats[0].shape)}, spatial="
+            f"{attr(bn, 'spatial', 1)}), not one value per channel: a fold scales whole channels")
 
 
 def _own(v: ir.Value | None, node: ir.Node) -> np.ndarray | None:
@@ -98,12 +118,15 @@ class FoldForward(NormRule):
         p = self.options["producer"]
         if attr(bn, "training_mode", 0):
             return self.refuse(context, W.TRAINING_MODE, "BatchNormalization in training mode", bn)
-        st = _affine(bn)
-        if st is None:
+        stats = _stats(bn)
+        if stats is None:
             fed = _overridable(*bn.inputs[1:5])
             if fed is not None:
                 return self.refuse(context, W.OVERRIDABLE, f"its statistic {OVERRIDABLE.format(name=fed.name)}", bn)
             return self.refuse(context, W.STATS_NOT_CONSTANT, "its statistics are not constants", bn)
+        st = _affine(bn, stats)
+        if st is None:
+            return self.refuse(context, W.PER_ELEMENT, _not_per_channel(bn, stats), bn)
         if len(z.uses()) != 1 or z.is_graph_output() or (mm is not None and (len(mm.uses()) != 1 or
                                                                              mm.is_graph_output())):
             return self.refuse(context, W.SHARED_OUTPUT, f"the {p} output is read by more than the BN", z)
@@ -174,9 +197,12 @@ class FoldBackward(NormRule):
         W = FoldWhy
         bn, conv = y.producer(), z.producer()
         self._bn = bn
-        st = None if attr(bn, "training_mode", 0) else _affine(bn)
-        if st is None:
+        stats = None if attr(bn, "training_mode", 0) else _stats(bn)
+        if stats is None:
             return MatchResult().fail("not an inference BN with constant statistics")
+        st = _affine(bn, stats)
+        if st is None:
+            return self.refuse(context, W.PER_ELEMENT, _not_per_channel(bn, stats), at=bn)
         if len(y.uses()) != 1 or y.is_graph_output():
             return self.refuse(context, W.SHARED_OUTPUT, "the BN output is read by more than the conv", y, at=bn)
         bias = conv.inputs[2] if len(conv.inputs) > 2 else None
