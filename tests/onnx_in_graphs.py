@@ -236,3 +236,23 @@ def bn_spatial0(before=False, per_channel=False, c=4):
     inits += more + [_f("w1", RNG.standard_normal((c, c, 1, 1)))]
     return model(nodes, [x], [h.make_tensor_value_info("y", T.FLOAT, None),
                               h.make_tensor_value_info("y1", T.FLOAT, None)], inits, 7)
+
+
+def conv_bn_float16(gamma=300.0, c=4, before=False):
+    """A float16 file: two Conv (1x1) -> BN on x / 100 (``before``: BN -> Conv); the first BN's scale
+    γ/sqrt(σ² + ε) = ``gamma`` / 0.01 times its conv weight 3 passes float16's 65504 once folded (its output stays
+    in range); the second folds in range."""
+    f16 = lambda n, a: nh.from_array(np.asarray(a, np.float16), n)  # noqa: E731
+    nodes, inits = [h.make_node("Mul", ["x", "small"], ["xs"])], [f16("small", 0.01)]
+    for i, (g, w) in enumerate(((gamma, 3.0), (2.0, 0.5))):
+        conv = h.make_node("Conv", ["n" if before else "xs", f"w{i}"], ["y" if before else "c"], name=f"conv{i}")
+        bn = h.make_node("BatchNormalization", ["xs" if before else "c", f"g{i}", f"b{i}", f"m{i}", f"v{i}"],
+                         ["n" if before else "y"], name=f"bn{i}", epsilon=1e-5)
+        for node in (conv, bn):
+            node.input[0] = node.input[0] if node.input[0] == "xs" else f"{node.input[0]}{i}"
+            node.output[0] = f"{node.output[0]}{i}"
+        nodes += [bn, conv] if before else [conv, bn]
+        inits += [f16(f"w{i}", np.full((c, c if before else 3, 1, 1), w)), f16(f"g{i}", [g] + [1.0] * (c - 1)),
+                  f16(f"b{i}", np.zeros(c)), f16(f"m{i}", np.zeros(c)), f16(f"v{i}", np.full(c, 1e-4))]
+    return model(nodes, [h.make_tensor_value_info("x", T.FLOAT16, ["n", c if before else 3, 6, 6])],
+                 [h.make_tensor_value_info(f"y{i}", T.FLOAT16, None) for i in range(2)], inits, 17)

@@ -262,3 +262,25 @@ def test_bn_with_per_element_statistics_equal_per_channel_folds(tmp_path, before
     report, ops = _run(tmp_path, G.bn_spatial0(before=before, per_channel=True), command="fold")
     assert ops == {"Conv": 2}
     assert _codes(report) == collections.Counter(["folded-into-next" if before else "folded", "folded"])
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # numpy's overflow in a cast, printed on stderr before
+@pytest.mark.parametrize("before", [False, True])
+def test_a_float16_file_keeps_a_bn_whose_fold_passes_half_range(tmp_path, before):
+    """A float16 file: a fold past half of float16's max would write inf; that BN stays (code past-half-range, as
+    the torch path), the other folds (was: inf weights, NaN outputs, the whole fold refused). Validated in
+    onnxruntime with the BN before its conv: after it, onnxruntime's own default-level Conv + BN fusion overflows
+    the kept pair (the input's too), which the plan alone shows."""
+    proto = G.conv_bn_float16(before=before)
+    if before:
+        report, ops = _run(tmp_path, proto, command="fold")
+        weights = onnx.load(str(tmp_path / "out.onnx")).graph.initializer
+    else:
+        model, report, _ = onnx_in.plan(onnx_in.Source(onnx_in.Path("x.onnx"), proto), "fold")
+        ops = onnx_in.op_counts(model)
+        weights = [onnx.numpy_helper.from_array(v.const_value.numpy()) for v in model.graph.initializers.values()]
+    assert ops["BatchNormalization"] == 1 and ops["Conv"] == 2
+    assert _codes(report) == {"past-half-range": 1, "folded-into-next" if before else "folded": 1}
+    kept = next(s for s in report.sites if not s.applied)
+    assert kept.target == "bn0" and "float16's max 65504" in kept.reason
+    assert all(np.isfinite(onnx.numpy_helper.to_array(i)).all() for i in weights)

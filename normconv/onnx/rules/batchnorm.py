@@ -39,6 +39,8 @@ class FoldWhy(Why):
     PER_ELEMENT = "per-element-statistics"  # spatial=0 statistics (C, H, W) that vary along H, W: no conv folds them
     AXIS_NOT_FEATURES = "axis-not-features"
     PADDED_CONV = "padded-conv"
+    HALF_RANGE = "past-half-range"  # a float16 / bfloat16 file's folded weight or bias past half its dtype's max
+    NOT_FINITE = "not-finite"  # a folded weight or bias not finite in the file's dtype (σ² + ε = 0, past its max)
     BAD_GROUPS = "bad-groups"
     STANDALONE = "no-foldable-neighbour"
 
@@ -64,13 +66,58 @@ def _affine(bn: ir.Node, stats: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
     if len({len(p) for p in per}) != 1:
         return None
     g, b, mu, var = per
-    s = g / np.sqrt(var + float(attr(bn, "epsilon", 1e-5)))
-    return s, b - mu * s
+    with np.errstate(all="ignore"):  # σ² + ε = 0: not finite, refused by _range with its code
+        s = g / np.sqrt(var + float(attr(bn, "epsilon", 1e-5)))
+        return s, b - mu * s
 
 
 def _not_per_channel(bn: ir.Node, stats: list[np.ndarray]) -> str:
     return (f"its statistics are per element (shape {tuple(stats[0].shape)}, spatial="
             f"{attr(bn, 'spatial', 1)}), not one value per channel: a fold scales whole channels")
+
+
+def _range(like: np.ndarray, *folded: np.ndarray) -> tuple[FoldWhy, str] | None:
+    """Why the folded (weight, bias), computed in float64, do not fit ``like``'s dtype, else None: a 16-bit float's
+    past half its max (its products would overflow: the torch fold's past-half-range), any dtype's not finite."""
+    import ml_dtypes
+
+    kind, limit = like.dtype.name, float(ml_dtypes.finfo(like.dtype).max)
+    if not all(np.isfinite(a).all() for a in folded):
+        return FoldWhy.NOT_FINITE, "the folded weights would not be finite (a zero σ² + ε?)"
+    big = max(float(np.abs(a).max(initial=0.0)) for a in folded)
+    if like.dtype.itemsize <= 2 and big > limit / 2:
+        return FoldWhy.HALF_RANGE, (f"the folded weights would reach {big:.3g}, past half of {kind}'s max "
+                                    f"{limit:.6g} (its products would overflow)")
+    if big > limit:
+        return FoldWhy.NOT_FINITE, f"the folded weights would reach {big:.3g}, past {kind}'s max {limit:.6g}"
+    return None
+
+
+def _scaled(p: str, inner: ir.Node, weight: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """The weight of ``inner`` (a ``p``: Conv, ConvTranspose, Gemm or MatMul, + Add) times s along its outputs."""
+    if p.startswith("ConvTranspose"):
+        g = int(attr(inner, "group", 1))
+        shape = weight.shape
+        return (weight.reshape(g, shape[0] // g, shape[1], *shape[2:])
+                * s.reshape((g, 1, shape[1]) + (1,) * (len(shape) - 2))).reshape(shape)
+    if p.startswith("Conv"):
+        return weight * s.reshape((-1,) + (1,) * (weight.ndim - 1))
+    if p == "Gemm":
+        return weight * (s[:, None] if attr(inner, "transB", 0) else s[None, :])
+    return weight * s[None, :]
+
+
+def _scaled_input(conv: ir.Node, weight: np.ndarray, b_c: np.ndarray | None, s: np.ndarray,
+                  t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A conv's (weight, bias) with s·x + t folded into its input channels (the module docstring's before Conv)."""
+    g = int(attr(conv, "group", 1))
+    cout, cin_g = weight.shape[:2]
+    # channel of input j in the group of output o
+    chan = (np.arange(cout)[:, None] // (cout // g)) * cin_g + np.arange(cin_g)[None, :]
+    extra = (1,) * (weight.ndim - 2)
+    b = b_c.astype(np.float64) if b_c is not None else np.zeros(cout)
+    b = b + (weight * t[chan].reshape(chan.shape + extra)).reshape(cout, -1).sum(axis=1)
+    return weight * s[chan].reshape(chan.shape + extra), b
 
 
 def _own(v: ir.Value | None, node: ir.Node) -> np.ndarray | None:
@@ -157,24 +204,18 @@ class FoldForward(NormRule):
             b = b * float(attr(inner, "beta", 1.0))
             if own is not None and b.size not in (1, len(s)):
                 return self.refuse(context, W.AXIS_NOT_FEATURES, "the Gemm bias is not per output feature", own)
-        self._new = (inner, weight, np.broadcast_to(b.reshape(-1), s.shape) * s + t, s, w_c)
+        with np.errstate(all="ignore"):  # past the range: refused below, no numpy warning printed
+            weight, b = _scaled(p, inner, weight, s), np.broadcast_to(b.reshape(-1), s.shape) * s + t
+        past = _range(w_c, weight, b)
+        if past is not None:
+            return self.refuse(context, past[0], past[1], w, at=bn)
+        self._new = (inner, weight, b, w_c)  # the fold's values: the ones the range check read
         return MatchResult()
 
     def rewrite(self, op, x, w, z, **_):
-        inner, weight, b, s, like = self._new
+        inner, weight, b, like = self._new
         p = self.options["producer"].removesuffix("Add") if self.options["producer"] != "MatMulAdd" else "MatMulAdd"
         self.done(self._bn, FoldWhy.FOLDED, f"folded into {inner.op_type} {name_of(inner)} (float64)")
-        if p == "Conv":
-            weight = weight * s.reshape((-1,) + (1,) * (weight.ndim - 1))
-        elif p == "ConvTranspose":
-            g = int(attr(inner, "group", 1))
-            shape = weight.shape
-            weight = (weight.reshape(g, shape[0] // g, shape[1], *shape[2:])
-                      * s.reshape((g, 1, shape[1]) + (1,) * (len(shape) - 2))).reshape(shape)
-        elif p == "Gemm":
-            weight = weight * (s[:, None] if attr(inner, "transB", 0) else s[None, :])
-        else:
-            weight = weight * s[None, :]
         wname, bname = f"{w.name}_bnfold", f"{w.name}_bnfold_bias"
         new_w, new_b = _init(op, weight, like, wname), _init(op, b, like, bname)
         attrs = {k: a.value for k, a in inner.attributes.items() if k != "beta"}
@@ -220,21 +261,17 @@ class FoldBackward(NormRule):
         if any(int(p) for p in pads) or auto not in ("NOTSET", "VALID"):
             return self.refuse(context, W.PADDED_CONV, "the conv after it pads its input: padding pads the BN "
                                                        "output with 0, not with its shift (not exact)", at=bn)
-        self._conv, self._consts = conv, (w_c, b_c, st)
+        with np.errstate(all="ignore"):  # past the range: refused below, no numpy warning printed
+            weight, b = _scaled_input(conv, w_c.astype(np.float64), b_c, *st)
+        past = _range(w_c, weight, b)
+        if past is not None:
+            return self.refuse(context, past[0], past[1], w, at=bn)
+        self._conv, self._consts = conv, (w_c, weight, b)  # the fold's values: the ones the range check read
         return MatchResult()
 
     def rewrite(self, op, x, w, **_):
         conv, bn = self._conv, self._bn
-        like, b_c, (s, t) = self._consts  # the (s, t) check computed: one float64 pass per BN
-        weight = like.astype(np.float64)
-        g = int(attr(conv, "group", 1))
-        cout, cin_g = weight.shape[:2]
-        # channel of input j in the group of output o
-        chan = (np.arange(cout)[:, None] // (cout // g)) * cin_g + np.arange(cin_g)[None, :]
-        extra = (1,) * (weight.ndim - 2)
-        b = b_c.astype(np.float64) if b_c is not None else np.zeros(cout)
-        b = b + (weight * t[chan].reshape(chan.shape + extra)).reshape(cout, -1).sum(axis=1)
-        weight = weight * s[chan].reshape(chan.shape + extra)
+        like, weight, b = self._consts
         self.done(bn, FoldWhy.FOLDED_INTO_NEXT, f"folded into the next Conv {name_of(conv)} (no padding; float64)")
         attrs = {k: a.value for k, a in conv.attributes.items()}
         return op.Conv(x, _init(op, weight, like, f"{w.name}_bnfold"), _init(op, b, like, f"{w.name}_bnfold_bias"),
