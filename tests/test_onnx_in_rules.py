@@ -284,3 +284,15 @@ def test_a_float16_file_keeps_a_bn_whose_fold_passes_half_range(tmp_path, before
     kept = next(s for s in report.sites if not s.applied)
     assert kept.target == "bn0" and "float16's max 65504" in kept.reason
     assert all(np.isfinite(onnx.numpy_helper.to_array(i)).all() for i in weights)
+
+
+@pytest.mark.parametrize("returned", ["bn_g", "x"])
+def test_float16_export_of_a_graph_output_no_node_makes(tmp_path, returned):
+    """An initializer the file also returns (a BN's scale), or its input returned as it is: --dtype float16 keeps
+    that output, its name and its declared type (was: the boundary Cast took the name, exit 3)."""
+    proto = G.conv_bn()
+    proto.graph.output.append(onnx.helper.make_tensor_value_info(returned, onnx.TensorProto.FLOAT, None))
+    _run(tmp_path, proto, dtype="float16")
+    m = onnx.load(str(tmp_path / "out.onnx"))
+    assert [o.name for o in m.graph.output] == ["y", returned] and [i.name for i in m.graph.input] == ["x"]
+    assert all(o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for o in m.graph.output)

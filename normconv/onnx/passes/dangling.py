@@ -33,16 +33,16 @@ class RegisterDangling(ir.passes.InPlacePass):
                 if v.const_value is None:
                     continue
                 if taken is None:
-                    taken = _names(graph)
+                    taken = defined_names(graph)
                 # a dangling constant: a free name, registered in the main graph
-                v.name = _free(v.name or "constant", taken)
+                v.name = free_name(v.name or "constant", taken)
                 taken.add(v.name)
                 graph.initializers.add(v)
                 self.made.append(v.name)
         return ir.passes.PassResult(model, bool(self.made))
 
 
-def _names(graph: ir.Graph) -> set[str]:
+def defined_names(graph: ir.Graph) -> set[str]:
     """Every name a value of the graph or its subgraphs is defined under (not the names of dangling reads)."""
     names = set(graph.initializers) | {v.name for v in graph.inputs if v.name}
     for node in ir.traversal.RecursiveGraphIterator(graph):
@@ -53,7 +53,7 @@ def _names(graph: ir.Graph) -> set[str]:
     return names
 
 
-def _free(name: str, taken: set[str]) -> str:
+def free_name(name: str, taken: set[str]) -> str:
     if name not in taken:
         return name
     i = 1

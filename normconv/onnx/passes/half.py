@@ -10,12 +10,18 @@ outputs as the file declares them (a Cast at each boundary), norm statistics in 
                     float16 past |x| = 256)
   --keep-fp32 all   every norm op too (LayerNormalization, BatchNormalization, ...) in float32 between Casts
   --keep-fp32 none  nothing beyond the fused ops' own float32 statistics
+
+A graph output no node makes keeps its name and its type: an initializer (a returned parameter) is renamed and read
+by an Identity that makes the output (the converter's output Cast then takes the Identity's output); a graph input
+returned as it is stays out of the conversion and is returned as it was.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+
+from normconv.onnx.passes.dangling import defined_names, free_name
 
 FP16_MAX = 65504.0
 KEEP = ("auto", "none", "all")
@@ -54,9 +60,35 @@ class HalfPrecision(ir.passes.FunctionalPass):
                     node.op_type == "Mul" and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1])):
                 kept.append(node.name)
         self.kept = kept
+        passed = _made_by_nodes(model.graph)
         proto = ir.serde.serialize_model(model)
         half = convert_float_to_float16(proto, keep_io_types=True, disable_shape_infer=True,
                                         op_block_list=list(DEFAULT_OP_BLOCK_LIST), node_block_list=kept)
         out = ir.serde.deserialize_model(half)
+        inputs = {v.name: v for v in out.graph.inputs}
+        for i, name in passed:  # a graph input returned as it is: the input again, in its own type
+            out.graph.outputs.insert(i, inputs[name])
         out.graph.sort()  # the converter appends the boundary Casts last
         return ir.passes.PassResult(out, True)
+
+
+def _made_by_nodes(graph: ir.Graph) -> list[tuple[int, str]]:
+    """Every graph output made by a node, for the converter, whose output Cast takes the output's name: an
+    initializer renamed and read by an Identity that makes the output; a graph input taken out of the outputs.
+    Returns the (position, name) of the inputs taken out, for the caller to put back."""
+    taken, passed = None, []
+    for i, v in reversed(list(enumerate(graph.outputs))):
+        if v.producer() is not None:
+            continue
+        if v.is_graph_input():  # a pass-through: no Cast can take its name, which the input holds
+            passed.append((i, v.name))
+            graph.outputs.pop(i)
+            continue
+        taken = defined_names(graph) if taken is None else taken
+        name, v.name = v.name, free_name(f"{v.name}_initializer", taken)
+        taken.add(v.name)
+        node = ir.node("Identity", [v], name=free_name(f"{name}_identity", taken),
+                       outputs=[ir.Value(name=name, type=v.type, shape=v.shape)])  # typed: the converter casts it
+        graph.append(node)
+        graph.outputs[i] = node.outputs[0]
+    return sorted(passed)
