@@ -31,7 +31,7 @@ import torch.nn as nn
 from normconv.graph.bn_affine import Refusal, batchnorm_sites, channel_affine, channel_vector, statistics
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
-from normconv.graph.norm_module import ModuleForm, NotAModule, module_form
+from normconv.graph.norm_module import ModuleForm, NotAModule, module_form, replace_in_graph
 from normconv.nn.modules import ChannelAffine, FrozenBatchNorm
 from normconv.report import PassResult, Site, Why
 
@@ -61,6 +61,7 @@ class ConvertWhy(Why):
     INLINE = "inline"  # computed inside a larger forward: no module to replace
     MORE_CODE = "forward-computes-more"  # its module computes more than the BatchNorm and its children
     CALLED_TWICE = "module-called-several-times"  # replacing it would replace every call
+    READ_BY_GRAPH = "tensors-read-by-graph"  # never called: the model's graph reads its tensors in more than one op
     # the BatchNorm itself (graph.bn_affine)
     NO_STATS = "no-running-stats"  # track_running_stats=False: nothing to freeze or to fold into an affine
     BATCH_STATS = "batch-statistics"  # F.batch_norm(training=True)
@@ -82,6 +83,7 @@ class Decision:
     code: ConvertWhy
     path: str = ""
     module: nn.Module | None = field(default=None, repr=False)  # the replacement (with the kept children)
+    held: bool = False  # the model's graph reads the module's tensors: the replacement takes its op's place there
 
     def to_site(self) -> Site:
         return (apply if self.applied else skip)(NAME, self.site, self.reason, self.code)
@@ -157,7 +159,7 @@ def _decide(cap: Captured, site: NormSite, to: str, groups: int | None, as_conv:
     new, kept = _with_tail(new, module, form)
     code = ConvertWhy.AS_CONV if to == "affine" and as_conv else _APPLIED[to]
     where = f"{form.path or 'the model'} ({type(module).__name__})"
-    return Decision(site, True, f"{where} -> {what}{kept}", code, form.path, new)
+    return Decision(site, True, f"{where} -> {what}{kept}", code, form.path, new, form.held)
 
 
 def _tensors(cap: Captured, site: NormSite, channels: int, rank: int) -> dict[str, torch.Tensor | None]:
@@ -318,6 +320,8 @@ class ConvertBatchNorm(Pass):
             if d.path == "":
                 model = d.module
                 model.train(cap.model.training)
+            elif d.held:  # a holder module the graph reads (a .pt2's)  =>  the graph calls the replacement instead
+                replace_in_graph(model, d.path, d.module)
             else:
                 replace_module(model, d.path, d.module)
         approximate = self.to in APPROXIMATE and bool(done)

@@ -9,17 +9,25 @@ A module's forward qualifies when, in the call that computes the site, the norm 
 and every value from the norm's output to the module's output is computed by one child module after another. Nodes
 the output does not depend on (timm's ``_assert(x.ndim == 4)``) do not count. Children that leave no node in a graph
 (nn.Identity, nn.Dropout in eval) are kept too, in the order the module registers them.
+
+A module the model never calls, whose tensors the model's own graph reads (an exported program's module, loaded
+from a .pt2: ``getattr(self, "1").running_mean`` feeding ``aten.batch_norm``), is a holder: replacing it alone would
+leave the graph reading tensors the replacement lacks. Its form is ``held``: the replacement takes the holder's place
+and the graph calls it in place of the one batch-norm op that read the holder's tensors (``replace_in_graph``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import operator
+
 import torch.fx as fx
 import torch.nn as nn
 
 from normconv.graph.capture import Captured
 from normconv.graph.site import NormSite
+from normconv.match import batch_norm_args, op_of
 from normconv.report import Why
 
 _SILENT = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
@@ -31,6 +39,7 @@ class FormWhy(Why):
     INLINE = "inline"  # the norm is computed inside a larger forward
     MORE_CODE = "forward-computes-more"  # the module's forward computes more than the norm and its children
     CALLED_TWICE = "module-called-several-times"  # one module, several calls: replacing it replaces every call
+    READ_BY_GRAPH = "tensors-read-by-graph"  # never called: the model's graph reads its tensors in more than one op
 
 
 class NotAModule(Exception):
@@ -47,6 +56,7 @@ class ModuleForm:
 
     path: str
     tail: tuple[str, ...] = ()
+    held: bool = False  # a holder the graph reads: the replacement takes the place of its batch-norm op there
 
 
 def module_form(cap: Captured, site: NormSite) -> ModuleForm:
@@ -61,6 +71,11 @@ def module_form(cap: Captured, site: NormSite) -> ModuleForm:
     if site.calls > 1 or len(calls) > 1 or cap.module_calls.get(path, 1) > 1:
         raise NotAModule(FormWhy.CALLED_TWICE, f"{path} is called at {max(site.calls, len(calls), 2)} places: a "
                                                f"replacement would replace every call")
+    # never called, its tensors read by the model's graph  =>  the replacement takes the place of that op
+    held = held_by(cap.model, path) if path else None
+    if held is not None:
+        _held_op(*held)
+        return ModuleForm(path, held=True)
     if whole:
         return ModuleForm(path)
     if module is None:
@@ -111,4 +126,71 @@ def _child(cap: Captured, node: fx.Node, path: str) -> str | None:
     return None
 
 
-__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form"]
+def held_by(model: nn.Module, path: str) -> tuple[fx.GraphModule, str] | None:
+    """The GraphModule whose code reads the tensors of the module at ``path`` itself, and the path below it, when
+    no call runs that module's forward (None: a forward of it runs, as in every model that is not a GraphModule)."""
+    root, rel = model, path
+    while isinstance(root, fx.GraphModule) and rel:
+        called = [n.target for n in root.graph.nodes if n.op == "call_module"]
+        hit = next((t for t in called if rel == t or rel.startswith(f"{t}.")), None)
+        if hit is None:
+            return root, rel
+        if hit == rel:
+            return None
+        root, rel = root.get_submodule(hit), rel[len(hit) + 1:]
+    return None
+
+
+def _held_op(gm: fx.GraphModule, rel: str) -> tuple[fx.Node, fx.Node]:
+    """The one batch-norm op of ``gm`` that reads the holder ``rel``'s tensors, and the node of its output; NotAModule
+    when the holder is read otherwise (several ops, a child it calls, a hand-written norm, a tuple output used)."""
+    def under(target: str) -> bool:
+        return target == rel or target.startswith(f"{rel}.")
+
+    nodes = gm.graph.nodes
+    reads = [n for n in nodes if n.op in ("get_attr", "call_module") and under(str(n.target))]
+    ops = {u for n in reads for u in n.users}
+    why = f"{rel} is never called: the model's graph reads its tensors itself"
+    # one batch-norm op, reading the holder through get_attr alone  =>  one op to replace
+    if len(ops) != 1 or any(n.op == "call_module" for n in reads) or op_of(next(iter(ops))) != "batch_norm":
+        raise NotAModule(FormWhy.READ_BY_GRAPH, f"{why}, and not in one batch-norm op alone")
+    op = next(iter(ops))
+    if not isinstance(batch_norm_args(op)["input"], fx.Node):
+        raise NotAModule(FormWhy.READ_BY_GRAPH, f"{why}, and its batch-norm op has no input node")
+    # aten's native forms return (out, mean, rstd): only the output may be used
+    items = [u for u in op.users if u.op == "call_function" and u.target is operator.getitem]
+    if not items:
+        return op, op
+    if len(items) != len(op.users) or any(u.args[1] != 0 and u.users for u in items):
+        raise NotAModule(FormWhy.READ_BY_GRAPH, f"{why}, and its batch-norm op's statistics are used")
+    out = [u for u in items if u.args[1] == 0]
+    if len(out) != 1:
+        raise NotAModule(FormWhy.READ_BY_GRAPH, f"{why}, and its batch-norm op's output is read more than once")
+    return op, out[0]
+
+
+def replace_in_graph(model: nn.Module, path: str, new: nn.Module) -> None:
+    """A held form's replacement: ``new`` takes the holder's place (in its mode), the graph calls it on the input of
+    the batch-norm op that read the holder, and that op and the holder's reads leave the graph."""
+    found = held_by(model, path)
+    assert found is not None, f"{path} is called: not a held form"
+    gm, rel = found
+    op, out = _held_op(gm, rel)
+    parent_path, _, name = rel.rpartition(".")
+    parent = gm.get_submodule(parent_path) if parent_path else gm
+    new.train(getattr(parent, name).training)
+    setattr(parent, name, new)
+    graph = gm.graph
+    with graph.inserting_before(op):
+        call = graph.call_module(rel, (batch_norm_args(op)["input"],))
+    call.meta.update({k: v for k, v in out.meta.items() if k in ("nn_module_stack", "tensor_meta", "val")})
+    out.replace_all_uses_with(call)
+    # the op, its unused outputs, then every read of the holder (now unused: the old tensors are gone with it)
+    for node in [*(u for u in op.users), op]:
+        graph.erase_node(node)
+    for node in [n for n in graph.nodes if n.op == "get_attr" and (n.target == rel or n.target.startswith(f"{rel}."))]:
+        graph.erase_node(node)
+    gm.recompile()
+
+
+__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form", "held_by", "replace_in_graph"]
