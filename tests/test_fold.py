@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fold_helpers import applied, bn_modules, checked_fold, randomize_bn, skipped
 from normconv.errors import NormconvError
 from normconv.models import get
-from normconv.api import fold
+from normconv.api import fold, swap
 from normconv.passes.fold_batchnorm import FOLD
 from normconv.nn.modules import ChannelShift
 
@@ -460,3 +460,36 @@ def test_a_layer_whose_weight_the_forward_also_reads_is_left():
     y = torch.randn(1, 8, 7, 6)
     with torch.no_grad():
         assert torch.allclose(model(y), folded(y), atol=1e-5, rtol=1e-5)
+
+
+def test_a_pruned_layer_is_left_with_its_reason_and_lazy_modules_are_refused_in_one_line():
+    """torch.nn.utils.prune keeps the weight as weight_orig * weight_mask, recomputed by a hook before each forward:
+    the fold gave the layer a weight Parameter, and the hook's next assignment died (a raw TypeError out of the API,
+    exit 3 on the command line, or "the model rejected its example inputs" from swap --to affine). Any weight or bias
+    that is no Parameter of its layer is such a case: the BN after it stays with the reason, the other folds, the
+    model is unchanged. An uninitialized lazy module is refused in one line naming it (it was a raw ValueError)."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1),
+                                       nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))).eval()
+    prune.l1_unstructured(model[0], "weight", amount=0.3)
+    prune.random_unstructured(model[6], "bias", amount=0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 8, 8)
+    folded, report = fold(model, x)
+    reasons = skipped(report)
+    assert "prune" in reasons["1"] and "prune" in reasons["7"] and isinstance(folded[4], nn.Identity)
+    assert {s.code for s in report.sites if not s.applied} == {"no-foldable-neighbour"} and report.passed
+    swapped, swap_report = swap(model, x, to="affine")
+    assert swap_report.passed
+    for shape in ((1, 3, 9, 9), (3, 3, 12, 7)):
+        y = torch.randn(shape)
+        with torch.no_grad():
+            assert torch.allclose(model(y), folded(y), atol=1e-5, rtol=1e-5)
+            assert torch.allclose(model(y), swapped(y), atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    lazy = nn.Sequential(nn.LazyConv2d(4, 3, bias=False), nn.LazyBatchNorm2d()).eval()
+    with pytest.raises(NormconvError, match=r"^0 \(LazyConv2d\) is an uninitialized lazy module"):
+        fold(lazy, x)
+    assert isinstance(lazy[0], nn.LazyConv2d)  # not initialized behind the user's back

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 
 from normconv.graph.capture import Captured
 from normconv.match import arg, batch_norm_args
@@ -108,13 +108,26 @@ class Layers:
             raise Refusal(BNWhy.TIED_WEIGHT, f"{self.read[path]} is also read by the forward itself")
         if parametrize.is_parametrized(mod):
             raise Refusal(BNWhy.PARAMETRIZED, f"{path} has a parametrized weight")
-        # the deprecated torch.nn.utils.weight_norm: a hook recomputes the weight from weight_g, weight_v each forward
-        if any(type(h).__name__ == "WeightNorm" for h in mod._forward_pre_hooks.values()):
-            raise Refusal(BNWhy.PARAMETRIZED, f"{path}'s weight is recomputed before each forward (torch.nn.utils."
-                                              f"weight_norm's hook; torch.nn.utils.remove_weight_norm first)")
+        # a weight / bias that is no Parameter of the layer  =>  a hook recomputes it before each forward (torch.nn.
+        # utils.prune: orig * mask; the deprecated weight_norm: g, v), and would undo a fold (or refuse its Parameter)
+        computed = [n for n in ("weight", "bias") if getattr(mod, n, None) is not None and n not in mod._parameters]
+        if computed:
+            raise Refusal(BNWhy.PARAMETRIZED, f"{path}'s {computed[0]} is recomputed before each forward "
+                                              f"({_recomputed_by(mod, computed[0])})")
         if not mod.weight.is_floating_point():
             raise Refusal(BNWhy.NON_FLOAT, f"{path} has a {mod.weight.dtype} weight")
         return path, mod
+
+
+def _recomputed_by(mod: nn.Module, name: str) -> str:
+    """Which hook recomputes ``mod.<name>``, and how its user makes it a Parameter again."""
+    for hook in mod._forward_pre_hooks.values():
+        # torch.nn.utils.prune (one method, or a PruningContainer of several) on this tensor
+        if isinstance(hook, prune.BasePruningMethod) and getattr(hook, "_tensor_name", None) == name:
+            return f"torch.nn.utils.prune's mask; torch.nn.utils.prune.remove(module, {name!r}) first"
+        if type(hook).__name__ == "WeightNorm" and getattr(hook, "name", None) == name:
+            return "torch.nn.utils.weight_norm's hook; torch.nn.utils.remove_weight_norm first"
+    return f"it is a {type(getattr(mod, name)).__name__} attribute, not a Parameter of the layer"
 
 
 def layer_path(cap: Captured, node: fx.Node) -> str | None:

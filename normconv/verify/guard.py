@@ -28,6 +28,9 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from normconv.errors import NormconvError
 
 try:  # torch's lazily compiled GraphModule: its code generated on its first run (normconv's symbolic traces make
     # them: graph.capture); the one place normconv names it. None on a torch without it
@@ -184,6 +187,13 @@ class _Snapshot:
     def __init__(self, model: nn.Module) -> None:
         self.in_use = False  # a guard is running on it
         self.modules = modules = list(model.modules())
+        # an uninitialized lazy module (nn.LazyConv2d)  =>  its first forward would change the model: refused, said
+        lazy = next((m for m in modules if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()), None)
+        if lazy is not None:
+            path = next(n for n, m in model.named_modules() if m is lazy) or "the model"
+            raise NormconvError(f"{path} ({type(lazy).__name__}) is an uninitialized lazy module: its first forward "
+                                f"would change the model; run the model once on an input to initialize it, then call "
+                                f"normconv")
         # a lazily compiled GraphModule compiles on its first run: here, or the guard would undo the code it adds (the
         # module would keep its compiled forward, not its code)
         for m in modules if LazyGraphModule is not None else ():
