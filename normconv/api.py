@@ -92,14 +92,17 @@ def canonicalize(model: nn.Module, example_inputs: Any, *, atol: float | None = 
 def swap(model: nn.Module, example_inputs: Any, to: str = "rmsnorm", approximate: bool = False, *,
          atol: float | None = None, rtol: float | None = None, method: str = "auto",
          canonicalize: bool = True, fold_scales: bool = False, partial: bool = False,
-         as_conv: bool = False, accept_specialized: bool = False) -> tuple[nn.Module, Report]:
+         as_conv: bool = False, accept_specialized: bool = False, eval_mode: bool = False) -> tuple[nn.Module, Report]:
     """LayerNorm -> RMSNorm (exact on pre-LN models) or back; ``approximate`` swaps the rest and reports the drift;
     ``partial`` swaps only the sites that are exact and keeps the others (the result stays exact);
     ``fold_scales`` then makes every RMSNorm weight-free (scale folded into its readers).
     BatchNorm: ``to`` = "frozen-batchnorm", "batchnorm" (from SyncBatchNorm / frozen), "affine" (``as_conv``: a
-    depthwise 1x1 conv), "groupnorm" / "groupnorm:G" or "instancenorm" (approximate: drift reported).
+    depthwise 1x1 conv), "groupnorm" / "groupnorm:G" or "instancenorm" (approximate: drift reported); ``eval_mode``
+    converts a training-mode model as its eval-mode self (to="affine" refuses a training-mode model without it).
     Returns (new model, report)."""
-    opts = Options(atol=atol, rtol=rtol, method=method, accept_specialized=accept_specialized)
+    opts = Options(atol=atol, rtol=rtol, method=method, accept_specialized=accept_specialized, eval_mode=eval_mode)
+    if swap_batchnorm_cmd.parse_target(to) is None and eval_mode:
+        raise NormconvError(f"eval_mode goes with a BatchNorm target, not to={to!r}")
     if swap_batchnorm_cmd.parse_target(to) is not None:
         if approximate or partial or fold_scales:
             raise NormconvError(f"approximate, partial and fold_scales do not go with to={to!r}")

@@ -195,3 +195,26 @@ def test_cli_writes_a_model_that_loads_with_torch_alone(cli, tmp_path):
 def test_cli_flags_that_do_not_fit_are_one_line_errors(cli, args, message):
     code, _, stderr = cli("swap", "zoo:resnet", *args)
     assert code == 2 and message in stderr and "Traceback" not in stderr
+
+
+def test_affine_refuses_a_training_mode_model_as_fold_does(cli, tmp_path):
+    """swap --to affine on a model in training mode baked the running statistics into x * s + t and said exact,
+    while the model (still in training mode) had normalized with batch statistics: 0.57 of the output's scale apart.
+    Now it is refused in one line as fold refuses it; --eval (eval_mode=True) converts its eval-mode self."""
+    model = B.net(nn.BatchNorm2d).train()
+    with pytest.raises(NormconvError, match="training mode .*per-channel affine would change it; call .eval"):
+        normconv.swap(model, X, to="affine")
+    new, report = normconv.swap(model, X, to="affine", eval_mode=True)
+    assert report.passed and not new.training and model.training
+    torch.testing.assert_close(new(X), model.eval()(X), atol=1e-5, rtol=1e-5)
+    model.train()
+    frozen, _ = normconv.swap(model, X, to="frozen-batchnorm")  # frozen for training: its purpose, said in README
+    assert isinstance(_norm(frozen, "bn1"), FrozenBatchNorm)
+    with pytest.raises(NormconvError, match="eval_mode goes with a BatchNorm target"):
+        normconv.swap(model, X, to="rmsnorm", eval_mode=True)
+    src = tmp_path / "train.pt"
+    torch.save(model, src)
+    code, _, stderr = cli("--quiet", "swap", src, "--trust-pickle", "-i", "2,3,8,8", "--to", "affine")
+    assert code == 2 and "training mode" in stderr and len(stderr.strip().splitlines()) == 1
+    code, _, stderr = cli("--quiet", "swap", src, "--trust-pickle", "-i", "2,3,8,8", "--to", "affine", "--eval")
+    assert code == 0, stderr

@@ -32,6 +32,9 @@ def register(app: typer.Typer) -> None:
             "--fold-scales", help="then fold each RMSNorm's scale into the linears reading it")] = False,
         as_conv: Annotated[bool, typer.Option(
             "--as-conv", help="with --to affine: a depthwise 1x1 conv instead of a per-channel Mul and Add")] = False,
+        eval_mode: Annotated[bool, typer.Option(
+            "--eval", help="with a BatchNorm target: convert a model saved in training mode as its eval-mode self "
+                           "(needed by --to affine, which replaces batch statistics)")] = False,
         stream: Annotated[bool, typer.Option(
             "--stream", help="Hugging Face folder with safetensors weights: rewrite it tensor by tensor, never "
                              "holding the model (larger than RAM); writes the same architecture with rewritten "
@@ -63,13 +66,13 @@ def register(app: typer.Typer) -> None:
                      ("--fold-scales", fold_scales), ("--stream", stream)], f"--to {to}")
             loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
             report, _ = swap_batchnorm(loaded, options_from_flags(output, atol, rtol, in_place, bench,
-                                                                  normconv_modules), to, as_conv=as_conv)
+                                                                  normconv_modules, eval_mode), to, as_conv=as_conv)
             emit(report, as_json)
             return
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm, layernorm, frozen-batchnorm, batchnorm, "
                                 f"affine, groupnorm[:G] or instancenorm")
-        _refuse([("--as-conv", as_conv)], f"--to {to}")
+        _refuse([("--as-conv", as_conv), ("--eval", eval_mode)], f"--to {to}")
         if stream:
             from normconv.stream import swap as streaming
 

@@ -24,15 +24,22 @@ from normconv.passes.base import Pass
 from normconv.report import Report
 
 
+def refuse_training(loaded: Loaded, opts: Options, doing: str) -> None:
+    """A model in training mode, unless ``opts.eval_mode``: refused in one line (an inference rewrite of BatchNorm,
+    ``doing``, would change what it computes in training mode, where BatchNorm uses batch statistics)."""
+    training = [p for p, m in loaded.model.named_modules() if m.training]
+    # training mode  =>  BatchNorm uses batch statistics: the rewrite would change the model
+    if training and not opts.eval_mode:
+        where = "the model" if training[0] == "" else training[0]
+        raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
+                            f"so {doing} would change it; call .eval() first or pass --eval")
+
+
 def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
     """BatchNorm folded into its neighbouring conv / linear, verified, then written. ``opts.dtype`` (float16 /
     bfloat16): the model is folded in it; a half fold (that, or a half model) reports each site's headroom measured
     in float32 and the folded weights' largest value in the dtype."""
-    training = [p for p, m in loaded.model.named_modules() if m.training]
-    if training and not opts.eval_mode:
-        where = "the model" if training[0] == "" else training[0]
-        raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
-                            f"so folding would change it; call .eval() first or pass --eval")
+    refuse_training(loaded, opts, "folding")
     half = target_half(opts.dtype, loaded.model)
     rooms, layers = _fold_headroom(loaded, half, opts.method) if half is not None and not opts.eval_mode else ([], {})
     measured_on = loaded.require_inputs().to(torch.float32).describe() + " (float32)"
@@ -114,4 +121,4 @@ def lifted(model: nn.Module) -> list[Pass]:
     return [lift_layers.LIFT] if isinstance(model, fx.GraphModule) else []
 
 
-__all__ = ["fold", "lifted", "one_site_per_batchnorm"]
+__all__ = ["refuse_training", "fold", "lifted", "one_site_per_batchnorm"]
