@@ -74,6 +74,17 @@ def test_rmsnorm_per_target(tmp_path, target, op):
         assert [f.name for f in onnx.load(str(tmp_path / "out.onnx")).functions] == ["RMSNorm"]
 
 
+@pytest.mark.parametrize("build,op", [(lambda o: G.rmsnorm(o), "RMSNorm"), (lambda o: G.groupnorm(o), "GroupNorm")])
+@pytest.mark.parametrize("opset", [11, 13])
+def test_function_op_in_an_old_opset_file_converts_the_file(tmp_path, build, op, opset):
+    """tf2onnx / paddle2onnx default to opsets 11-13: a norm kept as a function op converts the file to the opset its
+    body needs (Constant value_float is 12, CastLike 15), as a LayerNorm does; the output passes the checker."""
+    report, ops = _run(tmp_path, build(opset))
+    assert ops[op] == 1 and report.extra["converted_from"] == opset and report.extra["opset"] == 15
+    assert report.extra["checker"].startswith("passed")
+    assert any(f"the function body of normconv.{op}" in n for n in report.notes)
+
+
 def test_rmsnorm_opset_23_is_the_standard_op(tmp_path):
     report, ops = _run(tmp_path, G.rmsnorm(18), opset=23)
     assert ops["RMSNormalization"] == 1 and report.extra["opset"] == 23

@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.onnx import parity
+from normconv.onnx.ops import DOMAIN, FUNCTION_OPSET
 from normconv.onnx.passes.convert import ConvertOpset
 from normconv.onnx.passes.function_types import TypeFunctionBodies
 from normconv.onnx.passes.dangling import RegisterDangling
@@ -160,13 +161,21 @@ def _rewrite(model: ir.Model, jobs: tuple[str, ...], target: str) -> tuple[ir.Mo
     return model, log, lower.made
 
 
-def _needs_opset(src: Source, jobs: tuple[str, ...], target: str) -> int:
-    """The opset the fused ops need: 17 where a LayerNorm was refused only for the file's opset."""
-    if "fuse" not in jobs or src.opset >= LN_OPSET:
-        return src.opset
-    _, log, _ = _rewrite(to_ir(src.proto), ("fuse",), target)
-    refused = [s for rows in log.rows.values() for _, s in rows if s.code == LayerNormWhy.OPSET_BELOW]
-    return LN_OPSET if refused else src.opset
+def _needs_opset(src: Source, jobs: tuple[str, ...], target: str) -> tuple[int, str]:
+    """The opset the fused ops need, and which op needs it: 17 where a LayerNorm was refused only for the file's
+    opset; ``FUNCTION_OPSET`` where a placeholder stays a function op (normconv.RMSNorm below 23, normconv.GroupNorm
+    below 21), whose body reads Constant(value_float) and CastLike."""
+    if "fuse" not in jobs or src.opset >= max(LN_OPSET, FUNCTION_OPSET):
+        return src.opset, ""
+    _, log, lowered = _rewrite(to_ir(src.proto), ("fuse",), target)
+    needs = [(src.opset, "")]
+    if any(s.code == LayerNormWhy.OPSET_BELOW for rows in log.rows.values() for _, s in rows):
+        needs.append((LN_OPSET, "LayerNormalization"))
+    kept = sorted(k for k in lowered if k.startswith(f"{DOMAIN}."))
+    if kept and src.opset < FUNCTION_OPSET:  # the function body's ops, written at the file's opset, are invalid
+        needs.append((FUNCTION_OPSET, f"the function body of {', '.join(kept)}"))
+    want = max(n for n, _ in needs)
+    return want, " and ".join(why for n, why in needs if why)
 
 
 def plan(src: Source, command: str, target: str = "onnx", opset: int | None = None) -> tuple[ir.Model, Report, int]:
@@ -174,7 +183,8 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
     if target not in TARGETS:
         raise NormconvError(f"unknown --target {target!r}; choose onnx or ort")
     jobs = JOBS[command]
-    want = max(opset or 0, _needs_opset(src, jobs, target))
+    needed, needs = _needs_opset(src, jobs, target)
+    want = max(opset or 0, needed)
     if opset is not None and opset < src.opset:
         raise NormconvError(f"--opset {opset} is below the file's opset {src.opset}: normconv converts up, not down")
     model = to_ir(src.proto)
@@ -186,8 +196,8 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
         converted = src.opset
         report.notes.append(
             f"{'export would convert' if command == 'inspect' else 'converted'} the file from opset {src.opset} to "
-            f"{want} (onnx.version_converter) for LayerNormalization; the converted file is validated against the "
-            f"input before fusing")
+            f"{want} (onnx.version_converter){' for ' + needs if needs else ''}; the converted file is validated "
+            f"against the input before fusing")
     model, log, lowered = _rewrite(model, jobs, target)
     for kind, site in log.sites():
         report.sites.append(site)

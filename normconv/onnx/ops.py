@@ -195,8 +195,13 @@ def _node(op: str, inputs: list[str], outputs: list[str], refs: tuple = (), **at
     return n
 
 
+# the default-domain opset the function bodies need: Constant(value_float / value_int) is opset 12, CastLike 15;
+# a file below it is converted first (onnx.onnx_in)
+FUNCTION_OPSET = 15
+
+
 def function_proto(op_type: str, opset: int) -> onnx.FunctionProto:
-    """The ONNX function body of normconv.<op_type> in default-domain opset ``opset``."""
+    """The ONNX function body of normconv.<op_type> in default-domain opset ``opset`` (>= ``FUNCTION_OPSET``)."""
     if op_type == "RMSNorm":
         return _rms_function(opset)
     if op_type == "GroupNorm":
