@@ -102,12 +102,13 @@ class Validation:
     rule: str = "elementwise"
     scale_tolerance: float = math.nan
     max_scale_error: float = math.nan
+    rounding: str = "float32"  # the precision(s) whose rounding the scale bound allows ("float64", "float32, float64")
 
     @property
     def criterion(self) -> str:
         """The bound the check held the outputs to, for people."""
         if self.rule == "scale":
-            return f"error within {self.scale_tolerance:.2g} of each output's scale (float32 rounding)"
+            return f"error within {self.scale_tolerance:.2g} of each output's scale ({self.rounding} rounding)"
         return f"atol {self.atol:g}, rtol {self.rtol:g}"
 
     @property

@@ -95,6 +95,18 @@ def rmsnorm(opset=18, d=16, casts=False, gemma=False, div=False):
                  [h.make_tensor_value_info("y", wt, ["batch", "seq", d])], inits, opset)
 
 
+def rmsnorm_float64(opset=17, d=8):
+    """A double-precision model's RMSNorm: x / sqrt(E[x²] + ε) · w, every value float64."""
+    f = lambda name, a: nh.from_array(np.asarray(a, dtype=np.float64), name)  # noqa: E731
+    n1, i1 = _mean("sq", "ms", [-1], opset)
+    nodes = [h.make_node("Pow", ["x", "two"], ["sq"])] + n1 + [
+        h.make_node("Add", ["ms", "eps"], ["ve"]), h.make_node("Sqrt", ["ve"], ["s"]),
+        h.make_node("Div", ["x", "s"], ["n"]), h.make_node("Mul", ["w", "n"], ["y"])]
+    inits = i1 + [f("two", 2.0), f("eps", 1e-6), f("w", RNG.standard_normal(d))]
+    return model(nodes, [h.make_tensor_value_info("x", T.DOUBLE, ["batch", "seq", d])],
+                 [h.make_tensor_value_info("y", T.DOUBLE, ["batch", "seq", d])], inits, opset)
+
+
 def groupnorm(opset=17, c=8, groups=4):
     """torch legacy nn.GroupNorm: Reshape(x, [0, G, -1]) -> InstanceNormalization -> Reshape(shape(x)) · w + b."""
     nodes = [h.make_node("Reshape", ["x", "gshape"], ["xg"]),

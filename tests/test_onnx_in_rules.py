@@ -85,6 +85,17 @@ def test_function_op_in_an_old_opset_file_converts_the_file(tmp_path, build, op,
     assert any(f"the function body of normconv.{op}" in n for n in report.notes)
 
 
+def test_float64_rmsnorm_function_computes_in_float64(tmp_path):
+    """A float64 file's RMSNorm kept as a function op (opset < 23) computes in float64: a float32 body lost 7e-8 of
+    the scale and failed the float64 bound; that bound is labelled float64."""
+    report, ops = _run(tmp_path, G.rmsnorm_float64(17))
+    assert ops["RMSNorm"] == 1 and _codes(report) == {"fused-rmsnorm": 1}
+    body = onnx.load(str(tmp_path / "out.onnx")).functions[0]
+    assert {a.i for n in body.node if n.op_type == "Cast" for a in n.attribute} == {onnx.TensorProto.DOUBLE}
+    assert all("float64 rounding" in v.criterion for v in report.validation)
+    assert max(v.max_scale_error for v in report.validation) < 1e-12
+
+
 def test_rmsnorm_opset_23_is_the_standard_op(tmp_path):
     report, ops = _run(tmp_path, G.rmsnorm(18), opset=23)
     assert ops["RMSNormalization"] == 1 and report.extra["opset"] == 23

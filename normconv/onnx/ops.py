@@ -15,7 +15,7 @@ each as one node instead:
        GroupNorm, opset >= 21              -> GroupNormalization (per-channel scale/bias, opset 21 semantics)
        GroupNorm, opset < 21               -> stays normconv.GroupNorm, its FunctionProto attached
 
-Function bodies (computed in float32, cast back to X's type):
+Function bodies (RMSNorm computed in float32, or float64 where a norm of the model reads float64, cast back):
   RMSNorm(X, w)   = CastLike(X32 / sqrt(mean_axes(X32 ^ 2) + eps), X) * w   (the form onnxruntime fuses)
   GroupNorm(X, w, b) = reshape(InstanceNorm(reshape(X, [N, G, -1])), [N, C, -1]) * w[:, None] + b[:, None]
 """
@@ -200,21 +200,23 @@ def _node(op: str, inputs: list[str], outputs: list[str], refs: tuple = (), **at
 FUNCTION_OPSET = 15
 
 
-def function_proto(op_type: str, opset: int) -> onnx.FunctionProto:
-    """The ONNX function body of normconv.<op_type> in default-domain opset ``opset`` (>= ``FUNCTION_OPSET``)."""
+def function_proto(op_type: str, opset: int, wide: bool = False) -> onnx.FunctionProto:
+    """The ONNX function body of normconv.<op_type> in default-domain opset ``opset`` (>= ``FUNCTION_OPSET``);
+    ``wide``: a norm of the model reads float64, so RMSNorm's statistics are computed in float64 (a body is one per
+    model and cannot choose by type: float32 would lose a float64 input's digits)."""
     if op_type == "RMSNorm":
-        return _rms_function(opset)
+        return _rms_function(opset, onnx.TensorProto.DOUBLE if wide else onnx.TensorProto.FLOAT)
     if op_type == "GroupNorm":
         return _group_norm_function(opset)
     raise ValueError(f"no function body for {DOMAIN}.{op_type}")
 
 
-def _rms_function(opset: int) -> onnx.FunctionProto:
+def _rms_function(opset: int, compute: int) -> onnx.FunctionProto:
     A = onnx.AttributeProto
     # Pow(x, 2), not Mul(x, x): onnxruntime fuses Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul into its
     # SimplifiedLayerNormalization kernel once it inlines the function (measured 2.1x faster than Mul's form)
-    two = helper.make_tensor("two", onnx.TensorProto.FLOAT, [], [2.0])
-    nodes = [_node("Cast", ["X"], ["X32"], to=onnx.TensorProto.FLOAT),
+    two = helper.make_tensor("two", compute, [], [2.0])
+    nodes = [_node("Cast", ["X"], ["X32"], to=compute),
              _node("Constant", [], ["Two"], value=two),
              _node("Pow", ["X32", "Two"], ["Sq"])]
     if opset >= 18:  # ReduceMean takes axes as an input from opset 18
@@ -222,15 +224,18 @@ def _rms_function(opset: int) -> onnx.FunctionProto:
                   _node("ReduceMean", ["Sq", "Axes"], ["MeanSq"], keepdims=1)]
     else:
         nodes += [_node("ReduceMean", ["Sq"], ["MeanSq"], (_ref("axes", "axes", A.INTS),), keepdims=1)]
-    nodes += [_node("Constant", [], ["Eps"], (_ref("value_float", "epsilon", A.FLOAT),)),
-              _node("Add", ["MeanSq", "Eps"], ["Var"]),
+    wide = compute != onnx.TensorProto.FLOAT  # float64: the float attribute epsilon cast to it
+    nodes += [_node("Constant", [], ["Eps32" if wide else "Eps"], (_ref("value_float", "epsilon", A.FLOAT),))]
+    nodes += [_node("Cast", ["Eps32"], ["Eps"], to=compute)] if wide else []
+    nodes += [_node("Add", ["MeanSq", "Eps"], ["Var"]),
               _node("Sqrt", ["Var"], ["Rms"]),
               _node("Div", ["X32", "Rms"], ["N32"]),
               _node("CastLike", ["N32", "X"], ["N"]),
               _node("Mul", ["N", "scale"], ["Y"])]
     return helper.make_function(DOMAIN, "RMSNorm", ["X", "scale"], ["Y"], nodes,
                                 [helper.make_opsetid("", opset)], attributes=["axes", "epsilon"],
-                                doc_string="Y = X / sqrt(mean(X^2 over axes) + epsilon) * scale, in float32")
+                                doc_string="Y = X / sqrt(mean(X^2 over axes) + epsilon) * scale, in "
+                                f"{'float64' if wide else 'float32'}")
 
 
 def _group_norm_function(opset: int) -> onnx.FunctionProto:

@@ -379,6 +379,8 @@ def compare(reference: Any, candidate: Any, atol: float | None = None, rtol: flo
         scale_tolerance=max((e.tolerance for e in ruled if e.name not in (squashed or {})),
                             default=SCALE_ULPS * UNIT_ROUNDOFF[torch.float32] if ruled else float("nan")),
         max_scale_error=max((e.scale_error for e in errs if not math.isnan(e.scale_error)), default=float("nan")),
+        rounding=", ".join(sorted({str(r.dtype).removeprefix("torch.") for (n, r), e in zip(ref, errs)
+                                   if math.isfinite(e.tolerance) and r.is_floating_point()}) or {"float32"}),
     )
 
 

@@ -34,7 +34,9 @@ class LowerNorms(ir.passes.InPlacePass):
             if n.domain == DOMAIN:
                 self.made[f"{DOMAIN}.{n.op_type}"] = self.made.get(f"{DOMAIN}.{n.op_type}", 0) + 1
         for op_type in kept:  # no standard op at this opset  =>  keep normconv.<op>, attach its function body
-            fn = ir.serde.deserialize_function(function_proto(op_type, model.opset_imports.get("", 18)))
+            wide = any(n.domain == DOMAIN and n.op_type == op_type and n.inputs[0].dtype == ir.DataType.DOUBLE
+                       for n in ir.traversal.RecursiveGraphIterator(model.graph))  # float64 computed in float64
+            fn = ir.serde.deserialize_function(function_proto(op_type, model.opset_imports.get("", 18), wide))
             model.functions[fn.identifier()] = fn
         if kept:
             model.opset_imports[DOMAIN] = 1
