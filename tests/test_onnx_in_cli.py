@@ -74,6 +74,20 @@ def test_bad_inputs_exit_2_in_one_line(cli, tmp_path):
     assert code == 2 and "normconv writes float16" in err
 
 
+def test_an_input_without_a_shape_asks_for_it_in_one_line(cli, tmp_path, capfd):
+    """An input declared with a type but no shape (unknown rank; onnxruntime loads it): normconv cannot make inputs
+    for it, says so in one line naming -i (exit 2) and onnxruntime prints nothing; with -i it runs."""
+    proto = G.layernorm_torch(17)
+    proto.graph.input[0].type.tensor_type.ClearField("shape")
+    src = G.save(proto, tmp_path / "unranked.onnx")
+    capfd.readouterr()
+    code, _, err = cli("fold", src, "-o", tmp_path / "o.onnx")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "-i x:" in err and "without a shape" in err
+    assert capfd.readouterr().err.strip() == "" and not (tmp_path / "o.onnx").exists()
+    code, _, err = cli("export", src, "-o", tmp_path / "o.onnx", "-i", "x:2,3,16")
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("command, flags", [("fold", ["--eval"]), ("fold", ["--in-place", "--static"]),
                                             ("export", ["--no-fold"]), ("export", ["--validate", "cuda"]),
                                             ("export", ["--baseline"]), ("inspect", ["--capture", "torch.export"])])

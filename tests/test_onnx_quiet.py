@@ -36,3 +36,19 @@ def test_a_refused_size_raises_and_prints_nothing(capfd):
     with pytest.raises(Exception, match="broadcast"):
         run_quietly(sess, {"X": np.zeros((3, 4), np.float32)})
     assert "onnxruntime" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("make", ["parity", "validate"])
+def test_a_kernel_failing_in_a_validation_session_prints_nothing(capfd, tmp_path, make):
+    """The sessions normconv validates in log nothing below fatal: a kernel's failure raises, and normconv's own line
+    is all the user sees (severity 3 printed the executor's ERROR line, in colour, before it)."""
+    from normconv.onnx import parity, validate
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_refusing_model())
+    sess = parity.session(str(path), "disabled") if make == "parity" else \
+        validate.session(str(path), "CPUExecutionProvider", "disabled")
+    capfd.readouterr()
+    with pytest.raises(Exception, match="broadcast"):
+        sess.run(None, {"X": np.zeros((3, 4), np.float32)})
+    assert "onnxruntime" not in capfd.readouterr().err

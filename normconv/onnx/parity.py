@@ -49,11 +49,13 @@ class Plan:
 def session(path_or_bytes, level: str):
     import onnxruntime as ort
 
-    ort.set_default_logger_severity(3)  # a size the model refuses while sizes are tried is not an error to print
+    # fatal only: a size the model refuses while sizes are tried, or a kernel failing in validation, is normconv's
+    # to report in its one line (severity 3 still printed the executor's ERROR line, in colour, on stderr)
+    ort.set_default_logger_severity(4)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if level == "disabled"
                                      else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(path_or_bytes, opts, providers=["CPUExecutionProvider"])
 
@@ -101,6 +103,11 @@ def specs(path: str, model, overrides: list[str] | None) -> list[Spec]:
                             f"each rewrite against the file given, in onnxruntime") from None
     hints = _int_hints(model)
     given = _parse(overrides or [], [i.name for i in sess.get_inputs()])
+    unranked = [v.name for v in model.graph.inputs if v.shape is None and v.name not in given and
+                v.name in {i.name for i in sess.get_inputs()}]
+    if unranked:  # onnxruntime would take any rank: a made-up one fails in a kernel, or proves nothing
+        raise NormconvError(f"input {unranked[0]!r} is declared without a shape (its rank is unknown): normconv "
+                            f"cannot make inputs for it", hint=f"give its shape with -i {unranked[0]}:D0,D1,...")
     out = []
     for i in sess.get_inputs():
         if i.type not in _NP:

@@ -150,7 +150,7 @@ def session(path: str, provider: str, level: str, spin: bool = True, tf32: bool 
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if level == "disabled"
                                      else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # fatal only: a kernel's failure raises, and normconv says it in one line
     options = {"use_tf32": "1" if tf32 else "0"} if provider == PROVIDERS["cuda"] else {}
     return ort.InferenceSession(path, opts, providers=[(provider, options)])
 
