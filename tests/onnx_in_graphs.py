@@ -107,6 +107,26 @@ def rmsnorm_float64(opset=17, d=8):
                  [h.make_tensor_value_info("y", T.DOUBLE, ["batch", "seq", d])], inits, opset)
 
 
+def norms_eps_rank_up(kind="layernorm", d=8):
+    """Two norms of a rank-3 input in a row, the second one's eps of shape (1, 1, 1, 1): its Add broadcasts the
+    result up to rank 4, (1, N, T, D), which one fused op would drop; the first one is plain."""
+    def norm(x, y, eps):
+        p = f"{y}_"
+        if kind == "layernorm":
+            return [h.make_node("ReduceMean", [x], [p + "m"], axes=[-1]), h.make_node("Sub", [x, p + "m"], [p + "d"]),
+                    h.make_node("Pow", [p + "d", "two"], [p + "d2"]),
+                    h.make_node("ReduceMean", [p + "d2"], [p + "v"], axes=[-1]),
+                    h.make_node("Add", [p + "v", eps], [p + "ve"]), h.make_node("Sqrt", [p + "ve"], [p + "s"]),
+                    h.make_node("Div", [p + "d", p + "s"], [p + "n"]), h.make_node("Mul", [p + "n", "w"], [y])]
+        return [h.make_node("Pow", [x, "two"], [p + "sq"]), h.make_node("ReduceMean", [p + "sq"], [p + "ms"], axes=[-1]),
+                h.make_node("Add", [p + "ms", eps], [p + "ve"]), h.make_node("Sqrt", [p + "ve"], [p + "s"]),
+                h.make_node("Div", [x, p + "s"], [p + "n"]), h.make_node("Mul", ["w", p + "n"], [y])]
+    inits = [_f("two", 2.0), _f("eps", 1e-5), _f("eps4", np.full((1, 1, 1, 1), 1e-5)), _f("w", RNG.random(d) + 0.5)]
+    return model(norm("x", "y1", "eps") + norm("y1", "y", "eps4"),
+                 [h.make_tensor_value_info("x", T.FLOAT, ["batch", "seq", d])],
+                 [h.make_tensor_value_info("y", T.FLOAT, None)], inits, 17)
+
+
 def groupnorm(opset=17, c=8, groups=4):
     """torch legacy nn.GroupNorm: Reshape(x, [0, G, -1]) -> InstanceNormalization -> Reshape(shape(x)) · w + b."""
     nodes = [h.make_node("Reshape", ["x", "gshape"], ["xg"]),

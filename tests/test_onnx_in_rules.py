@@ -192,6 +192,31 @@ def test_layernorm_whose_mean_is_read_becomes_an_rmsnorm_of_the_centered_input(t
     assert _codes(report) == {"fused-rmsnorm": 1}
 
 
+def test_onnxruntime_changing_the_inputs_own_result_is_not_the_outputs_fault(tmp_path):
+    """fold leaves a LayerNorm whose eps broadcasts up a rank as it is; onnxruntime's LayerNormFusion drops that rank
+    at its default level in the input as in the output: the output is judged against the input at that level, the
+    label says why, and the fold passes (it exited 1, 'differs from the input')."""
+    report, _ = _run(tmp_path, G.norms_eps_rank_up("layernorm"), command="fold")
+    default = [v for v in report.validation if "default" in v.label]
+    assert default and all("change the input's result" in v.label and v.passed for v in default)
+    assert all("same level" not in v.label for v in report.validation if "disabled" in v.label)
+
+
+@pytest.mark.parametrize("kind,op,code", [("layernorm", "LayerNormalization", "fused-layernorm"),
+                                          ("rmsnorm", "RMSNorm", "fused-rmsnorm")])
+def test_an_eps_that_broadcasts_up_a_rank_is_refused_and_the_rest_fuses(tmp_path, kind, op, code):
+    """eps of shape (1, 1, 1, 1) on a rank-3 input makes the file's result rank 4: that site is refused with a code
+    (one fused op would drop the rank), the other norm of the file fuses, and the export passes."""
+    report, ops = _run(tmp_path, G.norms_eps_rank_up(kind))
+    assert ops[op] == 1 and ops["Sqrt"] == 1
+    assert _codes(report) == {code: 1, "constant-broadcasts-up-a-rank": 1}
+    refused = next(s for s in report.sites if not s.applied)
+    assert "(1, 1, 1, 1)" in refused.reason and "rank 4" in refused.reason
+    # onnxruntime's own fusion drops that rank in the kept site at its default level, in the input as in the
+    # output: judged against the input at that level, and said (the file's meaning is its unoptimized run)
+    assert all("change the input's result" in v.label for v in report.validation if "default" in v.label)
+
+
 def test_validation_failure_writes_nothing(tmp_path):
     """A tolerance nothing meets: exit 1 semantics, no output file."""
     src = G.save(G.layernorm_tf(15), tmp_path / "in.onnx")

@@ -30,6 +30,7 @@ from normconv.report import Site, Why
 FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 _SEE_THROUGH = ("Cast", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity")
 _ARITH = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}
+_BROADCASTING = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min")  # element-wise ops whose operands broadcast
 _FILL_LIMIT = 1 << 27  # elements a ConstantOfShape is evaluated up to (512 MB of float32): past it, not read as a constant
 
 
@@ -208,6 +209,19 @@ def producers(v: ir.Value | None, stop: set[int], limit: int = 64) -> list[ir.No
         out.append(node)
         todo.extend(node.inputs)
     return out
+
+
+def rank_up(nodes: list[ir.Node], r: int) -> tuple[ir.Value, tuple[int, ...]] | None:
+    """A constant operand of the element-wise ops among ``nodes`` with more dims than ``r`` (an eps of shape
+    (1, 1, 1, 1) on a rank-3 input: it broadcasts the result up a rank, which a fused op would drop), with its
+    shape; else None."""
+    for node in nodes:
+        if default(node) and node.op_type in _BROADCASTING:
+            for v in node.inputs:
+                c = const(v) if v is not None and (v.const_value is not None or v.producer() is not None) else None
+                if c is not None and c.ndim > r:
+                    return v, tuple(c.shape)
+    return None
 
 
 @dataclass

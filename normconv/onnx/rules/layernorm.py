@@ -23,7 +23,8 @@ from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchResult
 
 from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, default, describe, layout,
-                                      mean_of, normalize, per_feature, producers, rank, restored, scalar, square_of)
+                                      mean_of, normalize, per_feature, producers, rank, rank_up, restored, scalar,
+                                      square_of)
 from normconv.report import Why
 
 OPSET = 17  # LayerNormalization's first opset
@@ -41,6 +42,7 @@ class LayerNormWhy(Why):
     DYNAMIC_NORMALIZED = "dynamic-normalized-dims"
     SCALE_NOT_PER_FEATURE = "scale-not-per-feature"
     INNER_VALUE_READ = "inner-value-read"
+    RANK_UP = "constant-broadcasts-up-a-rank"
     OPSET_BELOW = "opset-below-17"
 
 
@@ -144,6 +146,10 @@ class LayerNormFusion(NormRule):
         nodes = list(context.nodes) + list(m.nodes) + var_nodes
         nodes += (producers(eps, {id(x)}) if eps is not None else []) + \
             (producers(w, {id(x)}) if w is not None else [])
+        up = rank_up(nodes, r)
+        if up is not None:  # the file's result has that constant's rank; LayerNormalization's has x's
+            return self.refuse(context, W.RANK_UP, f"a constant of shape {up[1]} broadcasts the rank-{r} input's "
+                                                   f"result up to rank {len(up[1])}", up[0])
         if not closed(nodes, context.root):
             return self.refuse(context, W.INNER_VALUE_READ, "a value inside the norm is read outside it", x)
         if opset_of(context) < OPSET:

@@ -55,6 +55,7 @@ def list_near_misses(nodes, log: SiteLog) -> None:
             continue
         readers = [u.node for o in node.outputs for u in o.uses()]
         near = readers + [u.node for r in readers for o in r.outputs for u in o.uses()]
-        if any(name_of(r) in log.rows for r in near):
+        # a site is logged by its node's name, or by its output's where the node had none yet (named since)
+        if any(name_of(r) in log.rows or r.outputs and r.outputs[0].name in log.rows for r in near):
             continue
         log.add("norm-like", Site(PASS, name_of(node), False, why[1], why[0]))

@@ -18,7 +18,7 @@ from onnxscript.rewriter._basics import MatchResult
 
 from normconv.onnx.ops import DOMAIN
 from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, describe, layout,
-                                      mean_of, normalize, per_feature, producers, rank, scalar, square_of)
+                                      mean_of, normalize, per_feature, producers, rank, rank_up, scalar, square_of)
 from normconv.report import Why
 
 
@@ -30,6 +30,7 @@ class RmsNormWhy(Why):
     AXES_NOT_FUSABLE = "axes-not-fusable"
     DYNAMIC_NORMALIZED = "dynamic-normalized-dims"
     INNER_VALUE_READ = "inner-value-read"
+    RANK_UP = "constant-broadcasts-up-a-rank"
 
 
 class RmsNormFusion(NormRule):
@@ -65,6 +66,10 @@ class RmsNormFusion(NormRule):
         if not all(isinstance(s, int) for s in sizes):
             return self.refuse(context, W.DYNAMIC_NORMALIZED, f"normalized dims {sizes} are not static", x)
         nodes = list(context.nodes) + list(m.nodes) + [m.source.producer()] + producers(eps, {id(x)})
+        up = rank_up(nodes, rank(x))
+        if up is not None:  # the file's result has that constant's rank; the fused op's has x's
+            return self.refuse(context, W.RANK_UP, f"a constant of shape {up[1]} broadcasts the rank-{rank(x)} "
+                                                   f"input's result up to rank {len(up[1])}", up[0])
         if not closed(nodes, context.root):
             return self.refuse(context, W.INNER_VALUE_READ, "a value inside the norm is read outside it", x)
         self._fused = (where, sizes, e)
