@@ -218,3 +218,14 @@ def test_affine_refuses_a_training_mode_model_as_fold_does(cli, tmp_path):
     assert code == 2 and "training mode" in stderr and len(stderr.strip().splitlines()) == 1
     code, _, stderr = cli("--quiet", "swap", src, "--trust-pickle", "-i", "2,3,8,8", "--to", "affine", "--eval")
     assert code == 0, stderr
+
+
+def test_batchnorm_targets_obey_the_writing_flags(cli, tmp_path):
+    """swap --to a BatchNorm target honours --static (and --overwrite, --accept-specialized) as every command does:
+    they were dropped on this path, and a .pt2 asked --static kept dynamic dimensions."""
+    import json as _json
+
+    code, out, err = cli("swap", "zoo:resnet", "--to", "frozen-batchnorm", "-o", tmp_path / "f.pt2", "--static",
+                         "--json")
+    assert code == 0, err
+    assert any("example's shapes only (--static)" in n for n in _json.loads(out)["notes"])

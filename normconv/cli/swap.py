@@ -66,7 +66,10 @@ def register(app: typer.Typer) -> None:
                      ("--fold-scales", fold_scales), ("--stream", stream)], f"--to {to}")
             loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
             report, _ = swap_batchnorm(loaded, options_from_flags(output, atol, rtol, in_place, bench,
-                                                                  normconv_modules, eval_mode), to, as_conv=as_conv)
+                                                                  normconv_modules, eval_mode,
+                                                                  accept_specialized=accept_specialized,
+                                                                  static=static, overwrite=overwrite),
+                                       to, as_conv=as_conv)
             emit(report, as_json)
             return
         if to not in SOURCE_KIND:

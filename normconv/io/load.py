@@ -142,6 +142,8 @@ def check_inputs(loaded: Loaded) -> Any:
     """Run the model once on its example inputs; a mismatch is the user's input, said in one line."""
     try:
         out = run(loaded.model, loaded.inputs)
+    except NormconvError:  # normconv's own refusal before the forward (an uninitialized lazy module): as it is
+        raise
     except Exception as exc:
         raise NormconvError(f"the model rejected its example inputs ({loaded.inputs.describe()}): "
                             f"{describe(exc)}") from None
