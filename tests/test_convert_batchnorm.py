@@ -229,3 +229,10 @@ def test_batchnorm_targets_obey_the_writing_flags(cli, tmp_path):
                          "--json")
     assert code == 0, err
     assert any("example's shapes only (--static)" in n for n in _json.loads(out)["notes"])
+
+
+@pytest.mark.parametrize("to", ["groupnorm:", "groupnorm:0", "groupnorm:x", "affine:", "frozen-batchnorm:2"])
+def test_a_bad_group_count_is_one_line(cli, to):
+    """A count asked for and not given (groupnorm:, was taken as the default), or given where none goes."""
+    code, _, err = cli("swap", "zoo:resnet", "--to", to)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and ("group count" in err or "only groupnorm" in err), err

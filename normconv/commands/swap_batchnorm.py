@@ -23,12 +23,12 @@ from normconv.verify import argmax_agreement, output_leaves
 def parse_target(to: str) -> tuple[str, int | None] | None:
     """("groupnorm", 8) from "groupnorm:8", (to, None) for another BatchNorm target, None for a target that is not
     one of them. A bad group count is a one-line error."""
-    name, _, groups = to.partition(":")
+    name, colon, groups = to.partition(":")
     if name not in convert_batchnorm.TARGETS:
         return None
-    if groups and name != "groupnorm":
+    if colon and name != "groupnorm":
         raise NormconvError(f"--to {to}: only groupnorm takes a count (groupnorm:G)")
-    if groups and (not groups.isdigit() or int(groups) < 1):
+    if colon and (not groups.isdigit() or int(groups) < 1):  # "groupnorm:" too: a count was meant, none given
         raise NormconvError(f"--to {to}: the group count must be a positive integer (groupnorm:G)")
     return name, int(groups) if groups else None
 
