@@ -115,6 +115,8 @@ class Validation:
     def worst(self) -> str:
         """The largest error, for people: absolute, and relative to the output's scale where measured."""
         text = f"max abs error {self.max_abs_error:.3g}"
+        if not math.isfinite(self.max_abs_error):  # NaN for NaN and equal infinities count as no difference
+            return text + " (a NaN or an infinity on one side only: an overflow, or a division by zero)"
         return text + (f", {self.max_scale_error:.3g} of the output's scale" if math.isfinite(self.max_scale_error)
                        else "")
 

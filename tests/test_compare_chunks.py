@@ -111,3 +111,12 @@ def test_nan_in_the_same_places_passes_the_element_wise_rule_too():
     for tol in ((None, None), (1e-3, 1e-3), (0.0, 0.0)):
         assert compare(a, same, *tol).passed == (tol[0] != 0.0), tol  # 1e-6 off: within 1e-3, not within 0
         assert not compare(a, one_side, *tol).passed and not compare(one_side, a, *tol).passed, tol
+
+
+def test_a_failure_by_nan_or_infinity_is_named_for_people():
+    """'max abs error nan' alone did not say why: a half model overflowing where float32 does not."""
+    a = torch.tensor([1.0, 2.0, 3.0])
+    for bad in (float("nan"), float("inf")):
+        v = compare(a, torch.tensor([1.0, bad, 3.0]))
+        assert not v.passed and "on one side only: an overflow" in v.worst, v.worst
+    assert "one side" not in compare(a, a + 1).worst
