@@ -164,3 +164,21 @@ def test_nothing_else_changed_is_checked_on_a_model_past_the_rounding_budget(cli
     code, _, stderr = cli("recalibrate", src, "--trust-pickle", "--calibration", calib, "-o", tmp_path / "out.pt")
     assert code != 0 and "changed besides the BatchNorm statistics" in stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_last_batch_of_one_sample_joins_the_one_before():
+    """33 samples at --batch-size 32: the one left over joins the batch before (a BatchNorm1d on (N, C) refuses a
+    batch of one in training mode: 'Expected more than 1 value per channel'); every sample is used once."""
+    from normconv.commands.recalibrate import split_batches
+    from normconv.verify import Inputs
+
+    x = torch.arange(33.0)[:, None].expand(33, 4)
+    batches = split_batches(Inputs((x,)), 32)
+    assert [b.args[0].shape[0] for b in batches] == [33]
+    assert [b.args[0].shape[0] for b in split_batches(Inputs((x[:31],)), 10)] == [10, 10, 11]
+    assert [b.args[0].shape[0] for b in split_batches(Inputs((x,)), 10)] == [10, 10, 10, 3]
+    assert torch.equal(torch.cat([b.args[0] for b in batches]), x)
+    assert [b.args[0].shape[0] for b in split_batches(Inputs((x[:1],)), 32)] == [1]
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).eval()
+    new, report = normconv.recalibrate(model, torch.randn(33, 4), batch_size=32)
+    assert report.passed

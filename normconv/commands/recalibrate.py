@@ -29,7 +29,9 @@ DEFAULT_BATCH_SIZE = 32
 
 def split_batches(data: Inputs, batch_size: int) -> list[Inputs]:
     """Calibration inputs whose tensors share their first (sample) dim, cut into batches of ``batch_size`` (the
-    last may be smaller); non-tensor arguments go to every batch."""
+    last may be smaller; a last batch of one sample joins the one before: a BatchNorm computing batch statistics
+    needs more than one value per channel, and BatchNorm1d on (N, C) has no other); non-tensor arguments go to
+    every batch."""
     if batch_size < 1:
         raise NormconvError(f"--batch-size must be at least 1, got {batch_size}")
     tensors = [v for v in [*data.args, *data.kwargs.values()] if isinstance(v, torch.Tensor)]
@@ -37,9 +39,13 @@ def split_batches(data: Inputs, batch_size: int) -> list[Inputs]:
     if not tensors or len(sizes) != 1 or None in sizes:
         raise NormconvError("calibration tensors must share their first dim (the samples) to be cut into batches")
     n = sizes.pop()
-    cut = lambda v, i: v[i:i + batch_size] if isinstance(v, torch.Tensor) else v  # noqa: E731
-    return [Inputs(tuple(cut(a, i) for a in data.args), {k: cut(v, i) for k, v in data.kwargs.items()})
-            for i in range(0, n, batch_size)]
+    starts = list(range(0, n, batch_size))
+    if len(starts) > 1 and n - starts[-1] == 1:  # one sample left over: it joins the batch before
+        starts.pop()
+    bounds = list(zip(starts, starts[1:] + [n]))
+    cut = lambda v, i, j: v[i:j] if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return [Inputs(tuple(cut(a, i, j) for a in data.args), {k: cut(v, i, j) for k, v in data.kwargs.items()})
+            for i, j in bounds]
 
 
 def recalibrate(loaded: Loaded, opts: Options, batches: Sequence[Inputs]) -> tuple[Report, nn.Module]:
