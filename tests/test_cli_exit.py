@@ -65,3 +65,15 @@ def test_json_is_one_object_on_a_refusal_too(cli, args):
     r = json.loads(out)
     assert code == 2 and r["passed"] is False and r["exit_code"] == 2 and r["code"] in ("refused", "bad-input")
     assert r["error"] in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [("fold", "zoo:resnet", "--atol", "-1"), ("fold", "zoo:resnet", "--bogus"),
+                                  ("nocommand",)])
+def test_a_usage_error_is_one_line_and_exit_2(args):
+    """A flag or argument click refuses is bad input like any other: one line on stderr naming the --help to read
+    (click printed the usage and the error over four lines); no arguments still show the help."""
+    r = subprocess.run([sys.executable, "-m", "normconv.cli", *args], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ") and "--help" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "normconv.cli"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Commands:" in r.stdout + r.stderr

@@ -50,10 +50,36 @@ def _terminated(signum, frame):
 
 
 def main() -> None:
+    """The command line: a flag or argument click refuses (a usage error) is one line on stderr and exit 2, as every
+    other bad input is (click prints the usage and the error over four lines); no arguments still show the help."""
     import signal
+    import sys
 
+    errors = _click_errors()
     signal.signal(signal.SIGTERM, _terminated)
-    app()
+    try:
+        code = app(standalone_mode=False)
+    except getattr(errors, "NoArgsIsHelpError", ()) as exc:  # `normconv` alone: the help, as click shows it
+        exc.show()
+        raise SystemExit(exc.exit_code) from None
+    except errors.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "normconv"
+        sys.stderr.write(f"error: {exc.format_message()} (see {where} --help)\n")
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:  # end of input or Ctrl-C at a prompt, as click reports it
+        sys.stderr.write("Aborted!\n")
+        raise SystemExit(1) from None
+    # typer.Exit(code) inside a command is returned in this mode: the exit click's own mode makes, 0 included
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _click_errors():
+    """The exceptions module of the click typer runs on (typer >= 0.20 carries its own copy)."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
 
 
 def entry() -> None:
