@@ -190,7 +190,7 @@ def test_cli_writes_a_model_that_loads_with_torch_alone(cli, tmp_path):
     (("--to", "groupnorm:x"), "positive integer"),
     (("--to", "affine:2"), "only groupnorm takes a count"),
     (("--to", "frozen-batchnorm", "--as-conv"), "goes with --to affine"),
-    (("--to", "frozen-batchnorm", "--approximate"), "does not go with --to frozen-batchnorm"),
+    (("--to", "frozen-batchnorm", "--approximate"), "--to frozen-batchnorm: --approximate is not supported with it"),
 ])
 def test_cli_flags_that_do_not_fit_are_one_line_errors(cli, args, message):
     code, _, stderr = cli("swap", "zoo:resnet", *args)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from normconv.cli.common import (AcceptSpecializedOpt, OverwriteOpt, StaticOpt, TrustCodeOpt, KeepNormconvOpt, AtolOpt, BenchOpt, DtypeOpt, InPlaceOpt, InputShapeOpt, JsonOpt, ModelArg, OutputOpt, RtolOpt,
-                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_from_flags, options_from_flags, user_errors)
+                         TrustOpt, WeightsOpt, check_stream_flags, emit, load_from_flags, options_from_flags, refuse_flags, user_errors)
 
 
 def register(app: typer.Typer) -> None:
@@ -62,8 +62,9 @@ def register(app: typer.Typer) -> None:
         from normconv.passes.swap_norm import SOURCE_KIND
 
         if parse_target(to) is not None:
-            _refuse([("--approximate", approximate), ("--partial", partial), ("--no-canonicalize", no_canonicalize),
-                     ("--fold-scales", fold_scales), ("--stream", stream)], f"--to {to}")
+            refuse_flags(f"--to {to}", [("--approximate", approximate), ("--partial", partial),
+                                        ("--no-canonicalize", no_canonicalize), ("--fold-scales", fold_scales),
+                                        ("--stream", stream)])
             loaded = load_from_flags(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
             report, _ = swap_batchnorm(loaded, options_from_flags(output, atol, rtol, in_place, bench,
                                                                   normconv_modules, eval_mode,
@@ -75,7 +76,7 @@ def register(app: typer.Typer) -> None:
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm, layernorm, frozen-batchnorm, batchnorm, "
                                 f"affine, groupnorm[:G] or instancenorm")
-        _refuse([("--as-conv", as_conv), ("--eval", eval_mode)], f"--to {to}")
+        refuse_flags(f"--to {to}", [("--as-conv", as_conv), ("--eval", eval_mode)])
         if stream:
             from normconv.stream import swap as streaming
 
@@ -96,12 +97,3 @@ def register(app: typer.Typer) -> None:
                                                    overwrite=overwrite), to,
                         approximate, canonicalize=not no_canonicalize, fold_scales_=fold_scales, partial=partial)
         emit(report, as_json)
-
-
-def _refuse(flags: list[tuple[str, bool]], what: str) -> None:
-    """The flags that do not go with ``what``, refused in one line before anything is read."""
-    from normconv.errors import NormconvError
-
-    given = [flag for flag, on in flags if on]
-    if given:
-        raise NormconvError(f"{', '.join(given)} does not go with {what}")
