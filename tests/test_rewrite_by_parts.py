@@ -249,3 +249,34 @@ def test_a_pt2_of_a_model_rewritten_by_parts_is_refused_before_the_work_with_tor
     assert not ran and not list(tmp_path.iterdir())
     report, _ = rewrite(_loaded(model, x), [Spy()], Options(output=str(tmp_path / "m.pt")), command="fold")
     assert report.passed and ran and (tmp_path / "m.pt").is_file()
+
+
+def test_a_pass_that_broke_the_model_is_named_not_the_users_inputs():
+    """By parts, each pass records the submodules' inputs with one eager forward of the model as rewritten so far.
+    Where an earlier pass left a model that fails, that forward named the user's example inputs ('the model
+    rejected its example inputs', a user error, exit 2); it names the pass (a normconv bug, exit 3)."""
+    from normconv.engine.run import apply_passes
+    from normconv.passes import fold_batchnorm
+    from normconv.passes.base import Check, Pass, replace_module
+    from normconv.report import PassResult
+    from normconv.verify import Inputs
+
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise ValueError("broken by the pass")
+
+    class Breaker(Pass):
+        name, check, by_parts = "breaker", Check.EXACT, True
+
+        def plan(self, cap, norms):
+            return []
+
+        def __call__(self, model, cap):
+            found = "1" in dict(model.named_children()) and isinstance(model.get_submodule("1"), nn.BatchNorm2d)
+            if found:
+                replace_module(model, "1", Broken())
+            return PassResult(model, found, ())
+
+    model, x = branchy()
+    with pytest.raises(RuntimeError, match="as breaker rewrote it fails on its example inputs"):
+        apply_passes(model, Inputs(x), [Breaker(), fold_batchnorm.FOLD], by_parts=True)

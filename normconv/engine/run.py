@@ -174,7 +174,7 @@ def _by_parts(p: Pass, work: nn.Module, inputs: Inputs, method: str, whole: Norm
     from normconv.graph.parts import capture_parts
 
     if parts is None:
-        parts = capture_parts(work, inputs, method, failed_parts)
+        parts = capture_parts(work, inputs, method, failed_parts, [q.name for q, r in out.results if r.modified])
     failed_parts.update(parts.failed)
     if not parts.parts:
         raise NormconvError(f"{whole}; no submodule captures alone either", Code.CANNOT_CAPTURE)

@@ -15,6 +15,7 @@ import collections
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch.nn as nn
 
@@ -38,10 +39,11 @@ class Parts:
     leaves_failed: list[str] = field(default_factory=list)  # failed paths with no submodule to split into
 
 
-def _record(model: nn.Module, inputs: Inputs, wanted: dict[str, nn.Module]) \
+def _record(model: nn.Module, inputs: Inputs, wanted: dict[str, nn.Module], rewritten_by: Sequence[str] = ()) \
         -> tuple[dict[str, Inputs], collections.Counter, dict[str, int]]:
     """One eager forward: the first inputs each wanted module was called with, its call count, and the order of
-    every module's first call."""
+    every module's first call. ``rewritten_by``: the passes that already changed ``model`` (then a failing forward
+    is theirs, not the user's inputs')."""
     seen: dict[str, Inputs] = {}
     calls: collections.Counter = collections.Counter()
     order: dict[str, int] = {}
@@ -61,7 +63,10 @@ def _record(model: nn.Module, inputs: Inputs, wanted: dict[str, nn.Module]) \
                for n, m in model.named_modules() if n]
     try:
         run(model, inputs)
-    except Exception as exc:  # the whole model's eager forward: the inputs are the user's
+    except Exception as exc:
+        if rewritten_by:  # the model ran on these inputs before: the passes that changed it broke it (a bug)
+            raise RuntimeError(f"the model as {', '.join(rewritten_by)} rewrote it fails on its example inputs "
+                               f"({inputs.describe()}): {_one_line(exc)}") from None
         raise NormconvError(f"the model rejected its example inputs ({inputs.describe()}): {_one_line(exc)}") from None
     finally:
         for h in handles:
@@ -70,7 +75,7 @@ def _record(model: nn.Module, inputs: Inputs, wanted: dict[str, nn.Module]) \
 
 
 def capture_parts(model: nn.Module, inputs: Inputs, method: str = "auto",
-                  known_failed: dict[str, str] | None = None) -> Parts:
+                  known_failed: dict[str, str] | None = None, rewritten_by: Sequence[str] = ()) -> Parts:
     """Graphs of the largest submodules that capture alone, level by level (see the module docstring).
     ``known_failed``: paths whose capture already failed in this run (path -> why), split without being tried again:
     a pass rewrites layers, not the control flow that kept a module from capturing."""
@@ -80,7 +85,7 @@ def capture_parts(model: nn.Module, inputs: Inputs, method: str = "auto",
     order: dict[str, int] = {}
     while pending:
         wanted = dict(pending)
-        recorded, calls, order = _record(model, inputs, wanted)
+        recorded, calls, order = _record(model, inputs, wanted, rewritten_by)
         pending = []
         for name, module in wanted.items():
             if name not in recorded:  # a container (ModuleList) or a module these inputs never call: its children
