@@ -58,9 +58,8 @@ def register(app: typer.Typer) -> None:
             raise NormconvError("--calibration measures half-precision headroom: give --dtype float16 or bfloat16")
         # a half --dtype is the target of the headroom report: the model is measured in float32, not cast
         loaded, target = load_half_target(model, weights, input_shape, trust_pickle, dtype, trust_remote_code)
+        # calibration data is read too (recorded in the run's ledger): no write of this run may replace it
         calib = load_calibration(calibration, loaded.model, loaded.ledger) if calibration else None
-        if calibration:
-            loaded.ledger.record(calibration)  # calibration data is read too: no write of this run may replace it
         emit(run(loaded, capture, target, calib), as_json, print_inspect)
 
 

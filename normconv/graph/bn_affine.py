@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.nn.utils import parametrize, prune
+from torch.nn.utils.weight_norm import WeightNorm
 
 from normconv.graph.capture import Captured
 from normconv.match import arg, batch_norm_args
@@ -125,7 +126,7 @@ def _recomputed_by(mod: nn.Module, name: str) -> str:
         # torch.nn.utils.prune (one method, or a PruningContainer of several) on this tensor
         if isinstance(hook, prune.BasePruningMethod) and getattr(hook, "_tensor_name", None) == name:
             return f"torch.nn.utils.prune's mask; torch.nn.utils.prune.remove(module, {name!r}) first"
-        if type(hook).__name__ == "WeightNorm" and getattr(hook, "name", None) == name:
+        if isinstance(hook, WeightNorm) and hook.name == name:
             return "torch.nn.utils.weight_norm's hook; torch.nn.utils.remove_weight_norm first"
     return f"it is a {type(getattr(mod, name)).__name__} attribute, not a Parameter of the layer"
 

@@ -89,6 +89,20 @@ def check_numbers(config: dict[str, Any], where: str) -> None:
 def counted_on_meta(cls: Any, config: Any) -> int:
     """The parameters and buffers of ``cls`` built from ``config`` on the meta device (nothing allocated), counted;
     a build past ``META_BUILD_S`` is refused."""
+    model = built_on_meta(cls, config)
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:  # tied weights once
+            seen.add(id(t))
+            total += t.numel()
+    return total
+
+
+def built_on_meta(cls: Any, config: Any) -> Any:
+    """``cls`` built from ``config`` on the meta device (nothing allocated; the architecture's own answer to what
+    it holds and ties), transformers' warnings about the config silenced; a build past ``META_BUILD_S`` is
+    refused."""
     import transformers
 
     hf_logging = transformers.utils.logging
@@ -102,13 +116,7 @@ def counted_on_meta(cls: Any, config: Any) -> int:
                             f"device: refused before building it ({_HINT})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen:  # tied weights once
-            seen.add(id(t))
-            total += t.numel()
-    return total
+    return model
 
 
 def check_memory(raw: dict[str, Any], where: str, cls: Any, config: Any) -> None:
@@ -131,5 +139,5 @@ def check_memory(raw: dict[str, Any], where: str, cls: Any, config: Any) -> None
                             f"memory: refused before building it ({_HINT})")
 
 
-__all__ = ["estimated_parameters", "dtype_bytes", "check_numbers", "check_memory", "counted_on_meta", "MAX_LAYERS",
+__all__ = ["estimated_parameters", "dtype_bytes", "check_numbers", "check_memory", "counted_on_meta", "built_on_meta", "MAX_LAYERS",
            "MAX_WIDTH"]

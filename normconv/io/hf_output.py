@@ -215,29 +215,17 @@ def _untied(original: nn.Module, ties: list[list[str]],
 
 def _ties_untied(original: nn.Module) -> list[set[str]]:
     """The state_dict keys that stay one tensor in ``original``'s architecture built with tie_word_embeddings = false
-    (on the meta device: the library's own answer); every tie as it is where the architecture cannot be built so."""
+    (``config_size.built_on_meta``: the library's own answer); every tie as it is where it cannot be built so."""
+    from normconv.io.config_size import built_on_meta
+
     config = copy.deepcopy(getattr(original, "config", None))
     for c in _configs_of(config):
         c.tie_word_embeddings = False
     try:
-        with torch.device("meta"), _library_quiet():
-            fresh = type(original)(config)
-    except Exception:  # noqa: BLE001 - a class that takes no config alone: every tie kept, as before
+        fresh = built_on_meta(type(original), config)
+    except Exception:  # noqa: BLE001 - a class that takes no config alone, or a build past its time: every tie kept
         return [set(g) for g in _tie_groups(original)]
     return [set(g) for g in _tie_groups(fresh)]
-
-
-@contextlib.contextmanager
-def _library_quiet() -> Iterator[None]:
-    """transformers' warnings about the config it is built from (normconv's check already said what matters)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _own_tensors(model: nn.Module, kept: list[set[str]]) -> None:

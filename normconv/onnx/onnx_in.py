@@ -238,12 +238,12 @@ def _check(path: Path, target: str, src: Source) -> tuple[bool, str]:
 
 
 def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
-    from normconv.io.ledger import Ledger
-    from normconv.io.write import check_writable
-
     """``out`` refused before any work where it, or the external data written beside it, is anything the input
     read (the file, its external data; by real path and by inode: a symlink or a hard link to the input is the
     input), or is no regular file; else the path to write."""
+    from normconv.io.ledger import Ledger
+    from normconv.io.write import check_writable
+
     if out.suffix.lower() != ".onnx":
         raise NormconvError(f"output {out} must end with .onnx")
     ledger = Ledger()
