@@ -77,3 +77,11 @@ def test_a_usage_error_is_one_line_and_exit_2(args):
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ") and "--help" in r.stderr
     r = subprocess.run([sys.executable, "-m", "normconv.cli"], capture_output=True, text=True)
     assert r.returncode == 2 and "Commands:" in r.stdout + r.stderr
+
+
+def test_a_usage_error_with_json_is_one_object_too():
+    r = subprocess.run([sys.executable, "-m", "normconv.cli", "fold", "zoo:resnet", "--atol", "-1", "--json"],
+                       capture_output=True, text=True)
+    obj = json.loads(r.stdout)
+    assert r.returncode == 2 and obj["passed"] is False and obj["code"] == "usage" and obj["exit_code"] == 2
+    assert obj["error"] in r.stderr and len(r.stderr.strip().splitlines()) == 1

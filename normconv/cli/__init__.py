@@ -10,7 +10,7 @@ import typer
 
 from normconv import __version__
 from normconv.cli import canonicalize, deepnorm, export, fold, inspect, recalibrate, rotate, swap, zoo
-from normconv.cli.common import show_progress
+from normconv.cli.common import json_error, show_progress
 
 app = typer.Typer(
     name="normconv",
@@ -64,7 +64,10 @@ def main() -> None:
         raise SystemExit(exc.exit_code) from None
     except errors.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else "normconv"
-        sys.stderr.write(f"error: {exc.format_message()} (see {where} --help)\n")
+        message = f"{exc.format_message()} (see {where} --help)"
+        if "--json" in sys.argv[1:]:  # asked for JSON: stdout is one object for a usage error too
+            json_error(message, exc.exit_code, "usage")
+        sys.stderr.write(f"error: {message}\n")
         raise SystemExit(exc.exit_code) from None
     except typer.Abort:  # end of input or Ctrl-C at a prompt, as click reports it
         sys.stderr.write("Aborted!\n")

@@ -225,12 +225,17 @@ def fail(message: str, code: int, as_json: bool = False, kind: str | None = None
     message, its code, the exit code), so that stdout is always one JSON object."""
     end_progress()
     if as_json:
-        import json
-
-        sys.stdout.write(json.dumps({"passed": False, "error": message, "code": kind, "exit_code": code}) + "\n")
+        json_error(message, code, kind)
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
     raise typer.Exit(code)
+
+
+def json_error(message: str, code: int, kind: str | None) -> None:
+    """``--json``'s object for a run that ended in an error: stdout stays one JSON object."""
+    import json
+
+    sys.stdout.write(json.dumps({"passed": False, "error": message, "code": kind, "exit_code": code}) + "\n")
 
 
 def reader_gone() -> None:
@@ -276,4 +281,4 @@ def user_errors(fn: Callable) -> Callable:
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt",
            "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx", "refuse_flags", "ConstantInitializersOpt",
-           "show_progress", "progress_wanted"]
+           "show_progress", "progress_wanted", "json_error"]
