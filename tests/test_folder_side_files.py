@@ -32,3 +32,18 @@ def test_folder_out_carries_the_tokenizer_and_leaves_the_original_weights(cli, h
         assert not (got / "runs").exists() and not (got / "card").exists()
         assert any("training_args.bin" in n and "runs/" in n for n in json.loads(out)["notes"])
     assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
+
+
+def test_a_side_file_linking_out_of_the_folder_is_never_read(cli, hf_folders, tmp_path):
+    """tokenizer.json -> a file outside the folder (a key, another model's file): not copied, not read, said;
+    the rest of the folder is written (the in-memory folder output copies only what the folder holds)."""
+    src = tmp_path / "in"
+    shutil.copytree(hf_folders["gpt2"], src)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the model's")
+    (src / "tokenizer.json").symlink_to(secret)
+    (src / "special_tokens_map.json").write_text("{}")
+    code, out, err = cli("swap", src, "--to", "rmsnorm", "-o", tmp_path / "out", "--json")
+    assert code == 0, err
+    assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "special_tokens_map.json").exists()
+    assert any("tokenizer.json" in n and "outside the input folder" in n for n in json.loads(out)["notes"])

@@ -255,7 +255,7 @@ def refuse_folder(loaded: Loaded, opts: Options, why: str, instead: str = ".pt2"
 def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs, report: Report, done: Run | None,
                   expected: list[tuple[Inputs, Any]] | None) -> None:
     """The rewrite as a Hugging Face folder (same architecture, rewritten weights), proven by from_pretrained."""
-    from normconv.io import hf_output
+    from normconv.io import hf_folder, hf_output
 
     folds = {bn: how for _, r in (done.results if done is not None else []) for bn, how in r.extra.get("folds", {}).items()}
     try:
@@ -270,7 +270,7 @@ def _write_folder(loaded: Loaded, model: nn.Module, opts: Options, inputs: Input
 
     def proven(tmp: str) -> None:  # before the folder is renamed into place (while the disk writes it)
         if loaded.path is not None and Path(loaded.path).is_dir():  # the tokenizer and the rest, as --stream copies
-            report.notes.extend(hf_output.copy_side_files(loaded.path, tmp))
+            report.notes.extend(hf_folder.copy_side_files(loaded.path, tmp))
         try:
             checks = hf_output.check(tmp, type(loaded.model), expected, opts.atol, opts.rtol, written=form)
         except NormconvError as exc:  # transformers' own round trip changes this architecture

@@ -229,5 +229,37 @@ def check_folder_files(folder: Path, names: list[str]) -> None:
             inside(folder, name)
 
 
+# weight files of any format: they hold the original weights, never copied beside the rewritten ones
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".safetensors", ".gguf")
+
+
+def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """The files of the folder ``src`` besides its weights (tokenizer, processor, chat template, README, ...) copied
+    into the new folder ``dst`` where save_pretrained wrote no file of that name, as regular files (a symlink into a
+    hub cache copied as the bytes it names); weight files and their indexes are left out, and so are subfolders and
+    any link resolving outside the folder (``inside``'s rule: never read). Returns notes on what was left
+    out."""
+    import shutil
+
+    left, outside = [], []
+    for entry in sorted(Path(src).iterdir()):
+        target = Path(dst) / entry.name
+        if target.exists() or entry.name.endswith(".index.json"):
+            continue  # written by save_pretrained (config.json, generation_config.json, the weights and their index)
+        if entry.is_dir():
+            left.append(entry.name + "/")
+        elif entry.is_file() and entry.suffix not in OTHER_WEIGHTS:
+            try:
+                inside(Path(src), entry.name)  # a link out of the folder (to a key, another model): not read
+            except NormconvError:
+                outside.append(entry.name)
+                continue
+            shutil.copyfile(entry, target)  # follows a link: the bytes, never a link
+        elif entry.is_file():
+            left.append(entry.name)
+    notes = [f"not copied into the folder: {', '.join(left)} (weights of the original, or subfolders)"] if left else []
+    return notes + ([f"not copied into the folder: {', '.join(outside)} (a link resolving outside the input folder: "
+                     f"not read)"] if outside else [])
+
 __all__ = ["Weights", "resolve", "chosen", "inside", "safetensors_header", "tensor_names", "check_folder_files",
-           "CONFIG", "SAFE_SINGLE", "SAFE_INDEX", "BIN_SINGLE", "BIN_INDEX"]
+           "copy_side_files", "OTHER_WEIGHTS", "CONFIG", "SAFE_SINGLE", "SAFE_INDEX", "BIN_SINGLE", "BIN_INDEX"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -271,31 +270,6 @@ def _set(model: nn.Module, key: str, value: torch.Tensor) -> None:
         mod._buffers[name] = value
 
 
-# weight files of any format: they hold the original weights, never copied beside the rewritten ones
-OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".safetensors", ".gguf")
-
-
-def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """The files of the folder ``src`` besides its weights (tokenizer, processor, chat template, README, ...) copied
-    into the new folder ``dst`` where save_pretrained wrote no file of that name, as regular files (a symlink into a
-    hub cache copied as the bytes it names); weight files and their indexes are left out, and so are subfolders.
-    Returns notes on what was left out."""
-    import shutil
-
-    left = []
-    for entry in sorted(Path(src).iterdir()):
-        target = Path(dst) / entry.name
-        if target.exists() or entry.name.endswith(".index.json"):
-            continue  # written by save_pretrained (config.json, generation_config.json, the weights and their index)
-        if entry.is_dir():
-            left.append(entry.name + "/")
-        elif entry.is_file() and entry.suffix not in OTHER_WEIGHTS:
-            shutil.copyfile(entry, target)  # follows a link: the bytes, never a link
-        elif entry.is_file():
-            left.append(entry.name)
-    return [f"not copied into the folder: {', '.join(left)} (weights of the original, or subfolders)"] if left else []
-
-
 @contextlib.contextmanager
 def users_settings(model: nn.Module, use_cache: bool | None) -> Iterator[None]:
     """While the folder is saved, the setting normconv changed for its own runs as the user had it: ``use_cache``
@@ -354,4 +328,4 @@ def _round_trip(written: nn.Module, loaded: nn.Module, cls: type) -> None:
                         f"not invert), so no folder holds this model")
 
 
-__all__ = ["folder_form", "check", "users_settings", "copy_side_files", "OTHER_WEIGHTS"]
+__all__ = ["folder_form", "check", "users_settings"]

@@ -25,8 +25,7 @@ import torch.nn as nn
 from normconv.errors import NormconvError
 from normconv.io import config_size, durable, hf_folder
 from normconv.io.archive import memory_bytes
-from normconv.io.hf_folder import safetensors_header, tensor_names
-from normconv.io.hf_output import OTHER_WEIGHTS
+from normconv.io.hf_folder import OTHER_WEIGHTS, safetensors_header, tensor_names
 from normconv.io.ledger import Ledger
 from normconv.io.load import hf_model_class, remote_code
 from normconv.io.write import check_writable
