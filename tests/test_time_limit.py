@@ -52,6 +52,21 @@ def test_a_raise_swallowed_where_python_drops_exceptions_is_not_the_last():
     assert swallowed == ["_Expired"] and signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 
+def test_a_raise_turned_into_another_error_on_its_way_out_is_still_overtime():
+    # C code the raise lands in reports its own error instead (Python's AST constructor: a SystemError), and a
+    # library's except Exception would take that for its own failure
+    with pytest.raises(tl.Overtime) as err:
+        with tl.time_limit(0.1):
+            try:
+                _spin(5)
+            except BaseException as exc:  # noqa: BLE001 - what the C code does with it
+                raise SystemError("AST constructor recursion depth mismatch") from exc
+    assert isinstance(err.value.__cause__, SystemError) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    with pytest.raises(ValueError):  # an error of the block's own, within the limit, is left as it is
+        with tl.time_limit(5):
+            raise ValueError("the library's own failure")
+
+
 def test_no_raise_inside_an_import(tmp_path, monkeypatch):
     # a module whose import spins past the limit is imported whole; the limit lands after it
     (tmp_path / "slow_module_tl.py").write_text("import time\nend = time.perf_counter() + 0.6\n"

@@ -13,7 +13,9 @@ Only in the main thread of a process that has interval timers (elsewhere the blo
 A timer already set (a sweep's limit on a whole command, ``signal.alarm``) is kept: one that ends before this limit is
 left alone, a later one is set again on the way out with what is left of it, its handler restored. A block that ends
 within microseconds of its limit may be taken as overtime; the caller's fallback then runs, which is never a wrong
-result, only a slower one.
+result, only a slower one. Once the timer has raised, any exception that leaves the block is ``Overtime``: a raise
+that lands in C code comes out as that code's own error (the suite saw Python's AST constructor turn it into
+"SystemError: AST constructor recursion depth mismatch", which torch.onnx then reported as its own failure).
 One of the io room's lowest modules: it imports nothing of normconv's.
 """
 
@@ -68,10 +70,11 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     if seconds is None or not available() or 0 < outer <= seconds:  # a caller's timer that ends first stays alone
         yield
         return
-    armed, start = [True], time.monotonic()
+    armed, fired, start = [True], [False], time.monotonic()
 
     def expire(signum, frame):
         if armed[0] and not _importing(frame):  # inside an import: the next firing (a half-run module stays broken)
+            fired[0] = True
             raise _Expired()
 
     previous = signal.signal(signal.SIGALRM, expire)
@@ -87,6 +90,10 @@ def time_limit(seconds: float | None) -> Iterator[None]:
                 signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3), every)
     except _Expired:
         raise Overtime(seconds) from None
+    except Exception as exc:
+        if fired[0]:  # the timer's raise turned into another exception on its way out (C code: a SystemError)
+            raise Overtime(seconds) from exc
+        raise
 
 
 __all__ = ["DYNAMIC_EXPORT_S", "Overtime", "available", "time_limit"]
