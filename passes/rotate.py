@@ -180,6 +180,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
     norm_nodes: set[str] = set()
     chains: list[tuple[fx.Node, list[fx.Node]]] = []
     widths = set()
+    followed: dict = {}  # the walks share what they follow back (each norm's stream holds the earlier ones')
     for s in norms:
         mod = cap.modules.get(norm_module(cap, s) or "")
         if not isinstance(mod, nn.RMSNorm):
@@ -191,7 +192,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
         widths.add(hidden(s))
         plan.sites.append(s)
         norm_nodes.update(s.nodes)
-        vals, leaves = walk(cap, s)
+        vals, leaves = walk(cap, s, followed)
         values |= vals
         for leaf, path, axis in leaves:
             w_node, extra = _through_scalar(cap, leaf)

@@ -37,7 +37,7 @@ from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.residual import (Consumer, Edits, Refused, Replaced, ResidualWhy, Stream, apply_, bias_consumers,
-                                     hidden, moved_dims, norm_module, param_readers, streams, walk)
+                                     hidden, moved_dims, norm_module, param_readers, streams, walks)
 from normconv.graph.residual import edits as _edits
 from normconv.graph.residual import add_, bias_delta, center_  # noqa: F401  (normconv.stream applies them too)
 from normconv.report import PassResult, Site, Why
@@ -123,8 +123,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
         if module is None and (moved := moved_dims(cap, s)) is not None:
             module = s.owner
         plans.append(SitePlan(s, module, False, "", moved=moved))
-    walks = [walk(cap, s) for s in sites]
-    found = streams(cap, sites, walks, readers, to == "rmsnorm", read)
+    found = streams(cap, sites, walks(cap, sites), readers, to == "rmsnorm", read)
     for i, p in enumerate(plans):
         p.stream = next((k for k, st in enumerate(found) if i in st.sites), None)
     for p in plans:

@@ -122,8 +122,17 @@ def streams(cap: Captured, sites: Sequence[NormSite], walks: Sequence[tuple[set[
 
     owner_of: dict[Any, int] = {}
     leaf_writers: list[list[Writer | Refused]] = []
+    found: dict[tuple[str, int | None], Writer | Refused] = {}  # a leaf behind many norms is judged once
+
+    def writer_at(leaf, axis):
+        if not isinstance(leaf, fx.Node):
+            return writer(cap, leaf, axis, read)
+        if (leaf.name, axis) not in found:
+            found[(leaf.name, axis)] = writer(cap, leaf, axis, read)
+        return found[(leaf.name, axis)]
+
     for i, (values, leaves) in enumerate(walks):
-        ws = [writer(cap, leaf, axis, read) for leaf, _, axis in leaves]
+        ws = [writer_at(leaf, axis) for leaf, _, axis in leaves]
         leaf_writers.append(ws)
         keys: list[Any] = list(values) + [id(cap.tensor(w.weight)) for w in ws if isinstance(w, Writer) and w.weight]
         for key in keys:
