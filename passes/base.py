@@ -45,6 +45,9 @@ class Pass:
     check: ClassVar[Check] = Check.EXACT
     by_parts: ClassVar[bool] = False
     reference_label: ClassVar[str] = "its reference"  # Check.REFERENCE: what ``reference`` computes, for people
+    # the rewrite keeps the model trainable as it was (not an inference rewrite such as a fold): the door checks it
+    # in training mode too (``engine.training``)
+    trains: ClassVar[bool] = False
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         raise NotImplementedError

@@ -42,7 +42,7 @@ from normconv.graph.detect import NormSite, find_norms, spans_graph
 from normconv.graph.handwritten import owns_only
 from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site, Why
-from normconv.verify import compare, default_tolerance, forward_guard, run
+from normconv.verify import Inputs, compare, default_tolerance, forward_guard, run
 from normconv.nn.modules import Float32Norm, MovedDimNorm
 
 from .base import Pass, apply, replace_module, skip
@@ -73,6 +73,7 @@ class CanonWhy(Why):
     REPLACEMENT_FAILS = "replacement-fails"  # the native module rejects the recorded input
     DTYPE = "dtype-differs"  # the native module returns another dtype
     DIFFERS = "differs"  # the native module differs from the norm on the recorded input
+    TRAINING_DIFFERS = "differs-in-training"  # ... in training mode (a frozen BatchNorm, a branch on self.training)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -387,7 +388,32 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
         if not v.passed:
             return refuse(f"the native replacement differs from the norm on the recorded input "
                           f"(max abs error {v.max_abs_error:.3g}, atol {atol:g})", CanonWhy.DIFFERS)
+    # the module the native one replaces trains as it did: both in training mode on the first recorded input
+    # (torchvision's FrozenBatchNorm2d keeps its statistics there, nn.BatchNorm2d takes the batch's)
+    differs = _differs_in_training(original, d.module, calls[0][0]) if original is not None else None
+    if differs:
+        return refuse(f"in training mode (model.train()) the native replacement computes otherwise ({differs}): the "
+                      f"hand-written norm is kept, as the model trains with it (fold folds it for inference)",
+                      CanonWhy.TRAINING_DIFFERS)
     return None
+
+
+def _differs_in_training(original: nn.Module, native: nn.Module, x: torch.Tensor) -> str:
+    """How the native module differs from the hand-written one in training mode on ``x`` ('' where it does not, or
+    where the hand-written one does not run in training mode: nothing to keep then)."""
+    try:
+        want = run(original, Inputs((x,)), training=True)
+    except Exception:  # noqa: BLE001 - a norm that runs in eval mode only: the model is not trained with it
+        return ""
+    try:
+        got = run(native, Inputs((x,)), training=True)
+    except Exception as exc:  # noqa: BLE001
+        return f"it fails: {type(exc).__name__}"
+    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return ""
+    atol, rtol = default_tolerance(want.dtype)
+    v = compare(want, got, atol, rtol)
+    return "" if v.passed else f"max abs error {v.max_abs_error:.3g}: frozen statistics, or a branch on self.training"
 
 
 def _surely_within(y: torch.Tensor, got: torch.Tensor, atol: float, rtol: float) -> bool:
@@ -420,6 +446,7 @@ class Canonicalize(Pass):
 
     name = NAME
     by_parts = True  # each site is rewritten where it stands: a submodule's graph proves it
+    trains = True  # a native module in place of a hand-written one trains as it did
 
     def __init__(self, functional: bool = False):
         self.functional = functional

@@ -283,6 +283,7 @@ class SwapPass(Pass):
     # a stream that enters a submodule's graph as an input has writers the graph does not show: such a site is
     # refused, as at any graph input; the rest is proved within the submodule's graph
     by_parts = True
+    trains = True  # an RMSNorm model to fine-tune: dropout on the centered stream makes it differ (engine.training)
 
     def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True, partial: bool = False,
                  add_bias: bool = True):

@@ -39,6 +39,7 @@ from normconv.passes.base import Check, Pass
 from normconv.report import OutputError, Report, Validation
 from normconv.verify import Inputs, compare, other_shape, run, untraced, with_selections
 
+from . import training
 from .branches import judge_specialized
 from .run import Run, apply_passes
 
@@ -88,6 +89,9 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
         alt = other_shape(loaded.model, inputs)
         before = model_stats(loaded.model, inputs if opts.bench else None)
     pt2 = opts.output is not None and write and output_format(loaded, Path(opts.output)) == "pt2"
+    # the original in training mode, where the rewrite keeps the model trainable (a program is inference only)
+    program = loaded.fmt == "pt2" or (opts.output is not None and output_format(loaded, Path(opts.output)) == "pt2")
+    trained = None if program or not any(p.trains for p in passes) else training.reference(loaded.model, inputs)
     # a model small enough for its own rounding to be measured (``engine.rounding``) keeps its original intact
     writable = loaded.disposable and not rounding.measurable(loaded.model)
     done = apply_passes(loaded.model, inputs, passes, opts.method, opts.eval_mode, writable=writable,
@@ -126,6 +130,8 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
                            f"the rewritten model differs from {referee.reference_label} on the same weights")
     # a capture that decided a branch on a value: proven for the other branches, accepted, or refused (exit 2)
     judge_specialized(loaded.model, done, inputs, opts, report, command)
+    if trained is not None and exact:  # the proof in training mode too, or said to hold in eval mode only
+        training.judge_training(trained, done, inputs, opts, report)
     done.expected = [(inputs, reference)] + ([alt] if alt else [])
     if write:
         write_model(loaded, done.model, opts, inputs, report, done)

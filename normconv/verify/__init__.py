@@ -137,7 +137,7 @@ def untraced(out: Any) -> Any:
     return out.output if isinstance(out, Traced) else out
 
 
-def run(model: nn.Module, inputs: Inputs, *, trace: bool = False, replay: Any = None) -> Any:
+def run(model: nn.Module, inputs: Inputs, *, trace: bool = False, replay: Any = None, training: bool = False) -> Any:
     """One guarded forward (``forward_guard``) on a copy of the inputs: a model that mutates its inputs or its
     buffers stays comparable and unchanged. A model whose output holds no tensor (it writes into buffers) is
     judged by what it wrote: the changed buffers, by name. Random ops draw the same numbers in every such forward
@@ -145,9 +145,10 @@ def run(model: nn.Module, inputs: Inputs, *, trace: bool = False, replay: Any = 
 
     ``trace``: return a ``Traced`` (the output and the forward's discrete selections). ``replay``: a ``Traced``
     reference (anything else is ignored): this forward takes its selections (``normconv.selections``) and returns a
-    ``Traced`` saying which of its own would have differed."""
+    ``Traced`` saying which of its own would have differed. ``training``: the forward in training mode (dropout on,
+    batch statistics), its changes undone as any other's."""
     recorder = Recorder(replay.trace) if isinstance(replay, Traced) else Recorder() if trace else None
-    with forward_guard(model) as guard, same_draws(model), (recorder or contextlib.nullcontext()):
+    with forward_guard(model, training) as guard, same_draws(model), (recorder or contextlib.nullcontext()):
         out = model(*copy.deepcopy(inputs.args), **copy.deepcopy(inputs.kwargs))
     if not output_leaves(out) and guard.mutated:
         out = {f"buffer {k}": v for k, v in sorted(guard.mutated.items())}

@@ -245,11 +245,13 @@ def one_snapshot(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def forward_guard(model: nn.Module) -> Iterator[Guard]:
-    """normconv's own forwards change nothing: eval mode and no autograd inside; on exit every module's training
-    flag, buffer (bit for bit; ``_Buffers``), Python attribute and hook dict or cache (``_ModuleState``) is as it
-    was; ``mutated`` names the buffers the forward changed. Flags are set on each module, never through ``.eval()``:
-    an exported program's module refuses it, and a user's override of ``train()`` is not ours to call."""
+def forward_guard(model: nn.Module, training: bool = False) -> Iterator[Guard]:
+    """normconv's own forwards change nothing: eval mode (``training``: every module in training mode, as
+    ``model.train()`` sets it) and no autograd inside; on exit every module's training flag, buffer (bit for bit;
+    ``_Buffers``: the running statistics a training-mode BatchNorm updates), Python attribute and hook dict or cache
+    (``_ModuleState``) is as it was; ``mutated`` names the buffers the forward changed. Flags are set on each module,
+    never through ``.eval()``: an exported program's module refuses it, and a user's override of ``train()`` is not
+    ours to call."""
     snapshot = _shared().get(id(model))
     # a snapshot of its own: none shared, a guard of the model already running (nested: the model is in eval mode
     # now, and the outer guard puts back what it saw), or a forward before added a submodule
@@ -259,8 +261,8 @@ def forward_guard(model: nn.Module) -> Iterator[Guard]:
     guard = Guard()
     try:
         for m, flag in zip(snapshot.modules, snapshot.flags):
-            if flag:
-                _set_training(m, False)
+            if flag is not training:
+                _set_training(m, training)
         with torch.no_grad():
             yield guard
     finally:

@@ -1,0 +1,94 @@
+"""The training path: a rewrite proven in eval mode is run once more in training mode (``model.train()``: dropout
+on, BatchNorm on batch statistics, every branch on ``self.training``) against the original, on the same random draws
+(``verify.same_draws``), at the example inputs. The written model can take that path the moment its user trains it.
+
+    expected = reference(original, inputs)                   # before the passes (they may rewrite it in place)
+    judge_training(expected, run, inputs, opts, report)      # before the write; for passes that keep the model
+                                                             # trainable (``Pass.trains``), torch-format outputs
+
+  original(train) == rewrite(train)      the proof holds in both modes: ``extra.training_mode`` says "same"
+  they differ                            the rewrite is exact for inference only: a drift check ("training mode")
+                                         with its measured error, a note, code ``eval-only``, and the rewrite is
+                                         left in eval mode (a model saved mid-training would otherwise be written
+                                         in the one mode where it computes otherwise). Causes: dropout on a stream
+                                         whose writers a swap centered (dropout(C W x) is not zero-mean), a
+                                         hand-written frozen BatchNorm made a live one, a traced graph that fixed
+                                         ``self.training`` as it was while tracing (eval)
+  the original fails in training mode    not checked, said (``not-checked``): BatchNorm on one value per channel
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch.nn as nn
+
+from normconv.errors import describe
+from normconv.options import Options
+from normconv.report import Report
+from normconv.verify import Inputs, compare, run
+
+from .run import Run
+
+
+class TrainingWhy(str, enum.Enum):
+    SAME = "same"  # the rewrite computes what the original does in training mode too
+    EVAL_ONLY = "eval-only"  # it differs in training mode: exact for inference only, written in eval mode
+    NOT_CHECKED = "not-checked"  # the original does not run in training mode on the example
+
+
+LABEL = "training mode (model.train(), same random draws)"
+
+
+def reference(original: nn.Module, inputs: Inputs) -> Any:
+    """The original's outputs in training mode on the example, taken before the passes (a disposable original is
+    rewritten in place); a ``Failed`` where it does not run in training mode."""
+    try:
+        return run(original, inputs, training=True)
+    except Exception as exc:  # noqa: BLE001 - the original's own limit, said
+        return Failed(describe(exc))
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The original raised in training mode (why)."""
+
+    why: str
+
+
+def judge_training(expected: Any, done: Run, inputs: Inputs, opts: Options, report: Report) -> None:
+    """Compare ``done.model`` in training mode with ``expected`` (``reference``) (module docstring); record the
+    outcome in ``report.extra["training_mode"]``, and where it differs a drift check, a note and the rewrite set to
+    eval mode."""
+    if isinstance(expected, Failed):
+        report.extra["training_mode"] = {"code": TrainingWhy.NOT_CHECKED.value, "why": expected.why}
+        report.notes.append(f"not checked in training mode: the original does not run in it on the example "
+                            f"({expected.why})")
+        return
+    try:
+        got = run(done.model, inputs, training=True)
+    except Exception as exc:  # noqa: BLE001 - a rewrite that fails where the original runs differs
+        v, error = None, describe(exc)
+    else:
+        v, error = compare(expected, got, opts.atol, opts.rtol, label=LABEL), None
+    if v is not None and v.passed:
+        report.extra["training_mode"] = {"code": TrainingWhy.SAME.value}
+        return
+    measured = f"it fails there: {error}" if v is None else f"max abs error {v.max_abs_error:.3g}" + (
+        f", {v.max_scale_error:.2g} of the output's scale" if v.max_scale_error == v.max_scale_error else "")
+    report.extra["training_mode"] = {"code": TrainingWhy.EVAL_ONLY.value,
+                                     "max_abs_error": None if v is None else v.max_abs_error,
+                                     **({"error": error} if error else {})}
+    if v is not None:
+        report.validation.append(dataclasses.replace(v, drift=True, label=f"{LABEL}: drift against the original"))
+    for m in done.model.modules():  # left in eval mode: the only mode the proof covers
+        m.training = False
+    report.notes.append(f"exact in eval mode only: in training mode (model.train()) the rewrite computes otherwise "
+                        f"than the original ({measured}; dropout on a centered stream, a frozen BatchNorm made a "
+                        f"live one, or a traced graph that fixed self.training); the result is set to eval mode, and "
+                        f"training it trains a different model")
+
+
+__all__ = ["LABEL", "Failed", "TrainingWhy", "judge_training", "reference"]
