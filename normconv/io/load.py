@@ -35,7 +35,7 @@ from normconv.io.ledger import Ledger
 from normconv.io.outputs import INPUTS_ATTR
 from normconv.io.pickles import (REFUSED, NeedsTrust, load_allowlisted, only_weights_unpickled,
                                  quiet_loaders, read_tensors, shown_globals, torch_load_safely)
-from normconv.verify import Inputs, run
+from normconv.verify import Inputs, positive, run
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Loaded:
             raise NormconvError(
                 f"no example inputs for {self.spec}: pass --input-shape NAME:D0,D1,...[:DTYPE] for each "
                 f"forward argument (forward takes: {names})")
-        return self.inputs
+        return positive(self.inputs)  # an empty dimension refused as --input-shape refuses it
 
 
 # ---------------------------------------------------------------------------------------------------------

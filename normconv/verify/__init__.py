@@ -69,6 +69,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
 
+from normconv.errors import NormconvError
 from normconv.verify.guard import forward_guard
 from normconv.report import OutputError, Validation
 from normconv.selections import Recorder, Trace, selects
@@ -122,6 +123,18 @@ class Inputs:
 
         parts = [one(x) for x in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
         return ", ".join(parts)
+
+
+def positive(inputs: Inputs) -> Inputs:
+    """``inputs``, refused (NormconvError, exit 2) where a tensor among them has a dimension of size 0, as
+    ``--input-shape`` refuses one: an empty example computes nothing to compare and has no second shape, wherever
+    it came from (a factory, a pickle's carried example, the API)."""
+    from torch.utils._pytree import tree_leaves
+
+    for x in tree_leaves((tuple(inputs.args), dict(inputs.kwargs))):
+        if isinstance(x, torch.Tensor) and 0 in x.shape:
+            raise NormconvError(f"bad example inputs ({inputs.describe()}): dimensions must be positive")
+    return inputs
 
 
 @dataclass
