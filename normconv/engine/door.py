@@ -39,8 +39,10 @@ from normconv.passes.base import Check, Pass
 from normconv.report import OutputError, Report, Validation
 from normconv.verify import Inputs, compare, other_shape, run, untraced, with_selections
 
+from normconv.io.dims import bounded
+
 from . import training
-from .branches import judge_specialized
+from .branches import crossed, judge_specialized
 from .run import Run, apply_passes
 
 # module families counted in before/after tables: every norm kind, then the layers norms fold into
@@ -126,15 +128,19 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
                              for i, c in enumerate(report.validation)]
     failed = next((v for v in report.validation if not v.passed and not v.drift), None)
     if failed is not None and judge:
-        raise not_verified(command, failed, report, "outputs differ beyond tolerance" if referee is None else
+        raise not_verified(command, failed, report, ("outputs differ beyond tolerance" if referee is None else
                            f"the rewritten model differs from {referee.reference_label} on the same weights")
-    # a capture that decided a branch on a value: proven for the other branches, accepted, or refused (exit 2)
-    judge_specialized(loaded.model, done, inputs, opts, report, command)
+                           + crossed(done.guards, loaded.model,
+                                     alt[0] if alt and failed is not validations[0] else None))
+    # a capture that decided a branch on a value or a size: proven for the other branches, accepted, or refused
+    # (exit 2); a .pt2 may instead take the sizes proven only (its range clipped)
+    clipped = judge_specialized(loaded.model, done, inputs, opts, report, command, clip=pt2)
     if trained is not None and exact:  # the proof in training mode too, or said to hold in eval mode only
         training.judge_training(trained, done, inputs, opts, report)
     done.expected = [(inputs, reference)] + ([alt] if alt else [])
     if write:
-        write_model(loaded, done.model, opts, inputs, report, done)
+        with bounded(clipped):
+            write_model(loaded, done.model, opts, inputs, report, done)
     return report, done
 
 

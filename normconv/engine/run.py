@@ -55,7 +55,7 @@ class Run:
         """Remember ``cap``'s guards (of a part at ``prefix``: its module paths made whole)."""
         for g in cap.guards:
             owner = ".".join(p for p in (prefix, g.owner) if p)
-            g = Guard(owner, g.where, g.what)
+            g = dataclasses.replace(g, owner=owner)
             if g not in self.guards:
                 self.guards.append(g)
         return cap

@@ -24,6 +24,7 @@ import copy
 import functools
 import operator
 import os
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -54,6 +55,14 @@ class NormLeafTracer(fx.Tracer):
     def __init__(self):
         super().__init__()
         self.proxy_buffer_attributes = True
+        self.branched: list[tuple[str, str]] = []  # (owner, where) of a Python branch met on a traced value
+
+    def to_bool(self, obj: Any) -> bool:
+        """A Python branch on a traced value (a size, ``x.shape[1] > 2``, or a tensor): the trace fails here, as
+        fx's own does; where it stood is kept (``graph.size_guards``: a static export of the same forward takes a
+        branch on a size silently)."""
+        self.branched.append(_branch_site(self))
+        return super().to_bool(obj)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, kinds.NATIVE_MODULES):
@@ -73,12 +82,18 @@ class Guard:
     owner: str  # the module whose forward holds the branch ('' : the model's own forward)
     where: str  # file:line and the code there
     what: str  # the condition (torch.export's expression) or the value read
+    # a branch on input sizes (``graph.size_guards``): the dimensions the captured path holds for, each
+    # ((input, axis), ...), name, low, high (None: unbounded); empty for a branch on a value
+    sizes: tuple[tuple[tuple[tuple[str, int], ...], str, int, int | None], ...] = ()
 
     def describe(self) -> str:
         return f"{self.where} in {self.owner or 'the model'}'s forward ({self.what})"
 
-    def to_json(self) -> dict[str, str]:
-        return {"owner": self.owner, "where": self.where, "what": self.what}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"owner": self.owner, "where": self.where, "what": self.what}
+        if self.sizes:
+            out["on"] = "size"  # one entry per dimension it narrowed, written by ``engine.branches``
+        return out
 
 
 @dataclass
@@ -92,7 +107,9 @@ class Captured:
     exported: Any = None  # the ExportedProgram when method == "torch.export"
     attempts: dict[str, str] = field(default_factory=dict)  # method -> why it failed
     specialized: bool = False  # branches on tensor values taken as on the example inputs (see ``guards``)
-    guards: tuple[Guard, ...] = ()  # each branch decided on a value (draft_export's guards, values read in tracing)
+    # each branch decided on a value (draft_export's guards, values read in tracing), and on input sizes where the
+    # static export took one (``Guard.sizes``; ``specialized`` stays False: the graph holds for a range of sizes)
+    guards: tuple[Guard, ...] = ()
     _params: dict[str, str] = field(default_factory=dict)  # placeholder name -> state_dict name (export)
 
     def __post_init__(self):
@@ -339,13 +356,18 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
     compares the shape-propagation forward against it instead of running the model and the graph once more).
     ``stack_traces``: torch.export's nodes keep their Python stack (module docstring)."""
     attempts: dict[str, str] = {}
+    branched: list[tuple[str, str]] = []  # Python branches symbolic_trace met on a traced value
     methods = ("symbolic_trace", "torch.export") if method == "auto" else (method,)
     for m in methods:
         if m == "symbolic_trace" and method == "auto" and inputs.kwargs:
             continue  # keyword inputs (every Hugging Face model) go to torch.export: a choice, not a failure
         try:
+            start = time.monotonic()
             with forward_guard(model):  # tracing and shape propagation run forwards too: they change nothing
-                return _capture_with(m, model, inputs, attempts, reference, stack_traces)
+                cap = _capture_with(m, model, inputs, attempts, reference, stack_traces, branched)
+            if branched and cap.method == "torch.export":  # a branch the static export may have taken on a size
+                cap.guards += _size_guards(model, inputs, *branched[0], spent=time.monotonic() - start)
+            return cap
         except Exception as exc:  # each failure is recorded; the next method is tried
             attempts[m] = _one_line(exc)
         masked = with_attention_mask(model, inputs) if m == "torch.export" else None
@@ -361,6 +383,18 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
                 pass
     detail = "; ".join(f"{k} failed: {v}" for k, v in attempts.items())
     raise CaptureError(f"cannot capture a graph of {type(model).__name__}: {detail}", attempts)
+
+
+def _size_guards(model: nn.Module, inputs: Inputs, owner: str, where: str, spent: float) -> tuple[Guard, ...]:
+    """The Guard of the input sizes the example's path holds for (``graph.size_guards``), () when none is narrowed;
+    ``owner``, ``where``: the first branch symbolic_trace met on a traced value, the one a message names."""
+    from normconv.graph.size_guards import narrowed
+
+    sizes = narrowed(model, inputs, spent)
+    what = "a branch on input sizes, the example's path holding for " + ", ".join(
+        f"{name} ({', '.join(f'{i}[{a}]' for i, a in places)}) {low}..{'inf' if high is None else high}"
+        for places, name, low, high in sizes)
+    return (Guard(owner, where, what, sizes=sizes),) if sizes else ()
 
 
 def _check_draft(model: nn.Module, ep: Any, inputs: Inputs, reference: Any = None) -> None:
@@ -433,11 +467,13 @@ def _stack_traces(keep: bool):
 
 
 def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, str],
-                  reference: Any = None, stack_traces: bool = False) -> Captured:
+                  reference: Any = None, stack_traces: bool = False,
+                  branched: list[tuple[str, str]] | None = None) -> Captured:
     if m == "symbolic_trace":
         if inputs.kwargs:
             raise NormconvError("keyword inputs need torch.export")
         tracer = NormLeafTracer()
+        tracer.branched = branched if branched is not None else tracer.branched
         with _ValueReads(tracer) as reads:  # a concrete tensor's value read while tracing: a branch baked in
             graph = tracer.trace(model)
         if isinstance(model, fx.GraphModule):
@@ -497,6 +533,14 @@ def _where(filename: str, line: Any, code: str | None) -> str:
     return f"{os.path.basename(str(filename))}:{line}" + (f" `{code.strip()}`" if code and code.strip() else "")
 
 
+def _branch_site(tracer: fx.Tracer) -> tuple[str, str]:
+    """(owner, where) of the forward line the tracer stands on: the module whose forward it is, file:line and code."""
+    stack = getattr(tracer, "module_stack", None) or {}
+    owner = _clean_path(list(stack.values())[-1][0]) if stack else ""
+    frame = _user_frame()
+    return owner, _where(frame.filename, frame.lineno, frame.line) if frame else "the model's forward"
+
+
 class _ValueReads(TorchFunctionMode):
     """While symbolic_trace runs: a concrete tensor's value read in Python (``bool(t)``, ``t.item()``, ``int(t)``)
     is a decision the graph bakes in (a Proxy's would have failed the trace). Each is a Guard."""
@@ -508,10 +552,7 @@ class _ValueReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in _VALUE_READS and args and isinstance(args[0], torch.Tensor):
-            stack = getattr(self.tracer, "module_stack", None) or {}
-            owner = _clean_path(list(stack.values())[-1][0]) if stack else ""
-            frame = _user_frame()
-            where = _where(frame.filename, frame.lineno, frame.line) if frame else "the model's forward"
+            owner, where = _branch_site(self.tracer)
             self.guards.append(Guard(owner, where, f"a tensor's value read ({name}) while tracing"))
         return func(*args, **(kwargs or {}))
 

@@ -19,9 +19,11 @@ like its inputs, and checked at a second size each.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -68,15 +70,33 @@ def _named(inputs: Inputs, names: list[str]) -> dict[str, Any]:
     return dict(zip(names, list(inputs.args) + list(inputs.kwargs.values())))
 
 
+# dimensions a written program may take a range of only ((input, axis) places, low, high): the sizes its rewrite was
+# proven for, where the original's capture took a branch on sizes (``engine.branches``); set by the writer's caller
+_BOUNDS: contextvars.ContextVar[tuple] = contextvars.ContextVar("normconv_dim_bounds", default=())
+
+
+@contextlib.contextmanager
+def bounded(bounds: list[tuple[tuple[tuple[str, int], ...], int, int | None]]) -> Iterator[None]:
+    """Within the block ``export_shapes`` gives each of ``bounds``' dimensions its range (low..high) instead of
+    Dim.AUTO: a program exported there refuses sizes outside it."""
+    token = _BOUNDS.set(tuple(bounds))
+    try:
+        yield
+    finally:
+        _BOUNDS.reset(token)
+
+
 def export_shapes(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] = frozenset()) -> dict | None:
     """torch.export's ``dynamic_shapes``: Dim.AUTO on every dimension of every tensor input but the ``pinned``
-    (input, axis) places; None where the inputs have no names."""
+    (input, axis) places, and a ranged Dim on a dimension ``bounded`` holds; None where the inputs have no names."""
     from torch.utils._pytree import tree_map
 
     names = input_names(model, inputs)
     if names is None:
         return None
     auto = torch.export.Dim.AUTO
+    ranged = {place: torch.export.Dim(f"bounded{k}", min=low, max=high)
+              for k, (places, low, high) in enumerate(_BOUNDS.get()) for place in places}
 
     def spec(name: str, x: Any):
         if isinstance(x, (list, tuple, dict)):
@@ -85,7 +105,7 @@ def export_shapes(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]]
             return tree_map(lambda _: None, x)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return None
-        return {axis: auto for axis in range(x.dim()) if (name, axis) not in pinned}
+        return {axis: ranged.get((name, axis), auto) for axis in range(x.dim()) if (name, axis) not in pinned}
 
     shapes = {name: spec(name, x) for name, x in _named(inputs, names).items()}
     # keyword inputs forward takes through **kwargs go under that parameter's name, as torch.export binds them
