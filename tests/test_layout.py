@@ -42,6 +42,7 @@ LAYERS = {
     "normconv.io.config_size": 0.306,  # the size a Hugging Face config describes: its numbers, else counted on meta
     "normconv.io.ledger": 0.302,  # every file the run read, checked by every write
     "normconv.io.outputs": 0.3,  # torch-only output forms, one writer per format
+    "normconv.io.pickled": 0.295,  # a model as torch.save pickles it: does it, what loading it imports
     "normconv.io.dims": 0.29,  # dynamic dimensions of written models: found, named, checked
     "normconv.io.checksum": 0.2855,  # CRC-32s by ISA-L; a zip's member CRC-32s filled in after torch.save
     "normconv.io.durable": 0.285,  # fsync before a rename, the disk's write-back started early

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import normconv
-from normconv.io.outputs import unpicklable
+from normconv.io.pickled import unpicklable
 
+from fixtures.deploy_models import OwnTracer, inline_norm_scaled
 from fixtures.vision_models import cached_bias_attention
 
 FACTORY = "tests.fixtures.vision_models:cached_bias_attention"
@@ -104,3 +105,45 @@ def test_constants_a_trace_lifts_are_read_from_the_graph_and_not_left_on_the_mod
     assert [(s.target, s.applied) for s in report.sites] == [("batch_norm", True)]
     assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
     torch.testing.assert_close(folded(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+_FRESH_LOAD = r"""
+import sys
+sys.modules["normconv"] = None
+import torch
+m = torch.load(sys.argv[1], weights_only=False)
+x = torch.randn(2, 4, 16)
+y = m(x)
+m.scale.fill_(3.0)  # the buffer is still read by the code (not frozen into a constant on reload)
+print(type(m).__name__, torch.allclose(m(x), y * 1.5))
+torch.save(m, sys.argv[1] + ".again")  # and it saves again
+"""
+
+
+def test_a_graph_module_pt_loads_with_torch_alone(cli, tmp_path):
+    """A canonicalized inline norm makes the output a GraphModule: its pickle names no normconv class (the tracer
+    that traced it is written as torch's), and it loads in a fresh interpreter where normconv cannot be imported."""
+    import pickletools
+    import subprocess
+    import sys
+    import zipfile
+
+    out = tmp_path / "inl.pt"
+    code, _, err = cli("canonicalize", "tests.fixtures.deploy_models:inline_norm_scaled", "-o", out)
+    assert code == 0, err
+    data = zipfile.ZipFile(out).read(next(n for n in zipfile.ZipFile(out).namelist() if n.endswith("data.pkl")))
+    names = [arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"]
+    assert not [n for n in names if n.startswith("normconv")], names
+    r = subprocess.run([sys.executable, "-I", "-c", _FRESH_LOAD, str(out)], capture_output=True, text=True,
+                       cwd=str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["GraphModule", "True"]
+    # what the report's load note says torch.load imports agrees: torch alone for normconv's tracer, while a
+    # GraphModule traced by a tracer class of the user's own names the package holding it
+    from normconv.io.pickled import load_needs
+
+    model, inputs = inline_norm_scaled()
+    canon, _ = normconv.canonicalize(model, inputs)
+    assert isinstance(canon, torch.fx.GraphModule) and load_needs(canon) == []
+    own = torch.fx.GraphModule(model, OwnTracer().trace(model))
+    assert load_needs(own) == ["fixtures"]

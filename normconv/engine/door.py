@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch.nn as nn
 
 from normconv.quiet import phase
-from normconv.io import outputs
+from normconv.io import outputs, pickled
 from normconv.errors import Code, NormconvError, VerificationError, describe
 from normconv.verify.guard import one_snapshot
 from normconv.io.load import Loaded
@@ -216,7 +216,7 @@ def write_model(loaded: Loaded, model: nn.Module, opts: Options, inputs: Inputs,
         if to_write is not model and outputs.graph_modules(to_write) > outputs.graph_modules(model):  # stand-ins made
             _same_as_verified(model, to_write, inputs, output, report)
         pickle = output_format(loaded, Path(output)) == "pickle"
-        needs = outputs.load_needs(to_write) if pickle else []  # what torch.load will import besides torch
+        needs = pickled.load_needs(to_write) if pickle else []  # what torch.load will import besides torch
         if parts:
             report.notes.append(
                 "written with torch's own modules (" + ", ".join(p.rpartition(".")[2] for p in parts) + " replaced): "

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import pickle
 from typing import Any, Callable, Iterator
 
 import torch
@@ -39,6 +38,7 @@ from normconv.clone import clone_sharing_tensors, release
 from normconv.errors import describe
 from normconv.io import durable
 from normconv.io.checksum import fill_zip_crcs, unchecked_torch_save
+from normconv.io.pickled import torch_tracers
 from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, time_limit
 from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
                                  FrozenBatchNorm, InputScale, MovedDimNorm)
@@ -177,18 +177,6 @@ def normconv_parts(model: nn.Module) -> list[str]:
             if type(h).__module__.startswith("normconv."):
                 found.add(f"{type(h).__module__}.{type(h).__qualname__}")
     return sorted(found)
-
-
-def load_needs(model: nn.Module) -> list[str]:
-    """The packages besides torch that ``torch.load`` of a pickle of ``model`` imports: the top-level package of
-    every module and hook class it holds (a GraphModule's generated code is torch's)."""
-    found = set()
-    for m in model.modules():
-        for x in [m, *m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
-            if isinstance(x, fx.GraphModule):
-                continue
-            found.add(type(x).__module__.split(".")[0])
-    return sorted(found - {"torch", "builtins"})
 
 
 def graph_modules(model: nn.Module) -> int:
@@ -339,49 +327,13 @@ def follow_umask(path: str, mode: int = 0o666) -> None:
     os.chmod(path, mode & ~mask)
 
 
-class _Probe(pickle.Pickler):
-    """pickle as torch.save does, tensor storages left out (their bytes always pickle): only the structure is tried."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        return 0 if isinstance(obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage)) else None
-
-
-class _Sink:
-    def write(self, b: bytes) -> int:
-        return len(b)
-
-
-def _pickles(obj: Any) -> str | None:
-    try:
-        _Probe(_Sink(), protocol=2).dump(obj)
-    except Exception as exc:  # noqa: BLE001 - whatever pickle raises is the answer
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return None
-
-
-def unpicklable(model: nn.Module) -> str | None:
-    """Why ``torch.save(model)`` would fail, naming the attribute that does not pickle (a hook that is a local
-    function, a module object, a lock), or None when it pickles. Tensor bytes are not written: this costs the walk."""
-    why = _pickles(model)
-    if why is None:
-        return None
-    for path, m in model.named_modules():
-        for key, value in vars(m).items():
-            if key != "_modules" and _pickles(value) is not None:
-                where = f"{path}.{key}" if path else key
-                if isinstance(value, dict):  # a hook dict, a cache: which entry
-                    bad = next((k for k, v in value.items() if _pickles(v) is not None), None)
-                    where += f"[{bad!r}]" if bad is not None else ""
-                return f"{where}: {why}"
-    return why
-
-
 def write_pickle(model: nn.Module, path: str, inputs: Inputs | None) -> None:
-    """torch.save(model), carrying the example inputs so the next normconv command needs no --input-shape."""
+    """torch.save(model), carrying the example inputs so the next normconv command needs no --input-shape; a
+    GraphModule normconv traced names torch's tracer class, not normconv's (``io.pickled.torch_tracers``)."""
     if inputs is not None:
         model.__dict__[INPUTS_ATTR] = {"args": tuple(inputs.args), "kwargs": dict(inputs.kwargs)}
     try:
-        with latched(path) as f, unchecked_torch_save() as unchecked:
+        with latched(path) as f, unchecked_torch_save() as unchecked, torch_tracers(model):
             torch.save(model, f)  # each member's CRC-32 left at 0 by torch (its byte-at-a-time loop) ...
     finally:
         model.__dict__.pop(INPUTS_ATTR, None)
@@ -588,6 +540,6 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
     "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "load_needs", "graph_modules", "holds_graph_modules",
-           "unpicklable", "follow_umask", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch",
+__all__ = ["WRITERS", "torch_only", "normconv_parts", "graph_modules", "holds_graph_modules",
+           "follow_umask", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch",
            "INPUTS_ATTR"]

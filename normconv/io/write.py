@@ -22,7 +22,8 @@ import torch.nn as nn
 from normconv.errors import NormconvError, describe
 from normconv.io import durable
 from normconv.io.ledger import Ledger
-from normconv.io.outputs import WRITERS, config_mismatch, follow_umask, unpicklable
+from normconv.io.outputs import WRITERS, config_mismatch, follow_umask
+from normconv.io.pickled import unpicklable
 from normconv.verify import Inputs
 
 
