@@ -455,6 +455,18 @@ def test_factory_calling_sys_exit_is_an_error(cli, tmp_path, monkeypatch):
     _one_line_error(cli, "inspect", "exits:build", match="sys.exit")
 
 
+@pytest.mark.parametrize("source, why", [("def ok(:\n", "SyntaxError: "),
+                                         ("raise ValueError('boom at import')\n", "ValueError: boom at import")])
+def test_factory_module_failing_at_import_is_a_user_error(cli, tmp_path, monkeypatch, source, why):
+    """A module that fails to import with anything but ImportError (its own SyntaxError, a raise at import) is the
+    user's mistake: exit 2 naming the module and the error (was exit 3, internal error)."""
+    (tmp_path / "broken_at_import.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = _one_line_error(cli, "inspect", "broken_at_import:ok", "-i", "2,16",
+                           match="cannot import 'broken_at_import' for broken_at_import:ok: ")
+    assert why in line
+
+
 class _KeywordOnly(nn.Module):
     def __init__(self):
         super().__init__()

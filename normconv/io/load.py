@@ -291,7 +291,7 @@ def _load_factory(spec: str, weights: str | None) -> Loaded:
             module = importlib.import_module(module_name)
     except SystemExit as exc:
         raise NormconvError(f"importing {module_name!r} for {spec} called sys.exit({exc.code!r})") from None
-    except ImportError as exc:
+    except Exception as exc:  # ImportError, and the module's own failure (a SyntaxError, a raise at import)
         raise NormconvError(f"cannot import {module_name!r} for {spec}: {describe(exc)}") from None
     factory: Callable | None = getattr(module, attr, None)
     if factory is None:
