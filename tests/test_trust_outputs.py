@@ -107,6 +107,38 @@ def test_a_real_full_disk_says_so(tmp_path, suffix):
     assert lines == [lines[0]] and "no space left on device" in lines[0], r.stderr
 
 
+def test_a_folder_where_no_file_can_be_made_is_a_write_error(cli, tmp_path, monkeypatch):
+    """access() says the folder is writable, creating a file there fails (/proc, a root-squashed NFS, an ACL): exit 2
+    and one line, found before the work (the run ends at its load); and a folder that turns so between that check
+    and the write says the same line, leaving nothing (was exit 3, internal error)."""
+    import tempfile
+
+    import normconv.engine.door as door
+
+    def no_work(*a, **k):
+        raise AssertionError("the passes ran before the output folder was tried")
+
+    if os.path.isdir("/proc/self"):
+        with monkeypatch.context() as m:
+            m.setattr(door, "apply_passes", no_work)
+            one_line_error(cli, "fold", "zoo:mlp", "-o", "/proc/r.pt", match=("cannot write /proc/r.pt",
+                                                                                "nothing was written"))
+    made = []
+    real = tempfile.mkstemp
+
+    def fails_after_the_check(*a, **k):  # the check's temp file is made; the write's is refused
+        made.append(1)
+        if len(made) > 1:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(*a, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", fails_after_the_check)
+    out = tmp_path / "out.pt"
+    one_line_error(cli, "fold", "zoo:mlp", "-o", out, match=(f"cannot write {out}: permission denied",
+                                                              "nothing was written"))
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- what the model prints ------------------------------------------------------------------------------------
 
 

@@ -79,8 +79,8 @@ def _other_formats(path: Path) -> str:
 
 
 def check_writable(path: Path, overwrite: bool = False) -> Path:
-    """A file can be created at ``path``: its folder exists, is a folder and is writable; it is not a folder (unless
-    ``overwrite``: the folder is then replaced whole, atomically)."""
+    """A file can be created at ``path``: its folder exists, is a folder and is writable, and a temp file is made
+    there (and removed); it is not a folder (unless ``overwrite``: the folder is then replaced whole, atomically)."""
     parent = path.parent
     if not parent.exists():
         raise NormconvError(f"cannot write {path}: folder {parent} does not exist")
@@ -90,6 +90,14 @@ def check_writable(path: Path, overwrite: bool = False) -> Path:
         raise NormconvError(f"cannot write {path}: it is a folder (--overwrite replaces it)")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise NormconvError(f"cannot write {path}: folder {parent} is not writable")
+    tmp = None
+    try:  # access() can say yes where no file can be made (/proc, a root-squashed NFS, an ACL): one made, removed
+        with signals_held():
+            tmp = temp_file(path)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    finally:
+        remove_temp(tmp)
     return path
 
 
@@ -262,8 +270,11 @@ def save(loaded: Source, model: nn.Module, out: str | os.PathLike, in_place: boo
     remove_stale_temps(path)
     tmp = None
     try:
-        with signals_held():
-            tmp = temp_file(path, folder=fmt == "hf")
+        try:  # made again for the write: the folder may have changed since the check
+            with signals_held():
+                tmp = temp_file(path, folder=fmt == "hf")
+        except OSError as exc:
+            raise write_error(out, exc) from None
         _write(loaded, model, out, path, fmt, tmp, inputs, static, info)
         if before_rename is not None:
             before_rename(tmp)
