@@ -186,8 +186,13 @@ def print_json(report: Report) -> None:
 def console():
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich exits 1 (normconv's "failed verification"): the caller says it
+            self.quiet = True  # (the command line: 141, the reader went away)
+            raise BrokenPipeError
+
     # no colour codes or box-drawing surprises in pipes and CI logs
-    return Console(highlight=False, soft_wrap=False, emoji=False, width=None if sys.stdout.isatty() else 160)
+    return _Console(highlight=False, soft_wrap=False, emoji=False, width=None if sys.stdout.isatty() else 160)
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]):

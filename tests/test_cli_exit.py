@@ -56,6 +56,18 @@ def test_a_reader_that_went_away_exits_141_quietly(tmp_path):
     torch.load(out, weights_only=False)
 
 
+def test_a_reader_that_went_away_from_a_table_exits_141_too(tmp_path):
+    # `normconv fold ... -o x.pt | head -1`: rich's console exits 1 on a broken pipe (1: "the result failed
+    # verification; nothing was written", false here); the reader going away is 141 with or without --json
+    out = tmp_path / "folded.pt"
+    p = subprocess.Popen([sys.executable, "-m", "normconv.cli", "fold", "zoo:mlp", "-o", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert err == "" and out.is_file()
+
+
 @pytest.mark.parametrize("args", [("swap", "zoo:llama", "--to", "rmsnorm"), ("fold", "no/such/model.pt"),
                                   ("inspect", "zoo:resnet", "--capture", "nonsense")])
 def test_json_is_one_object_on_a_refusal_too(cli, args):
