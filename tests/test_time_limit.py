@@ -161,3 +161,35 @@ def test_pt2_past_the_limit_is_written_static_and_says_so(cli, tmp_path, stuck):
     loaded = load("zoo:gpt")
     got = run(program, loaded.inputs)
     assert torch.isfinite(got if isinstance(got, torch.Tensor) else got[0]).all()
+
+
+def test_ctrl_c_during_the_export_ends_as_the_interrupt(cli, tmp_path, monkeypatch):
+    """A SIGINT landing in torch.export, which wraps it in its own error (an interrupted lazy import of torch._dynamo
+    came out as "AttributeError: module 'torch._dynamo' has no attribute 'exc'"), ends the command as interrupted
+    (130), the export not tried again; it was exit 2 "cannot export ... to ONNX", a bad input. A library that
+    swallows the interrupt ends as it too."""
+    calls = []
+
+    def wrapping_export(*a, **k):  # the interrupt lands inside the library, which words it as its own failure
+        calls.append(1)
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("Failed to export the model with torch.export") from exc
+
+    monkeypatch.setattr(torch.onnx, "export", wrapping_export)
+    code, out, _ = cli("export", "zoo:mlp", "-o", tmp_path / "m.onnx", "--no-baseline", "--json")
+    assert (code, json.loads(out)["code"], len(calls)) == (130, "interrupted", 1)
+    assert list(tmp_path.iterdir()) == []
+
+    def swallowing(*a, **k):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with tl.interrupt_kept():
+            swallowing()
+    assert signal.getsignal(signal.SIGINT) is before  # the handler put back

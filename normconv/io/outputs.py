@@ -39,7 +39,7 @@ from normconv.errors import describe
 from normconv.io import durable
 from normconv.io.checksum import fill_zip_crcs, unchecked_torch_save
 from normconv.io.pickled import torch_tracers
-from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, time_limit
+from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, interrupt_kept, time_limit
 from normconv.nn.modules import (BiasAfterNorm, BranchScale, ChannelAffine, ChannelShift, Float32Norm,
                                  FrozenBatchNorm, InputScale, MovedDimNorm)
 from normconv.kinds import KINDS
@@ -417,7 +417,8 @@ def _export(model: nn.Module, inputs: Inputs, shapes: dict | None, pinned: set[t
         try:
             fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
             # a failing export logs the whole graph; its dynamic-shape reasoning can run for ever (time-limited)
-            with quiet(("torch",), stderr=True), time_limit(DYNAMIC_EXPORT_S if shapes is not None else None):
+            with interrupt_kept(), quiet(("torch",), stderr=True), \
+                    time_limit(DYNAMIC_EXPORT_S if shapes is not None else None):
                 ep = torch.export.export(model, tuple(fresh.args), dict(fresh.kwargs), dynamic_shapes=shapes,
                                          strict=False)
         except Exception as exc:

@@ -16,6 +16,11 @@ within microseconds of its limit may be taken as overtime; the caller's fallback
 result, only a slower one. Once the timer has raised, any exception that leaves the block is ``Overtime``: a raise
 that lands in C code comes out as that code's own error (the suite saw Python's AST constructor turn it into
 "SystemError: AST constructor recursion depth mismatch", which torch.onnx then reported as its own failure).
+
+A Ctrl-C is the same kind of raise into the library (``interrupt_kept``): torch.export wraps a KeyboardInterrupt
+that lands in its lazy import of torch._dynamo into its own error ("module 'torch._dynamo' has no attribute 'exc'"),
+which a caller's ``except Exception`` took for the model's failure (and tried again). Within ``interrupt_kept`` an
+interrupt always leaves the block as KeyboardInterrupt, whatever it became on the way.
 One of the io room's lowest modules: it imports nothing of normconv's.
 """
 
@@ -96,4 +101,33 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         raise
 
 
-__all__ = ["DYNAMIC_EXPORT_S", "Overtime", "available", "time_limit"]
+@contextlib.contextmanager
+def interrupt_kept() -> Iterator[None]:
+    """Within the block, a SIGINT leaves it as KeyboardInterrupt: turned into another exception by the library on
+    its way out, or swallowed by it (the block then ends with it). Only where ``available`` and SIGINT raises."""
+    previous = signal.getsignal(signal.SIGINT) if available() else None
+    if not callable(previous):  # not the main thread, or SIGINT ignored / left to the system: nothing to keep
+        yield
+        return
+    seen = [False]
+
+    def interrupt(signum, frame):
+        seen[0] = True
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        if seen[0]:
+            raise KeyboardInterrupt from exc
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen[0]:
+        raise KeyboardInterrupt
+
+
+__all__ = ["DYNAMIC_EXPORT_S", "Overtime", "available", "interrupt_kept", "time_limit"]

@@ -34,7 +34,7 @@ from normconv import kinds
 from normconv.graph.detect import NormSite
 from normconv.errors import NormconvError, VerificationError
 from normconv.quiet import phase, quiet
-from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, time_limit
+from normconv.io.time_limit import DYNAMIC_EXPORT_S, Overtime, interrupt_kept, time_limit
 from normconv.io import durable
 from normconv.io.outputs import latched
 from normconv.io.write import check_writable
@@ -182,7 +182,8 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
     limit, optimized = DYNAMIC_EXPORT_S if kwargs.get("dynamic_shapes") is not None else None, False
     for i, example in enumerate(tries):
         try:  # torch.export's reasoning about dynamic dimensions can run for ever (DaViT: sympy): time-limited
-            with _quiet(), torch.no_grad(), time_limit(limit):
+            # a Ctrl-C is never one of the export's failures (tried again, then the model's fault)
+            with interrupt_kept(), _quiet(), torch.no_grad(), time_limit(limit):
                 fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
                 args = tuple(fresh.args)
                 if args and isinstance(args[-1], dict) and not fresh.kwargs:
