@@ -165,9 +165,10 @@ class Report:
 
 
 def _finite(obj: Any) -> Any:
-    """JSON has no inf/nan: map them to strings so ``json.loads`` of our output never fails."""
+    """JSON has no inf/nan: a number that is not finite is null (a tolerance not used, no limit), never a string
+    where a number is read, so ``json.loads`` of our output never fails and each key keeps one type."""
     if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
+        return None
     if isinstance(obj, Mapping):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

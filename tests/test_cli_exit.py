@@ -97,3 +97,27 @@ def test_a_usage_error_with_json_is_one_object_too():
     obj = json.loads(r.stdout)
     assert r.returncode == 2 and obj["passed"] is False and obj["code"] == "usage" and obj["exit_code"] == 2
     assert obj["error"] in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_json_keeps_its_contract_for_a_flag_value_numbers_and_write_errors(cli, tmp_path, monkeypatch):
+    """--json=1 is asked JSON too (a usage error printed nothing on stdout); a number that is not finite is null,
+    never the string "nan" / "inf" where a number is read (each key keeps one type); a failed write is coded
+    write-failed, not bad-input."""
+    r = subprocess.run([sys.executable, "-m", "normconv.cli", "fold", "zoo:mlp", "--json=1"], capture_output=True,
+                       text=True)
+    obj = json.loads(r.stdout)
+    assert r.returncode == 2 and obj["code"] == "usage" and obj["error"] in r.stderr
+
+    code, out, err = cli("fold", "zoo:mlp", "--atol", "inf", "--json")
+    assert code == 0, err
+    check = json.loads(out)["validation"][0]
+    assert check["atol"] is None and check["scale_tolerance"] is None and check["outputs"][0]["tolerance"] is None
+    assert '"nan"' not in out and '"inf"' not in out
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    code, out, err = cli("fold", "zoo:mlp", "-o", tmp_path / "out.pt", "--json")
+    obj = json.loads(out)
+    assert (code, obj["code"], obj["exit_code"]) == (2, "write-failed", 2) and "no space left" in obj["error"]

@@ -65,7 +65,8 @@ def main() -> None:
     except errors.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else "normconv"
         message = f"{exc.format_message()} (see {where} --help)"
-        if "--json" in sys.argv[1:]:  # asked for JSON: stdout is one object for a usage error too
+        if any(a == "--json" or a.startswith("--json=") for a in sys.argv[1:]):  # asked for JSON (--json=1 too):
+            # stdout is one object for a usage error too
             json_error(message, exc.exit_code, "usage")
         sys.stderr.write(f"error: {message}\n")
         raise SystemExit(exc.exit_code) from None

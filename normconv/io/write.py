@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch.nn as nn
 
-from normconv.errors import NormconvError, describe
+from normconv.errors import Code, NormconvError, describe
 from normconv.io import durable
 from normconv.io.ledger import Ledger
 from normconv.io.outputs import WRITERS, config_mismatch, follow_umask
@@ -203,7 +203,7 @@ def write_error(out: Any, exc: BaseException) -> NormconvError:
     why = {errno.ENOSPC: "no space left on device", errno.EACCES: "permission denied",
            errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded"}.get(
         getattr(exc, "errno", None), describe(exc))
-    return NormconvError(f"cannot write {out}: {why}; nothing was written")
+    return NormconvError(f"cannot write {out}: {why}; nothing was written", Code.WRITE_FAILED)
 
 
 def replace(tmp: str | os.PathLike, path: Path) -> None:
@@ -309,8 +309,8 @@ def _write(loaded: Source, model: nn.Module, out: Any, path: Path, fmt: str, tmp
         why = unpicklable(model) if fmt == "pickle" else None
         if why is not None:  # which attribute does not pickle, and what to write instead
             raise NormconvError(f"cannot write {out}: the rewritten {type(model).__name__} does not pickle ({why}); "
-                                f"write {_other_formats(path)} instead") from None
-        raise NormconvError(f"cannot write {out}: {describe(exc)}{hint}") from None
+                                f"write {_other_formats(path)} instead", Code.WRITE_FAILED) from None
+        raise NormconvError(f"cannot write {out}: {describe(exc)}{hint}", Code.WRITE_FAILED) from None
 
 
 def _check_hf_folder_output(loaded: Source, model: nn.Module, path: Path, overwrite: bool = False) -> None:
