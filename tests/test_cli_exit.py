@@ -80,7 +80,7 @@ def test_json_is_one_object_on_a_refusal_too(cli, args):
 
 
 @pytest.mark.parametrize("args", [("fold", "zoo:resnet", "--atol", "-1"), ("fold", "zoo:resnet", "--bogus"),
-                                  ("nocommand",)])
+                                  ("nocommand",), ("export", "zoo:mlp", "-o", "never.onnx", "--repeats", "-3")])
 def test_a_usage_error_is_one_line_and_exit_2(args):
     """A flag or argument click refuses is bad input like any other: one line on stderr naming the --help to read
     (click printed the usage and the error over four lines); no arguments still show the help."""

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
                                                    "comma separated, or none")] = "cpu",
         baseline: Annotated[bool, typer.Option(help="also export with plain torch.onnx.export and compare op "
                                                     "counts and latency (a second export: opt-in)")] = False,
-        repeats: Annotated[int, typer.Option(help="timed onnxruntime runs per provider (0: no timing)")] = 10,
+        repeats: Annotated[int, typer.Option(min=0, help="timed onnxruntime runs per provider (0: no timing)")] = 10,
         device: Annotated[str, typer.Option(
             help="the onnxruntime provider you deploy to, cpu or cuda: picks the fusions measured faster there "
                  "(cuda: residual add + norm as one Skip*LayerNormalization)")] = "cpu",
