@@ -229,6 +229,15 @@ def test_factory_that_is_not_a_module(cli):
     _expect_error(cli, "inspect", "tests.fixtures.user_models:not_a_module", match="not a torch.nn.Module")
 
 
+def test_factory_attribute_that_is_not_callable(cli, tmp_path, monkeypatch):
+    """A module attribute that is neither a module nor a function is said to be so; it was never called (the line
+    said "returned a int")."""
+    (tmp_path / "notcallable_mod.py").write_text("notcallable = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _expect_error(cli, "inspect", "notcallable_mod:notcallable",
+                  match="notcallable_mod:notcallable is not callable: it is an int, not a torch.nn.Module")
+
+
 def test_folder_without_config(cli, tmp_path):
     _expect_error(cli, "inspect", tmp_path, match="without config.json")
 

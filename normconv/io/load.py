@@ -297,7 +297,8 @@ def _load_factory(spec: str, weights: str | None) -> Loaded:
     if factory is None:
         raise NormconvError(f"{module_name!r} has no attribute {attr!r}")
     try:
-        made = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+        called = callable(factory) and not isinstance(factory, nn.Module)
+        made = factory() if called else factory
     except (Exception, SystemExit) as exc:  # a factory calling sys.exit() is a failure too, never a silent exit 0
         raise NormconvError(f"{spec}() failed: {describe(exc) if not isinstance(exc, SystemExit) else f'it called sys.exit({exc.code!r})'}") from None
     inputs = None
@@ -306,7 +307,9 @@ def _load_factory(spec: str, weights: str | None) -> Loaded:
         inputs = example if isinstance(example, Inputs) else Inputs(tuple(example) if isinstance(example, (tuple, list))
                                                                   else (example,))
     if not isinstance(made, nn.Module):
-        raise NormconvError(f"{spec} returned a {type(made).__name__}, not a torch.nn.Module")
+        what = type(made).__name__
+        raise NormconvError(f"{spec} {'returned' if called else 'is not callable: it is'} "
+                            f"{'an' if what[:1].lower() in 'aeiou' else 'a'} {what}, not a torch.nn.Module")
     if weights:
         load_weights(made, weights)
     return Loaded(made.eval(), inputs, spec, "factory")
