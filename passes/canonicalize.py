@@ -278,6 +278,10 @@ def _shared(cap: Captured, site: NormSite, form: str, path: str) -> str:
             return f"{name} is shared with {others[0]}: moving it into a native module would untie them"
         for node in cap.gm.graph.nodes:
             outside = [u for u in cap.users(node) if u.name not in inside] if cap.param_name(node) == name else []
+            # the module replaced whole, read by its other calls (a shared qk_norm)  =>  one native module keeps
+            # the tie; every call's recorded output is reproduced by it (_record hooks the module)
+            if form == "module" and all(path in cap.owner_stack(u) for u in outside):
+                continue
             # the same hand-written module called twice, traced inline: both calls read one parameter
             if site.owner and any(cap.owner(u) == site.owner for u in outside):
                 return (f"{site.owner} is called more than once and its calls share {name}: "
