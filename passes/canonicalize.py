@@ -40,6 +40,7 @@ import torch.nn as nn
 from normconv import kinds
 from normconv.graph.detect import NormSite, find_norms, spans_graph
 from normconv.graph.handwritten import owns_only
+from normconv.graph.norm_module import held_by
 from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site, Why
 from normconv.verify import Inputs, compare, default_tolerance, forward_guard, run
@@ -143,10 +144,12 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
     if site.source != "handwritten" and not modularize:
         native = site.module_type if site.source == "module" or owner_is_norm else None
         return no(f"already native ({native or 'functional ' + site.kind})", CanonWhy.ALREADY_NATIVE)
+    # an exported program's container (.pt2) is never called: its graph computes the norm, rewritten inline
     form = "module" if site.source == "handwritten" and site.target == site.owner and site.target in cap.modules \
-        else "inline"
+        and not _holder(cap, site.target) else "inline"
     # a module whose whole forward is this functional norm (OLMo: cast, F.layer_norm, cast back)  =>  the module
-    path = site.target if form == "module" else site.owner if modularize and _whole_module(cap, site) else ""
+    path = site.target if form == "module" else \
+        site.owner if modularize and not _holder(cap, site.owner) and _whole_module(cap, site) else ""
     form = "module" if path else form
     # inline subgraph in an aten graph  =>  no user module to put a native one into
     if form == "inline" and cap.method != "symbolic_trace":
@@ -195,6 +198,22 @@ def _structural(cap: Captured, site: NormSite, functional: bool = False) -> Deci
     if renamed:
         reason += f"; state_dict keys {renamed}"
     return Decision(site, True, reason, CanonWhy.RENAMED_KEYS if renamed else CanonWhy.REPLACED, form, module, path)
+
+
+def _holder(cap: Captured, path: str) -> bool:
+    """The module at ``path`` is a holder (an exported program's: never called, the program's graph computes what
+    the user's module did with its tensors; graph.norm_module.held_by)."""
+    return bool(path) and path in cap.modules and held_by(cap.model, path) is not None
+
+
+def _holder_of(cap: Captured, site: NormSite) -> bool:
+    """The site's owner is a container (``_holder``) holding the site's tensors and nothing else: the native module
+    takes its place, under its path (a .pt2's LayerNorm stays ``blocks.0.n1``)."""
+    mod = cap.modules.get(site.owner)
+    if not _holder(cap, site.owner) or list(mod.children()):
+        return False
+    mine = {n for n in (site.weight, site.bias, site.running_mean, site.running_var) if n}
+    return {f"{site.owner}.{n}" for n in list(mod._parameters) + list(mod._buffers)} <= mine
 
 
 def _whole_module(cap: Captured, site: NormSite) -> bool:
@@ -491,6 +510,8 @@ def _rewrite_graph(cap: Captured, applied: list[Decision], renamed: dict[str, st
         s = d.site
         if d.form == "module":
             target = d.key  # the hand-written module's own path: the native module takes its place
+        elif _holder_of(cap, s) and s.owner not in modules:  # an exported program's container: likewise
+            target = s.owner
         else:
             target = _free_name(f"{s.owner}.{s.kind}" if s.owner else s.kind, taken)
         taken.add(target)
@@ -503,8 +524,11 @@ def _rewrite_graph(cap: Captured, applied: list[Decision], renamed: dict[str, st
         out.replace_all_uses_with(new)
     # the replaced subgraphs are dead now (graph.eliminate_dead_code lints first, and the old attributes
     # of a replaced module path would fail that lint)
+    # of a replaced module path would fail that lint); an exported program's dtype asserts on a replaced value go too
+    replaced = {n for d in applied for n in d.site.nodes}
     for node in reversed(list(graph.nodes)):
-        if node.op not in ("placeholder", "output") and not node.users and not node.is_impure():
+        if node.op not in ("placeholder", "output") and not node.users and (not node.is_impure() or (
+                cap.is_noise(node) and any(a.name in replaced for a in node.all_input_nodes))):
             graph.erase_node(node)
     for target, module in modules.items():
         gm.add_submodule(target, module)
