@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from normconv.clone import clone_sharing_tensors
 from normconv.engine.door import not_verified, rewrite, write_model
-from normconv.engine.precision import cast_floats, dtype_label, either_holds, half_dtype, target_half
+from normconv.engine.precision import (cast_floats, dtype_label, either_holds, half_dtype, target_half,
+                                       upcast)
 from normconv.errors import VerificationError
 from normconv.io.load import Loaded
 from normconv.io.write import check_output_path
@@ -50,7 +51,7 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, opts: Options) -> tupl
         model32, inputs32 = loaded.model, inputs
         loaded = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).to(half), inputs=inputs.to(half))
     else:  # given in half: its weights upcast
-        model32, inputs32 = copy.deepcopy(loaded.model).float(), inputs.to(torch.float32)
+        model32, inputs32 = upcast(loaded.model), inputs.to(torch.float32)
     ref32, alt32 = run(model32, inputs32), other_shape(model32, inputs32)
     atol = default_tolerance(half)[0] if opts.atol is None else opts.atol
     rtol = default_tolerance(half)[1] if opts.rtol is None else opts.rtol

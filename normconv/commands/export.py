@@ -20,7 +20,7 @@ from normconv.clone import clone_sharing_tensors, release
 from normconv.engine.door import looked, not_verified
 from normconv.engine.plans import float32_sites, plan_of
 from normconv.engine.precision import (HALF_SLACK, cast_floats, cast_like, check_keep_fp32, dtype_label, half_dtype,
-                                       rounding_limited, site_precisions, target_half)
+                                       rounding_limited, site_precisions, target_half, upcast, downcast)
 from normconv.engine.run import apply_passes
 from normconv.engine.branches import judge_specialized
 from normconv.errors import Code, NormconvError, VerificationError
@@ -68,7 +68,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     reference32 = half_torch = None
     if half is not None:
         if given_half is not None:  # given in half: its weights upcast are the float32 reference
-            source, src_inputs = copy.deepcopy(loaded.model).float(), inputs.to(torch.float32)
+            source, src_inputs = upcast(loaded.model), inputs.to(torch.float32)
             reference32, half_torch = run(source, src_inputs), reference
         else:  # given in float32 (--dtype): the model itself is the reference, its half cast is what users run
             reference32, inputs = reference, inputs.to(half)
@@ -146,7 +146,7 @@ def _half_model(prepared32: torch.nn.Module, wide: dict[str, str], half: torch.d
     against the float32 model beside the half model as given. Returns (model, reference, atol, rtol) for the
     ONNX validation."""
     prepared32 = release(prepared32)
-    prepared = copy.deepcopy(prepared32).to(half)
+    prepared = downcast(prepared32, half)  # a program's graph says its dtype: half again where it said it
     for path in wide:  # the site's module, float32 between two Casts (its output back in the half dtype)
         try:
             norm32 = copy.deepcopy(prepared32.get_submodule(path))

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.engine.door import not_verified, rewrite, write_model
-from normconv.engine.precision import against_float32, half_dtype, headroom_extra, target_half
+from normconv.engine.precision import against_float32, half_dtype, headroom_extra, target_half, upcast
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
@@ -50,7 +50,7 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
         cast = loaded.model if loaded.disposable and model32 is None else copy.deepcopy(loaded.model)
         loaded = dataclasses.replace(loaded, model=cast.to(half), inputs=loaded.require_inputs().to(half))
     elif model32 is not None:  # given in half: its weights upcast
-        model32 = copy.deepcopy(loaded.model).float()
+        model32 = upcast(loaded.model)
     try:
         # fold-through first: it takes only BNs with ops between them and their layer, so a model where it has
         # nothing to do is folded from the same capture (one capture, five forwards in all)
@@ -108,7 +108,7 @@ def _fold_headroom(loaded: Loaded, half: torch.dtype, method: str) -> tuple[list
     """Each site's headroom in ``half``, measured on the float32 model, and BatchNorm -> the layer it folds into."""
     from normconv.graph.headroom import measure
 
-    wide = loaded.model if half_dtype(loaded.model) is None else copy.deepcopy(loaded.model).float()
+    wide = loaded.model if half_dtype(loaded.model) is None else upcast(loaded.model)
     cap = capture(wide, loaded.require_inputs().to(torch.float32), method)
     norms = find_norms(cap)
     layers = {d.site.target: d.layer for d in fold_batchnorm.analyze(cap, norms) if d.applied and d.layer}

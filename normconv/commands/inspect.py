@@ -4,12 +4,11 @@ not (``engine.plans``); nothing is applied. With a half dtype, each site's headr
 from __future__ import annotations
 
 import collections
-import copy
 
 import torch
 
 from normconv.engine.plans import plans, whole_only
-from normconv.engine.precision import headroom_extra
+from normconv.engine.precision import headroom_extra, upcast
 from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms, find_weight_standardizations
@@ -119,7 +118,7 @@ def _headroom(loaded: Loaded, cap: Captured, norms: list[NormSite], method: str,
     half = any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16)
                for p in list(loaded.model.parameters()) + list(loaded.model.buffers()))
     if half:
-        wide = copy.deepcopy(loaded.model).float()
+        wide = upcast(loaded.model)
         wide_cap = capture(wide, cap.inputs.to(torch.float32), method)
         wide_norms = find_norms(wide_cap)
         if [n.target for n in wide_norms] == [n.target for n in norms]:

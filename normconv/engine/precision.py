@@ -37,6 +37,64 @@ def half_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return next(iter(dts)) if len(dts) == 1 and dts <= set(HALF) else None
 
 
+def upcast(model: torch.nn.Module) -> torch.nn.Module:
+    """The float32 model of a half one: a copy with its floating weights upcast. A graph (an exported program's
+    module, a traced GraphModule) has its half dtype written into its nodes (``_assert_tensor_metadata(x,
+    dtype=float16)``, ``aten.to(x, float16)``): the copy's nodes say float32 there, as the eager model's
+    ``x.to(h.dtype)`` reads float32 once upcast, so it takes float32 inputs and computes in float32 throughout."""
+    import copy
+
+    half = half_dtype(model)
+    wide = copy.deepcopy(model).float()
+    if half is not None:
+        _retype(wide, half, torch.float32, lambda node: True, mark=half)
+    return wide
+
+
+def downcast(model32: torch.nn.Module, half: torch.dtype) -> torch.nn.Module:
+    """A copy of a float32 model (``upcast``'s, rewritten) in ``half``: the graph nodes ``upcast`` wrote float32 into
+    say ``half`` again; a float32 the half model itself wrote (an upcast around a softmax, a norm) stays."""
+    import copy
+
+    narrow = copy.deepcopy(model32).to(half)
+    _retype(narrow, torch.float32, half, lambda node: node.meta.get(_UPCAST) is half)
+    return narrow
+
+
+_UPCAST = "normconv_upcast_from"  # node.meta: the half dtype ``upcast`` replaced in this node's arguments
+
+
+def _retype(model: torch.nn.Module, old: torch.dtype, new: torch.dtype, which: Any,
+            mark: torch.dtype | None = None) -> None:
+    """In every graph of ``model``, the dtype constant ``old`` in the arguments of the nodes ``which`` accepts made
+    ``new`` (the nodes changed get ``mark`` in their meta when given)."""
+    import torch.fx as fx
+
+    hits: list[bool] = []
+
+    def swap(a: Any) -> Any:
+        if a is old:
+            hits.append(True)
+            return new
+        return a
+
+    for gm in model.modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        changed = False
+        for node in gm.graph.nodes:
+            if not which(node):
+                continue
+            hits.clear()
+            args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+            if hits:
+                node.args, node.kwargs, changed = args, kwargs, True
+                if mark is not None:
+                    node.meta[_UPCAST] = mark
+        if changed:
+            gm.recompile()
+
+
 def target_half(dtype: torch.dtype | None, model: torch.nn.Module) -> torch.dtype | None:
     """The half dtype a command works in: the one asked for (``--dtype``), else the model's own, else None."""
     return dtype if dtype in HALF else half_dtype(model)
@@ -159,6 +217,7 @@ def check_keep_fp32(keep_fp32: str, half: torch.dtype | None) -> None:
         raise NormconvError("--keep-fp32 chooses norm precisions in a half export: give --dtype float16 or bfloat16")
 
 
-__all__ = ["KEEP_FP32", "HALF", "HALF_SLACK", "HALF_MIN_COSINE", "half_dtype", "target_half", "cast_floats",
+__all__ = ["KEEP_FP32", "HALF", "HALF_SLACK", "HALF_MIN_COSINE", "half_dtype", "upcast", "downcast", "target_half",
+           "cast_floats",
            "cast_like", "rounding_limited", "against_float32", "either_holds", "site_precisions", "headroom_extra", "check_keep_fp32",
            "dtype_label"]

@@ -429,6 +429,9 @@ def _inherit_module_stacks(source: fx.Graph, traced: fx.Graph) -> None:
     for a, b in zip(src, dst):
         if a.meta.get("nn_module_stack") and not b.meta.get("nn_module_stack"):
             b.meta["nn_module_stack"] = a.meta["nn_module_stack"]
+        for key in a.meta.keys() - b.meta.keys():  # normconv's own marks (engine.precision.upcast's) travel too
+            if key.startswith("normconv_"):
+                b.meta[key] = a.meta[key]
 
 
 class _ShapeProp(fx.Interpreter):
