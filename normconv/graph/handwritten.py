@@ -8,7 +8,8 @@
                                                                -> batchnorm (the frozen form: torchvision's, DETR's,
                                                                   timm's and detectron2's FrozenBatchNorm2d)
 with ``/ sqrt`` for ``* rsqrt``, ``v ** -0.5`` for rsqrt, ``var(unbiased=False)``, ``var_mean`` or ``mean((x - m)^2)``
-for the variance, a scale applied before the factor (``(w * x) * rsqrt(...)``), and dtype casts anywhere in between.
+for the variance, a scale applied before the factor (``(w * x) * rsqrt(...)``), dtype casts anywhere in between, statistics
+viewed (``rv.view(1, -1, 1, 1)``, ``rv[None, :, None, None]``) and eps a number or an untrained one-element tensor.
 The site's nodes, owner and input are then trimmed of casts that belong to the caller or to another module.
 """
 
@@ -78,7 +79,7 @@ def _match_frozen_batchnorm(cap: Captured, r: fx.Node) -> NormSite:
     s = _strip(cap, r.args[0], acc)
     if root(cap, r) != "rsqrt" or not (isinstance(s, fx.Node) and cap.op(s) == "add"):
         raise NoMatch
-    c = [scalar(v) for v in s.args[:2]]
+    c = [_eps(cap, v) for v in s.args[:2]]
     if (c[0] is None) == (c[1] is None):
         raise NoMatch
     eps, var = (c[1], s.args[0]) if c[1] is not None else (c[0], s.args[1])
@@ -158,6 +159,15 @@ def other_operand(node: fx.Node, this: Any) -> Any:
     raise NoMatch
 
 
+def _eps(cap: Captured, value: Any) -> float | None:
+    """An epsilon: a number, or a one-element float tensor the module holds, not trained (a buffer, an attribute)."""
+    if scalar(value) is not None:
+        return scalar(value)
+    name = param_through_views(cap, value, set())
+    t = cap.tensor(name) if name else None
+    return float(t) if t is not None and t.numel() == 1 and t.is_floating_point() and not t.requires_grad else None
+
+
 def param_through_views(cap: Captured, value: Any, acc: set[str]) -> str | None:
     """The parameter a value reads, through casts and broadcasting views (w[:, None, None], w.view(1,C,1,1))."""
     seen: set[str] = set()
@@ -211,7 +221,7 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     s = _strip(cap, r.args[0], acc)
     eps = 0.0
     if isinstance(s, fx.Node) and cap.op(s) == "add":
-        c = [scalar(v) for v in s.args[:2]]
+        c = [_eps(cap, v) for v in s.args[:2]]
         if c[1] is not None:
             eps, stat = c[1], s.args[0]
         elif c[0] is not None:
@@ -227,7 +237,8 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
 
     centered: bool
     x_stat: Any = None
-    running_var = cap.param_name(stat)
+    stats = {"var": stat}  # a running statistic as read, maybe through a view (rv.view(1, -1, 1, 1), rv[None, :])
+    running_var = param_through_views(cap, stat, acc)
     dims: tuple[int, ...] | None = None
     var_mean = _var_mean_of(stat, 0)
     if running_var is not None:  # (x - running_mean) / sqrt(running_var + eps)
@@ -302,11 +313,16 @@ def _match_handwritten(cap: Captured, r: fx.Node) -> NormSite:
     if kind == "batchnorm":
         if not (isinstance(num, fx.Node) and cap.op(num) == "sub"):
             raise NoMatch
-        running_mean = cap.param_name(_strip(cap, num.args[1], acc))
+        stats["mean"] = _strip(cap, num.args[1], acc)
+        running_mean = param_through_views(cap, stats["mean"], acc)
         if running_mean is None:
             raise NoMatch
         acc.add(num.name)
         x = _strip(cap, num.args[0], acc)
+        rank = len(cap.shape(x) or ())  # each statistic one value per channel, broadcast along dim 1 of x alone
+        if any(rank < 2 or (vs := cap.shape(v)) is None or len(vs) > rank or
+               [d for d in range(len(vs)) if vs[d] != 1] != [len(vs) - rank + 1] for v in stats.values()):
+            raise NoMatch
     elif centered:
         if not (isinstance(num, fx.Node) and cap.op(num) == "sub"):
             raise NoMatch
