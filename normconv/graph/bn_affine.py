@@ -101,10 +101,10 @@ class Layers:
         if self.calls.get(path, 1) > 1:
             raise Refusal(BNWhy.LAYER_SHARED, f"{path} is called at {self.calls[path]} places")
         # tied weights  =>  folding would change the other module too
-        others = [p for t in (mod.weight, mod.bias) if t is not None for p in self.holders.get(id(t), [path])
-                  if p != path]
+        others = [(role, p) for role, t in (("weight", mod.weight), ("bias", mod.bias)) if t is not None
+                  for p in self.holders.get(id(t), [path]) if p != path]
         if others:
-            raise Refusal(BNWhy.TIED_WEIGHT, f"{path} shares its weight with {others[0]}")
+            raise Refusal(BNWhy.TIED_WEIGHT, f"{path} shares its {others[0][0]} with {others[0][1]}")
         if path in self.read:
             raise Refusal(BNWhy.TIED_WEIGHT, f"{self.read[path]} is also read by the forward itself")
         if parametrize.is_parametrized(mod):
