@@ -27,7 +27,7 @@ from normconv.commands import fold as fold_cmd, inspect as inspect_cmd, swap as 
 from normconv.commands import recalibrate as recalibrate_cmd, swap_batchnorm as swap_batchnorm_cmd
 from normconv.errors import NormconvError
 from normconv.io.inputs import without_kv_cache
-from normconv.io.load import Loaded
+from normconv.io.load import Loaded, refuse_torchscript
 from normconv.options import Options
 from normconv.quiet import collector_frozen_at_phases
 from normconv.report import Report
@@ -64,6 +64,7 @@ def as_inputs(example_inputs: Any) -> Inputs:
 def _loaded(model: nn.Module, example_inputs: Any) -> Loaded:
     if not isinstance(model, nn.Module):
         raise NormconvError(f"normconv needs a torch.nn.Module, got {type(model).__name__}")
+    refuse_torchscript(model, "the model")
     return Loaded(model, without_kv_cache(model, as_inputs(example_inputs)), type(model).__name__, "python")
 
 

@@ -96,6 +96,7 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
     modules = set(sys.modules)
     with ledger.watching():  # every file opened for reading while loading (a factory's own torch.load too)
         loaded = _load_model(spec, weights, trust_pickle, trust_remote_code, ledger)
+    refuse_torchscript(loaded.model, spec)
     if weights and loaded.fmt != "factory":
         raise NormconvError(f"--weights applies to a package.module:factory spec, not to {spec}")
     if loaded.path is not None:
@@ -136,6 +137,13 @@ def load(spec: str, weights: str | None = None, input_shapes: list[str] | None =
             loaded.inputs = made
             raise first_error from None  # the inputs' own error is the one said
     return loaded
+
+
+def refuse_torchscript(model: nn.Module, what: str) -> None:
+    """A TorchScript module (torch.jit.script / trace) is compiled code, not a module tree normconv can rewrite."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise NormconvError(f"{what} is a TorchScript module ({type(model).__name__}): TorchScript modules are not "
+                            f"supported; pass the eager module (before torch.jit.script / torch.jit.trace)")
 
 
 def check_inputs(loaded: Loaded) -> Any:
