@@ -46,16 +46,24 @@ class _Stats(nn.Module):
         self.register_buffer("running_var", torch.rand(c) + 0.5)
 
 
+def _batch_stats(x):  # a tutorial BatchNorm in training mode: the batch's statistics (what nn.BatchNorm2d takes)
+    return x.mean((0, 2, 3), keepdim=True), x.var((0, 2, 3), unbiased=False, keepdim=True)
+
+
 class FrozenBNViews(_Stats):
     def forward(self, x):
         rm, rv = self.running_mean.view(1, -1, 1, 1), self.running_var.view(1, -1, 1, 1)
+        if self.training:
+            rm, rv = _batch_stats(x)
         return (x - rm) / torch.sqrt(rv + 1e-5) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
 
 
 class FrozenBNIndexed(_Stats):
     def forward(self, x):
-        m, v = self.running_mean, self.running_var
-        return (x - m[None, :, None, None]) / torch.sqrt(v[None, :, None, None] + 1e-5) * \
+        m, v = self.running_mean[None, :, None, None], self.running_var[None, :, None, None]
+        if self.training:
+            m, v = _batch_stats(x)
+        return (x - m) / torch.sqrt(v + 1e-5) * \
             self.weight[None, :, None, None] + self.bias[None, :, None, None]
 
 
@@ -98,6 +106,21 @@ def test_the_norm_is_found_and_canonicalized_exactly(case, method):
         for shape in shapes:
             x = torch.randn(shape)
             torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class FrozenViews(_Stats):  # the same statistics with no training branch (torchvision's FrozenBatchNorm2d)
+    def forward(self, x):
+        rm, rv = self.running_mean.view(1, -1, 1, 1), self.running_var.view(1, -1, 1, 1)
+        return (x - rm) / torch.sqrt(rv + 1e-5) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
+
+def test_a_frozen_spelling_is_found_and_kept():
+    # nn.BatchNorm2d would take the batch's statistics in training mode: kept, said (engine/training.py's rule)
+    torch.manual_seed(0)
+    model, inputs, _ = _conv(FrozenViews(8))
+    assert [s["kind"] for s in inspect(model, inputs).sites] == ["batchnorm"]
+    new, report = canonicalize(model, inputs)
+    assert [s.code for s in report.sites] == ["differs-in-training"] and isinstance(new[1], FrozenViews)
 
 
 def test_statistics_along_another_dim_are_no_batchnorm():
