@@ -561,7 +561,7 @@ def test_a_byte_flipped_after_writing_is_refused(tmp_path, cli, monkeypatch):
 
 def _with_hook(write_verified, hook):
     """write_verified with ``hook`` as its after_rewrite (its last positional argument, as stream.swap calls it)."""
-    return lambda *args: write_verified(*args[:-1], hook)
+    return lambda *args, **kw: write_verified(*args[:-1], hook, **kw)
 
 
 def test_a_changed_config_after_writing_is_refused(tmp_path):

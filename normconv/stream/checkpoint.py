@@ -134,6 +134,18 @@ class Checkpoint:
                     durable.drop_cached(f.fileno(), h["__start__"] + start, end - start)
         return t
 
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype ``key`` is stored in (its header's)."""
+        return _DTYPES[self.shards[self.weight_map[key]][key]["dtype"]]
+
+
+def holds(stored: torch.dtype, model: torch.dtype) -> bool:
+    """A value computed in the model's dtype ``model`` keeps its precision stored as ``stored`` (a floating dtype at
+    least as fine): a centered writer stored narrower (a float16 wpe in a float32 checkpoint, a float8 embedding
+    in a bfloat16 one, an int8 weight) is written in ``model``, the dtype from_pretrained loads it in."""
+    return stored.is_floating_point and torch.finfo(stored).eps <= torch.finfo(model).eps \
+        and torch.finfo(stored).max >= torch.finfo(model).max
+
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
     """state_dict name -> every name of the same tensor (tied weights), the name itself first."""

@@ -56,7 +56,7 @@ from normconv.stream.blocks import block_list, build_on_meta, fill, lockstep, re
 from normconv.stream.checkpoint import Checkpoint, copy_folder, model_class, stored_key, tied_names
 from normconv.stream.meeting import Meeting, weight_key
 from normconv.stream.writer import PositionedWriter, changed, digests, plan_layout
-from normconv.verify import Inputs, compare, default_tolerance
+from normconv.verify import Inputs, compare, default_tolerance, scale_tolerance
 
 # produce(model name, stored tensor, source) -> the tensor to write; it never edits its input in place (the
 # original model runs on it); source(model name) -> that tensor's original values (a norm bias a consumer absorbs)
@@ -361,8 +361,10 @@ class _Pass:
         return "outside the blocks" if not unit else f"block {unit - 1}"
 
 
-def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str) -> tuple[list[Validation], list[dict[str, Any]]]:
-    """Run the pass (both shapes in lockstep, or one shape at a time where their flows differ) and judge it."""
+def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str, final: tuple[float | None, float | None]
+                      ) -> tuple[list[Validation], list[dict[str, Any]]]:
+    """Run the pass (both shapes in lockstep, or one shape at a time where their flows differ) and judge it: the
+    final outputs at the tolerances ``final`` (None, None: by each output's scale, as the in-memory commands)."""
     try:
         runs = p.run(shapes)
     except NormconvError:  # normconv's own refusal (a tensor missing): no table is the cause
@@ -389,7 +391,7 @@ def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str) -> tuple[list[Va
             if not v.passed:
                 validations.append(v)
         # final outputs: the logits (a second shape too, where the model's sequence length is free)
-        validations.append(compare(ref, new, p.atol, p.rtol, label=(
+        validations.append(compare(ref, new, *final, label=(
             f"torch, streamed, final outputs{how}" if k == 0 else f"torch, streamed, second shape ({where}){how}")))
         if len(ref_blocks) != len(new_blocks) or not ref_blocks:
             validations.append(compare(None, None, label=f"blocks ({where})"))  # nothing compared: not a pass
@@ -399,10 +401,13 @@ def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str) -> tuple[list[Va
 def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype, report: Report,
                    produce: Produce, copies: dict[str, list[str]], untied: bool,
                    reference: Callable[[torch.Tensor], torch.Tensor], atol: float | None, rtol: float | None,
-                   keep_temp_on_failure: bool = False, after_rewrite: Callable[[Path], None] | None = None) -> None:
+                   keep_temp_on_failure: bool = False, after_rewrite: Callable[[Path], None] | None = None,
+                   dtypes: dict[str, torch.dtype] | None = None) -> None:
     """The module docstring's pass: every source tensor (stored key) written as ``produce`` returns it, after the
     names in ``copies[key]`` (the stored values: untied copies; ``untied``: config.json unties the embeddings);
-    every block output compared with ``reference(original block output)``. ``after_rewrite(temp folder)`` runs
+    every block output compared with ``reference(original block output)``; ``dtypes[key]``: a rewritten tensor
+    written in another dtype than it is stored in (swap: a centered writer stored narrower than the model's dtype).
+    ``after_rewrite(temp folder)`` runs
     once everything is written, before the checksums are read back (tests corrupt the output there)."""
     remove_stale_temps(out)
     tmp: Path | None = None
@@ -410,7 +415,7 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
     try:
         with signals_held():  # an interrupt waits until the temp folder exists and is known to the cleanup below
             tmp = Path(temp_file(out, folder=True))
-        layout = plan_layout(ckpt, copies)
+        layout = plan_layout(ckpt, copies, dtypes)  # dtypes: rewritten tensors written in another dtype
         ckpt.uncached = ckpt.larger_than_memory()  # read once: its pages would only be reclaimed inside the pass
         writer = PositionedWriter(tmp, layout, early=after_rewrite is None)  # a test's edit comes before any check
         copy_folder(src, tmp, ckpt, layout.weight_map, untied, report.notes)
@@ -427,7 +432,12 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
                   produce, copies, writer, compute, reference, d_atol if atol is None else atol,
                   d_rtol if rtol is None else rtol)
         how = "" if compute == dtype else f", {str(dtype).removeprefix('torch.')} weights computed in float32"
-        report.validation, report.extra["blocks"] = _verify_and_write(p, shapes, how)
+        # the final outputs as the in-memory commands judge them: by each output's scale where the dtype has a bound
+        # (float32: a float16 tensor rounded into the rewrite shows there), element-wise at the dtype's tolerance
+        # for half precision
+        by_scale = atol is None and rtol is None and scale_tolerance(dtype) is not None
+        final = (None, None) if by_scale else (p.atol, p.rtol)
+        report.validation, report.extra["blocks"] = _verify_and_write(p, shapes, how, final)
         failed = next((v for v in report.validation if not v.passed), None)
         if failed is not None:
             raise VerificationError(

@@ -38,7 +38,7 @@ from normconv.io.hf_inputs import hf_example_inputs
 from normconv.passes import swap_norm
 from normconv.report import Report
 from normconv.stream.blocks import build_on_meta
-from normconv.stream.checkpoint import Checkpoint, open_folder, stored_key, tied_names
+from normconv.stream.checkpoint import Checkpoint, holds, open_folder, stored_key, tied_names
 from normconv.stream.onepass import Produce, write_verified
 
 # ---------------------------------------------------------------------------------------------------------
@@ -97,10 +97,12 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
 # rewrite
 
 
-def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[str]],
-             notes: list[str]) -> tuple[Produce, dict[str, list[str]], int]:
+def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[str]], dtype: torch.dtype,
+             notes: list[str]) -> tuple[Produce, dict[str, list[str]], dict[str, torch.dtype], bool, int]:
     """How each tensor is rewritten (``produce``), the untied copies to write (stored key -> names written with
-    the original values) and how many norm biases are folded."""
+    the original values), the rewritten tensors written in the model's dtype ``dtype`` (stored key -> dtype: those
+    stored in a dtype that cannot hold the rewrite, ``holds``), whether config.json unties the embeddings, and how
+    many norm biases are folded."""
     # a norm whose bias would need a new bias parameter (a consumer without one) kept it (analyze, add_bias=False):
     # no fold names it, and LN(x) = RMSNorm(x) * g + b on the zero-mean stream all the same
     fold_into = plan.fold_into()
@@ -114,22 +116,33 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
         if others:
             notes.append(f"untied {weight} from {', '.join(others)}: the embedding is centered, {', '.join(others)} "
                          f"keeps the original values (config.json: tie_word_embeddings = false)")
+    # a rewritten tensor stored in a dtype that cannot hold it is written in the model's dtype (from_pretrained
+    # loads it in that dtype either way): rounded back into float16 / float8 it is no longer zero-mean
+    changed = {k for n in list(plan.center) + list(fold_into) for a in aliases.get(n, [n])
+               if (k := ckpt.key.get(a)) is not None}
+    widen = {k: dtype for k in changed if not holds(ckpt.dtype(k), dtype)}
+
+    def wide(name: str, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in the dtype it is written in."""
+        return t.to(widen.get(stored_key(ckpt, aliases, name) or "", t.dtype), copy=True)
 
     def edited(name: str, t: torch.Tensor) -> torch.Tensor:
         for alias in aliases.get(name, [name]):
             if alias in plan.center:
-                return swap_norm.center_(t.clone(), plan.center[alias])  # writer: minus its mean along the hidden axis
+                return swap_norm.center_(wide(name, t), plan.center[alias])  # writer: minus its mean (hidden axis)
         return t
 
     def produce(name: str, t: torch.Tensor, source: Callable[[str], torch.Tensor]) -> torch.Tensor:
         new = edited(name, t)  # a copy where it changes: ``t`` stays the original (the original model runs on it)
         for f in fold_into.get(name, []):
             # consumer bias <- bias + W b  (W as rewritten: centered first if it is also a writer)
-            new = swap_norm.add_(new.clone() if new is t else new,
-                                 swap_norm.bias_delta(edited(f.weight, source(f.weight)), source(f.beta), f.layout))
+            w = edited(f.weight, source(f.weight))
+            new = swap_norm.add_(wide(name, new) if new is t else new, swap_norm.bias_delta(
+                w if w.is_floating_point() else w.to(dtype), source(f.beta), f.layout))
         return torch.zeros_like(new) if name in zeroed else new  # a zeroed norm bias now lives in its consumers
 
-    return produce, copies, len({f.norm for f in plan.folds})
+    untied = any(copies.values())
+    return produce, copies, widen, untied, len({f.norm for f in plan.folds})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -153,9 +166,9 @@ def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
     report.extra.update({"to": "rmsnorm", "exact": True, "streamed": True, "swapped": len(analysis.plans),
                          "centered": len(plan.center)})
 
-    produce, copies, report.extra["folded"] = _rewrite(ckpt, plan, aliases, report.notes)
-    write_verified(src, out, ckpt, cls, config, dtype, report, produce, copies, any(copies.values()), _centered,
-                   atol, rtol, keep_temp_on_failure, after_rewrite)
+    produce, copies, widen, untied, report.extra["folded"] = _rewrite(ckpt, plan, aliases, dtype, report.notes)
+    write_verified(src, out, ckpt, cls, config, dtype, report, produce, copies, untied, _centered,
+                   atol, rtol, keep_temp_on_failure, after_rewrite, dtypes=widen)
     report.notes.append("the output is the same architecture with rewritten weights: every LayerNorm reads a "
                         "zero-mean stream, so it equals RMSNorm(weight, eps) + bias (bias 0 where it was folded); "
                         "normconv swap OUT --to rmsnorm in memory makes the module swap")
