@@ -1,5 +1,5 @@
 """``swap --stream`` on checkpoints whose tensors are stored unlike the model computes them: one tensor in a narrower
-dtype than the rest. Each output is judged outside
+dtype than the rest, an integer weight. Each output is judged outside
 normconv: from_pretrained of the original and of the written folder, logits on fresh token ids at two shapes."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 from safetensors import safe_open
@@ -84,3 +85,14 @@ def test_a_float8_embedding_in_a_bfloat16_checkpoint_is_written_in_bfloat16(tmp_
     assert _stored(out, "transformer.wte.weight").dtype == torch.bfloat16
     assert _stored(out, "lm_head.weight").dtype == torch.float8_e4m3fn  # the untied head: the stored values
     assert _judged(src, out) < 4e-3
+
+
+@pytest.mark.parametrize("key", ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.attn.c_proj.weight"])
+def test_an_int8_weight_is_read_as_from_pretrained_reads_it(tmp_path, cli, key):
+    """A weight stored as int8 (from_pretrained casts it to float32): exit 3, 'self and mat2 must have the same
+    dtype'. A writer (c_proj) is centered in float32, written float32."""
+    src, out = _folder(tmp_path / "in", recast={key: torch.int8}), tmp_path / "out"
+    code, _, stderr = cli("swap", src, "--to", "rmsnorm", "--stream", "-o", out)
+    assert code == 0, stderr
+    assert _stored(out, key).dtype == (torch.float32 if "c_proj" in key else torch.int8)
+    assert _judged(src, out) < 2e-6

@@ -104,7 +104,7 @@ def trim_heap() -> None:
 def fill(slots: list[tuple[nn.Module, str, str]], ckpt: Checkpoint, aliases: dict[str, list[str]], folder: Path,
          compute: torch.dtype | None = None) -> list:
     """Load the (owner, attribute, name) ``slots`` of a meta-parameter model from the checkpoint (floating tensors
-    cast to ``compute``); returns what to put back. A buffer the checkpoint does not store keeps its value.
+    cast to ``compute``, integer ones in a floating slot to the slot's dtype); returns what to put back. A buffer the checkpoint does not store keeps its value.
     ``ckpt`` is anything with a ``key`` map (model name -> stored key) and ``get(key)``: tensors held in memory too."""
     saved = []
     for m, k, name in slots:
@@ -119,6 +119,8 @@ def fill(slots: list[tuple[nn.Module, str, str]], ckpt: Checkpoint, aliases: dic
         t = ckpt.get(stored)
         if compute is not None and t.is_floating_point():
             t = t.to(compute)
+        elif table[k].is_floating_point() and not t.is_floating_point():
+            t = t.to(table[k].dtype)  # an integer tensor in a floating slot: cast, as from_pretrained loads it
         table[k] = nn.Parameter(t, requires_grad=False) if is_param else t
     return saved
 
