@@ -1,5 +1,5 @@
 """``swap --stream`` on checkpoints whose tensors are stored unlike the model computes them: one tensor in a narrower
-dtype than the rest, an integer weight. Each output is judged outside
+dtype than the rest, an integer weight, both names of a tied embedding stored. Each output is judged outside
 normconv: from_pretrained of the original and of the written folder, logits on fresh token ids at two shapes."""
 
 from __future__ import annotations
@@ -96,3 +96,15 @@ def test_an_int8_weight_is_read_as_from_pretrained_reads_it(tmp_path, cli, key):
     assert code == 0, stderr
     assert _stored(out, key).dtype == (torch.float32 if "c_proj" in key else torch.int8)
     assert _judged(src, out) < 2e-6
+
+
+def test_a_tied_checkpoint_storing_both_names_unties_them(tmp_path, cli):
+    """A tied GPT-2 storing transformer.wte.weight and lm_head.weight: the head was centered with the embedding,
+    the check failed (exit 1, 4% of the scale)."""
+    src, out = _folder(tmp_path / "in", both_tied=True), tmp_path / "out"
+    code, _, stderr = cli("swap", src, "--to", "rmsnorm", "--stream", "-o", out)
+    assert code == 0, stderr
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert torch.equal(_stored(out, "lm_head.weight"), load_file(src / "model.safetensors")["lm_head.weight"])
+    assert _judged(src, out) < 2e-6
+

@@ -107,19 +107,22 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
     # no fold names it, and LN(x) = RMSNorm(x) * g + b on the zero-mean stream all the same
     fold_into = plan.fold_into()
     zeroed = {f.beta for f in plan.folds}
-    # untie: the centered embedding keeps its name; each name tied to it is written with the original values
+    # untie: the centered embedding keeps its name; each name tied to it is written with the original values: as
+    # a copy, or, where the checkpoint stores that name too (both tied keys stored), as its own stored tensor
     copies: dict[str, list[str]] = {}
+    own: set[str] = set()  # tied names stored under their own key: never centered with the embedding
     for path, weight in plan.untie.items():
         stored = stored_key(ckpt, aliases, weight)
-        others = [a for a in aliases.get(weight, []) if a != ckpt.name[stored] and a not in ckpt.key]
-        copies[stored] = others
+        others = [a for a in aliases.get(weight, []) if a != ckpt.name[stored]]
+        copies[stored] = [a for a in others if a not in ckpt.key]
+        own.update(a for a in others if a in ckpt.key)
         if others:
             notes.append(f"untied {weight} from {', '.join(others)}: the embedding is centered, {', '.join(others)} "
                          f"keeps the original values (config.json: tie_word_embeddings = false)")
     # a rewritten tensor stored in a dtype that cannot hold it is written in the model's dtype (from_pretrained
     # loads it in that dtype either way): rounded back into float16 / float8 it is no longer zero-mean
     changed = {k for n in list(plan.center) + list(fold_into) for a in aliases.get(n, [n])
-               if (k := ckpt.key.get(a)) is not None}
+               if a not in own and (k := ckpt.key.get(a)) is not None}
     widen = {k: dtype for k in changed if not holds(ckpt.dtype(k), dtype)}
 
     def wide(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -127,6 +130,8 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
         return t.to(widen.get(stored_key(ckpt, aliases, name) or "", t.dtype), copy=True)
 
     def edited(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in own:
+            return t
         for alias in aliases.get(name, [name]):
             if alias in plan.center:
                 return swap_norm.center_(wide(name, t), plan.center[alias])  # writer: minus its mean (hidden axis)
@@ -141,7 +146,7 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
                 w if w.is_floating_point() else w.to(dtype), source(f.beta), f.layout))
         return torch.zeros_like(new) if name in zeroed else new  # a zeroed norm bias now lives in its consumers
 
-    untied = any(copies.values())
+    untied = any(copies.values()) or bool(own)
     return produce, copies, widen, untied, len({f.norm for f in plan.folds})
 
 
