@@ -4,8 +4,8 @@ shard's first bytes, computed up front) and ``ShardWriter`` (a shard written a t
 benchmarks' floor and the tests; the commands write at offsets, stream.writer), and the folder around the shards:
 ``open_folder`` (the checks before any work: a Hugging Face folder without remote code whose weights are the ones
 from_pretrained loads, every path it names inside it and every header valid (io.hf_folder), an output that is new,
-writable and nothing the run read (io.ledger)) and ``copy_folder`` (the index, config.json and every other file of
-the folder).
+writable and nothing the run read (io.ledger)) and ``copy_folder`` (the index, config.json and the folder's other files as
+the in-memory folder writer copies them).
 
 The lowest module of the streaming room: it imports io only.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 from typing import Any, Callable
@@ -25,14 +24,13 @@ import torch.nn as nn
 from normconv.errors import NormconvError
 from normconv.io import config_size, durable, hf_folder
 from normconv.io.archive import memory_bytes
-from normconv.io.hf_folder import OTHER_WEIGHTS, safetensors_header, tensor_names
+from normconv.io.hf_folder import safetensors_header, tensor_names
 from normconv.io.ledger import Ledger
 from normconv.io.load import hf_model_class, remote_code
 from normconv.io.write import check_writable
 
 INDEX = hf_folder.SAFE_INDEX
 SINGLE = hf_folder.SAFE_SINGLE
-# weight files of other formats are not copied: they would hold the original weights under the rewritten config
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -269,31 +267,20 @@ def model_class(folder: Path):
 
 def copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, str], untied: bool,
                 notes: list[str]) -> None:
-    """The index, config.json (untied if needed) and every other file of the folder (tokenizer, generation
-    config, ...); weight files of other formats are left out (they hold the original weights)."""
+    """The index, config.json (untied if needed) and the folder's other files as the in-memory folder writer copies
+    them (io.hf_folder.copy_side_files: tokenizer, generation config, ... as regular files; weight files of other
+    formats, which hold the original weights, and subfolders left out, said in ``notes``)."""
     if ckpt.index_metadata is not None:
         sizes = {s: _data_bytes(tmp / s) for s in set(weight_map.values())}
         meta = dict(ckpt.index_metadata)
         meta["total_size"] = sum(sizes.values())
         (tmp / ckpt.index_name).write_text(json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))},
                                                       indent=2) + "\n")
-    skipped = []
-    for entry in sorted(src.iterdir()):
-        if entry.name in ckpt.shards or entry.name == ckpt.index_name:
-            continue
-        if entry.name == "config.json":
-            config = json.loads(entry.read_text())
-            if untied:
-                config["tie_word_embeddings"] = False
-            (tmp / entry.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        elif entry.is_file() and entry.suffix in OTHER_WEIGHTS:
-            skipped.append(entry.name)
-        elif entry.is_dir():
-            shutil.copytree(entry, tmp / entry.name, symlinks=True)
-        else:
-            shutil.copy2(entry, tmp / entry.name)
-    if skipped:
-        notes.append(f"not copied (other weight files, they hold the original weights): {', '.join(skipped)}")
+    config = json.loads((src / "config.json").read_text())
+    if untied:
+        config["tie_word_embeddings"] = False
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    notes.extend(hf_folder.copy_side_files(src, tmp))  # the shards, the index and config.json are there already
 
 
 def _data_bytes(path: Path) -> int:

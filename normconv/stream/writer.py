@@ -221,10 +221,14 @@ class PositionedWriter:
 
 def digests(folder: Path, skip: set[str]) -> dict[str, int]:
     """CRC-32 of every file under ``folder`` (relative path -> checksum) but the top-level names in ``skip``."""
-    out = {}
+    out, buf = {}, memoryview(bytearray(_CHUNK))
     for p in sorted(folder.rglob("*")):
         if p.is_file() and not p.is_symlink() and p.relative_to(folder).parts[0] not in skip:
-            out[str(p.relative_to(folder))] = crc32(p.read_bytes())
+            value = 0
+            with open(p, "rb") as f:  # a chunk at a time into one buffer: a large file never whole in memory
+                while n := f.readinto(buf):
+                    value = crc32(buf[:n], value)
+            out[str(p.relative_to(folder))] = value
     return out
 
 
