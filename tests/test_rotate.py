@@ -297,3 +297,32 @@ def test_hf_vit_rotates_exactly():
     from tests.test_swap_writers import tiny_hf_vit
 
     _vit_rotates_exactly(tiny_hf_vit(), torch.randn(2, 3, 32, 32))
+
+
+def test_falcon_rotates_exactly_through_its_matmul_linears(cli, tmp_path):
+    """FalconLinear (an nn.Linear subclass) computes x @ W.T (the swap gives it a bias for the norm's, a separate
+    add): fold-scales refused it as 'not a linear layer' (exit 2). Rotated from its folder to a .pt2 and in memory:
+    the logits of the original, at two shapes."""
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       use_cache=False)
+    model = _randomize_norms(transformers.FalconForCausalLM(config).eval())
+    model.save_pretrained(tmp_path / "falcon")
+    code, _, stderr = cli("rotate", tmp_path / "falcon", "-o", tmp_path / "f.pt2")
+    assert code == 0, stderr
+    program = torch.export.load(str(tmp_path / "f.pt2")).module()
+    new, report = rotate(model, Inputs((), {"input_ids": _ids()}), seed=1)
+    assert report.extra["scales_folded"] >= 3
+    for batch, seq in ((1, 7), (3, 13)):
+        ids = _ids(batch, seq, seed=5)
+        ref = _logits(model(input_ids=ids))
+        got = _logits(run(new, Inputs((), {"input_ids": ids})))
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    ids = _ids()
+    ref = _logits(model(input_ids=ids))
+    got = program(input_ids=ids)
+    got = got["logits"] if isinstance(got, dict) else _logits(got)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

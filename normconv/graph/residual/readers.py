@@ -59,7 +59,10 @@ def norm_readers(cap: Captured, node: fx.Node) -> tuple[list[Reader], Refused | 
             if passes_through(cap, u) and u.args[0] is v:
                 stack.append(u)
                 continue
-            lin = linear_of(cap, u) if cap.op(u) == "linear" else None
+            # a linear layer, or x @ W.T in an nn.Linear subclass (FalconLinear: its bias, if any, its own add)
+            lin = linear_of(cap, u) if cap.op(u) in ("linear", "matmul") else None
+            if lin is not None and lin[2] is None and getattr(cap.modules.get(lin[4]), "bias", None) is not None:
+                lin = (*lin[:2], f"{lin[4]}.bias", *lin[3:])
             if lin is None or lin[0] is not v or lin[1] is None:
                 return [], Refused(W.NON_LINEAR, f"{cap.describe(u)} reads the norm output and is not a linear layer")
             readers.append(Reader(u.name, own_name(cap, lin[4], lin[1]), own_name(cap, lin[4], lin[2]), lin[3],
