@@ -100,7 +100,9 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
 def _is_norm(m: nn.Module) -> bool:
     if isinstance(m, NormWrapper):
         return _is_norm(m.norm)
-    return of_module(m) is not None or (hasattr(m, "weight") or hasattr(m, "eps") or hasattr(m, "variance_epsilon")) \
+    # a norm class of the model's own, by its attributes (OLMo's weight-free LayerNorm has only normalized_shape)
+    return of_module(m) is not None or any(hasattr(m, a) for a in ("weight", "eps", "variance_epsilon",
+                                                                    "normalized_shape")) \
         and "norm" in type(m).__name__.lower()
 
 
