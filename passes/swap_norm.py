@@ -37,7 +37,8 @@ from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.residual import (Consumer, Edits, Refused, Replaced, ResidualWhy, Stream, apply_, bias_consumers,
-                                     hidden, moved_dims, norm_module, param_readers, streams, walks)
+                                     hidden, kept_norm_module, moved_dims, norm_module, param_readers, streams,
+                                     walks)
 from normconv.graph.residual import edits as _edits
 from normconv.graph.residual import add_, bias_delta, center_  # noqa: F401  (normconv.stream applies them too)
 from normconv.report import PassResult, Site, Why
@@ -104,12 +105,15 @@ class Analysis:
 
 
 def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
-            read: Callable[[str], torch.Tensor] | None = None, add_bias: bool = True) -> Analysis:
+            read: Callable[[str], torch.Tensor] | None = None, add_bias: bool = True, keeps_class: bool = False
+            ) -> Analysis:
     """Plan the swap from the graph and shapes. The values it needs (is a norm's bias zero? is a writer already
     zero-mean?) come through ``read(state_dict name)``, by default the captured model's tensors: a plan made on
     the meta device reads them from the checkpoint instead (normconv.stream). ``add_bias`` False: a norm whose bias
     would need a bias added to a linear keeps it as an add after the RMSNorm (an output that keeps the architecture
-    config.json describes, which gives that linear none: a Hugging Face folder)."""
+    config.json describes, which gives that linear none: a Hugging Face folder). ``keeps_class``: the output keeps
+    each norm's class (a Hugging Face folder written by normconv.stream), so a hand-written or functional norm that
+    is its module's whole forward is that module's (graph.residual.kept_norm_module): only its writers change."""
     read = read or (lambda name: cap.tensor(name))
     if to not in SOURCE_KIND:
         raise ValueError(f"unknown target norm {to!r}")
@@ -122,6 +126,8 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
         module, moved = norm_module(cap, s), None
         if module is None and (moved := moved_dims(cap, s)) is not None:
             module = s.owner
+        if module is None and keeps_class:  # a folder keeps the class computing it: Cohere's, OLMo's LayerNorm
+            module = kept_norm_module(cap, s)
         plans.append(SitePlan(s, module, False, "", moved=moved))
     found = streams(cap, sites, walks(cap, sites), readers, to == "rmsnorm", read)
     for i, p in enumerate(plans):

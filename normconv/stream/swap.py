@@ -79,7 +79,8 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
         return seen[stored].clone()
 
     # the folder keeps the architecture: a norm's bias that would need a bias added to a linear stays on the norm
-    a = swap_norm.analyze(cap, find_norms(cap), "rmsnorm", read=read, add_bias=False)
+    # and each norm's class (a hand-written norm that is its module's forward: that module, only its writers change)
+    a = swap_norm.analyze(cap, find_norms(cap), "rmsnorm", read=read, add_bias=False, keeps_class=True)
     if not a.plans:
         raise NormconvError(f"swap: {type(meta).__name__} has no layernorm to swap to rmsnorm")
     why = swap_norm.refusal(a)

@@ -23,7 +23,7 @@ from .axes import back, last, passes_through, source
 from .edits import (Edits, Fold, Replaced, Scale, add_, apply_, bias_delta, center_, edits, fold_scale_, untie,
                     untie_config, untie_embedding)
 from .readers import Consumer, Reader, bias_consumers, check_weights, norm_readers, own_module_attr
-from .streams import Stream, along, hidden, moved_dims, norm_module, slices, streams, writer_mean
+from .streams import Stream, along, hidden, kept_norm_module, moved_dims, norm_module, slices, streams, writer_mean
 from .walk import live_users, reader, stream_end, walk, walks
 from .why import Refused, ResidualWhy
 from .writers import HIDDEN_CAT, Writer, layout_axis, linear_of, own_name, owns, param_readers, writer
@@ -31,7 +31,7 @@ from .writers import HIDDEN_CAT, Writer, layout_axis, linear_of, own_name, owns,
 __all__ = ["back", "last", "passes_through", "source", "Edits", "Fold", "Replaced", "Scale", "add_", "apply_",
            "bias_delta", "center_", "edits", "fold_scale_", "untie", "untie_config", "untie_embedding", "Consumer",
            "Reader", "bias_consumers", "check_weights", "norm_readers", "own_module_attr", "Stream", "along", "hidden",
-           "moved_dims", "norm_module", "slices", "streams", "writer_mean", "live_users", "reader", "stream_end", "walk",
+           "kept_norm_module", "moved_dims", "norm_module", "slices", "streams", "writer_mean", "live_users", "reader", "stream_end", "walk",
            "walks",
            "Refused", "ResidualWhy", "HIDDEN_CAT", "Writer", "layout_axis", "linear_of", "own_name", "owns",
            "param_readers", "writer"]

@@ -65,6 +65,20 @@ def norm_module(cap: Captured, site: NormSite) -> str | None:
     return None
 
 
+def kept_norm_module(cap: Captured, site: NormSite) -> str | None:
+    """The module an output that keeps the architecture (a Hugging Face folder) keeps computing a hand-written or
+    functional site: its owner, a module without submodules that computes the site and nothing else (the casts to
+    and from its compute dtype included: Cohere's and OLMo's LayerNorm classes), else None."""
+    mod = cap.modules.get(site.owner) if site.owner else None
+    if mod is None or list(mod.children()) or site.source == "module":
+        return None
+    casts, node = set(), cap.nodes[site.input]
+    while cap.op(node) in TRANSPARENT and site.owner in cap.owner_stack(node) and node.args:
+        casts.add(node.name)
+        node = node.args[0]
+    return site.owner if owns_only(cap, site.owner, set(site.nodes) | casts | _casts_back(cap, site)) else None
+
+
 def moved_dims(cap: Captured, site: NormSite) -> tuple[int, ...] | None:
     """A channels-first norm module (timm's and torchvision's LayerNorm2d: ``permute`` one dim last, the norm over it,
     the inverse ``permute``), where that forward computes nothing else: the dim of its input it normalizes (negative,
