@@ -175,3 +175,26 @@ def test_the_source_is_read_once_and_the_output_never_loaded(tmp_path, monkeypat
     assert {name for _, name in reads} == set(Checkpoint(src).weight_map)
     twice = {name for (_, name), n in reads.items() if n == 2}
     assert max(reads.values()) == 2 and all(".normalization." in n for n in twice), reads
+
+
+def test_a_folded_conv_stored_narrower_is_written_in_the_model_dtype(tmp_path, cli):
+    """A float32 ResNet whose first conv is stored float16: its folded weight was rounded back into float16.
+    Written in float32 (as from_pretrained loads it), the folder's logits equal the original's at two sizes."""
+    from safetensors.torch import load_file, save_file
+    from transformers import ResNetForImageClassification
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    _resnet().save_pretrained(src)
+    key = "resnet.embedder.embedder.convolution.weight"
+    sd = load_file(src / "model.safetensors")
+    sd[key] = sd[key].half()
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = cli("fold", src, "--stream", "-o", out)
+    assert code == 0, err
+    assert load_file(out / "model.safetensors")[key].dtype == torch.float32
+    ref = ResNetForImageClassification.from_pretrained(str(src)).eval()
+    got = ResNetForImageClassification.from_pretrained(str(out)).eval()
+    for shape in ((1, 3, 32, 32), (2, 3, 48, 40)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+        a, b = _logits(ref, x).double(), _logits(got, x).double()
+        assert float((a - b).abs().max() / a.abs().max()) < 1e-5

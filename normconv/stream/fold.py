@@ -39,7 +39,7 @@ from normconv.passes import fold_batchnorm
 from normconv.passes.base import skip
 from normconv.report import Report
 from normconv.stream.blocks import build_on_meta, fill, tensor_slots
-from normconv.stream.checkpoint import Checkpoint, open_folder, tied_names
+from normconv.stream.checkpoint import Checkpoint, holds, open_folder, tied_names
 from normconv.stream.onepass import write_verified
 
 _BN = nn.modules.batchnorm._BatchNorm
@@ -135,14 +135,19 @@ def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
     report.extra.update({"streamed": True, "folded": len(decisions)})
     edits = _edits(decisions, meta)
 
+    # an edited tensor stored in a dtype that cannot hold the fold (a float16 conv in a float32 checkpoint) is
+    # written in the model's dtype, as from_pretrained loads it
+    widen = {k: dtype for k in ckpt.weight_map if not holds(ckpt.dtype(k), dtype) and
+             any(a in edits for a in aliases.get(ckpt.name[k], [ckpt.name[k]]))}
+
     def produce(name: str, t: torch.Tensor, source) -> torch.Tensor:
         for alias in aliases.get(name, [name]):
-            if alias in edits:
-                return edits[alias](t)  # a new tensor: ``t`` stays the original (the original model runs on it)
+            if alias in edits:  # a new tensor: ``t`` stays the original (the original model runs on it)
+                return edits[alias](t.to(widen.get(ckpt.key.get(name, ""), t.dtype)))
         return t
 
     write_verified(src, out, ckpt, cls, config, dtype, report, produce, {}, False, _identity, atol, rtol,
-                   keep_temp_on_failure, after_rewrite)
+                   keep_temp_on_failure, after_rewrite, dtypes=widen)
     report.notes.append("the output is the same architecture with rewritten weights: each folded BatchNorm is the "
                         "identity (or a per-channel shift where its layer has no bias); normconv fold OUT in memory "
                         "removes them")
