@@ -363,10 +363,10 @@ def capture(model: nn.Module, inputs: Inputs, method: str = "auto", reference: A
             continue  # keyword inputs (every Hugging Face model) go to torch.export: a choice, not a failure
         try:
             start = time.monotonic()
-            with forward_guard(model):  # tracing and shape propagation run forwards too: they change nothing
+            with forward_guard(model):  # tracing, shape propagation, the size export run forwards: they change nothing
                 cap = _capture_with(m, model, inputs, attempts, reference, stack_traces, branched)
-            if branched and cap.method == "torch.export":  # a branch the static export may have taken on a size
-                cap.guards += _size_guards(model, inputs, *branched[0], spent=time.monotonic() - start)
+                if branched and cap.method == "torch.export":  # a branch the static export may have taken on a size
+                    cap.guards += _size_guards(model, inputs, *branched[0], spent=time.monotonic() - start)
             return cap
         except Exception as exc:  # each failure is recorded; the next method is tried
             attempts[m] = _one_line(exc)
