@@ -55,7 +55,9 @@ def test_hf_cnn_to_frozen_batchnorm_is_exact(name):
     assert report.passed and report.extra["exact"] and report.extra["converted"] == count
     assert sum(isinstance(m, FrozenBatchNorm) for m in new.modules()) == count
     assert not any(isinstance(m, nn.BatchNorm2d) for m in new.modules())
-    assert len(report.validation) == 2  # the example and a second shape
+    # the example and a second shape; MobileNetV1's TF padding branches on the input's size: checked across too
+    assert len([v for v in report.validation if "across a branch on sizes" not in v.label]) == 2
+    assert all(v.passed for v in report.validation)
 
 
 def test_detr_frozen_backbone_is_found_and_converted_back():
