@@ -43,7 +43,7 @@ from normconv.graph.handwritten import owns_only
 from normconv.graph.norm_module import held_by
 from normconv.graph.capture import Captured
 from normconv.report import PassResult, Site, Why
-from normconv.verify import Inputs, compare, default_tolerance, forward_guard, run
+from normconv.verify import Inputs, compare, default_tolerance, forward_guard, run, same_bits
 from normconv.nn.modules import Float32Norm, MovedDimNorm
 
 from .base import Pass, apply, replace_module, skip
@@ -413,7 +413,7 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
                           f"(max abs error {v.max_abs_error:.3g}, atol {atol:g})", CanonWhy.DIFFERS)
     # the module the native one replaces trains as it did: both in training mode on the first recorded input
     # (torchvision's FrozenBatchNorm2d keeps its statistics there, nn.BatchNorm2d takes the batch's)
-    differs = _differs_in_training(original, d.module, calls[0][0]) if original is not None else None
+    differs = _differs_in_training(original, d.module, *calls[0]) if original is not None else None
     if differs:
         return refuse(f"in training mode (model.train()) the native replacement computes otherwise ({differs}): the "
                       f"hand-written norm is kept, as the model trains with it (fold folds it for inference)",
@@ -421,12 +421,13 @@ def _check(d: Decision, calls: list[tuple[Any, Any]], call_problem: str | None,
     return None
 
 
-def _differs_in_training(original: nn.Module, native: nn.Module, x: torch.Tensor) -> str:
+def _differs_in_training(original: nn.Module, native: nn.Module, x: torch.Tensor, want_eval: Any) -> str:
     """How the native module differs from the hand-written one in training mode on ``x`` ('' where it does not:
-    neither computes otherwise in training mode than in eval mode, or both compute the same there; or where the
-    hand-written one does not run in training mode: nothing to keep then)."""
+    neither computes otherwise in training mode than in eval mode (``want_eval``: the hand-written one's recorded
+    output), or both compute the same there; or where the hand-written one does not run in training mode: nothing to
+    keep then)."""
     try:
-        want, want_eval = run(original, Inputs((x,)), training=True), run(original, Inputs((x,)))
+        want = run(original, Inputs((x,)), training=True)
     except Exception:  # noqa: BLE001 - a norm that runs in eval mode only: the model is not trained with it
         return ""
     try:
@@ -435,16 +436,11 @@ def _differs_in_training(original: nn.Module, native: nn.Module, x: torch.Tensor
         return f"it fails: {type(exc).__name__}"
     if not all(isinstance(t, torch.Tensor) for t in (want, want_eval, got, got_eval)):
         return ""
-    if _same_bits(want, want_eval) and _same_bits(got, got_eval):  # training mode changes neither: the eval check
+    if same_bits(want, want_eval) and same_bits(got, got_eval):  # training mode changes neither: the eval check
         return ""                                                    # (with its half-precision rule) stands
     atol, rtol = default_tolerance(want.dtype)
     v = compare(want, got, atol, rtol)
     return "" if v.passed else f"max abs error {v.max_abs_error:.3g}: frozen statistics, or a branch on self.training"
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal element for element, NaN where NaN (an overflowing half norm is NaN in both modes)."""
-    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _surely_within(y: torch.Tensor, got: torch.Tensor, atol: float, rtol: float) -> bool:

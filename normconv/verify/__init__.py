@@ -137,6 +137,15 @@ def positive(inputs: Inputs) -> Inputs:
     return inputs
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN where NaN, in the same shape and dtype: one computation run twice."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 @dataclass
 class Traced:
     """A forward's output with the discrete selections it made (``run(..., trace=True)``)."""
