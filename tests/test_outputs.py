@@ -222,7 +222,7 @@ def test_a_pt2_whose_dynamic_export_fails_is_written_with_its_dimensions_pinned(
     from normconv.io import outputs
     from normconv.verify import Inputs
 
-    real = outputs._export
+    real = outputs.export_program
     calls = []
 
     def dynamic_fails(model, inputs, shapes, pinned=frozenset()):
@@ -231,7 +231,7 @@ def test_a_pt2_whose_dynamic_export_fails_is_written_with_its_dimensions_pinned(
             raise NotImplementedError("The inequality, Eq(-6*x + 192, 0) cannot be decided")
         return real(model, inputs, shapes, pinned)
 
-    monkeypatch.setattr(outputs, "_export", dynamic_fails)
+    monkeypatch.setattr(outputs, "export_program", dynamic_fails)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
     x = torch.randn(2, 3, 8, 8)
     info: dict = {}

@@ -90,9 +90,10 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
         phase("verify", detail="the original at a second shape")
         alt = other_shape(loaded.model, inputs)
         before = model_stats(loaded.model, inputs if opts.bench else None)
-    pt2 = opts.output is not None and write and output_format(loaded, Path(opts.output)) == "pt2"
+    to_pt2 = opts.output is not None and output_format(loaded, Path(opts.output)) == "pt2"
+    pt2 = to_pt2 and write
     # the original in training mode, where the rewrite keeps the model trainable (a program is inference only)
-    program = loaded.fmt == "pt2" or (opts.output is not None and output_format(loaded, Path(opts.output)) == "pt2")
+    program = loaded.fmt == "pt2" or to_pt2
     trained = None if program or not any(p.trains for p in passes) else training.reference(loaded.model, inputs)
     # a model small enough for its own rounding to be measured (``engine.rounding``) keeps its original intact
     writable = loaded.disposable and not rounding.measurable(loaded.model)

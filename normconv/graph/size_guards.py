@@ -34,7 +34,7 @@ def narrowed(model: nn.Module, inputs: Inputs, spent: float = 0.0) -> tuple[Narr
     """The dimensions whose range the example's path narrows, with that range (module docstring); () when none, or
     when the dynamic export runs past its budget (``BUDGET``, from ``spent``: the seconds the capture took)."""
     from normconv.io import dims as io_dims
-    from normconv.io.outputs import _export  # the dynamic export the .pt2 writer makes (batch 1 traced at 2)
+    from normconv.io.outputs import export_program  # the dynamic export the .pt2 writer makes (batch 1 traced at 2)
     from normconv.io.time_limit import time_limit
     from normconv.quiet import quiet
 
@@ -43,7 +43,7 @@ def narrowed(model: nn.Module, inputs: Inputs, spent: float = 0.0) -> tuple[Narr
         return ()
     try:
         with quiet(("torch",), stderr=True), time_limit(max(BUDGET[0], BUDGET[1] * spent)):
-            program = _export(model, inputs, shapes)
+            program = export_program(model, inputs, shapes)
     except Exception:  # noqa: BLE001 - no dynamic program, no range to read (module docstring)
         return ()
     dims = io_dims.name_dims(io_dims.found(program, io_dims.input_names(model, inputs)),

@@ -362,7 +362,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     while True:
         shapes = None if static else io_dims.export_shapes(model, inputs, pinned)
         try:
-            ep = _export(model, inputs, shapes, pinned)
+            ep = export_program(model, inputs, shapes, pinned)
         except Exception as exc:  # noqa: BLE001 - torch.export's symbolic reasoning may fail where static does not
             if shapes is None:
                 raise
@@ -407,7 +407,8 @@ def _pinned_all(info: dict, why: str) -> bool:
     return True
 
 
-def _export(model: nn.Module, inputs: Inputs, shapes: dict | None, pinned: set[tuple[str, int]] = frozenset()):
+def export_program(model: nn.Module, inputs: Inputs, shapes: dict | None,
+                   pinned: set[tuple[str, int]] = frozenset()):
     """torch.export.export with ``shapes`` (an example batch of 1 traced at 2, where the model takes it)."""
     from normconv.io import dims as io_dims
     from normconv.quiet import quiet
@@ -541,6 +542,6 @@ WRITERS: dict[str, Callable[[nn.Module, str, Any], None]] = {
     "pickle": write_pickle, "pt2": write_pt2, "safetensors": write_safetensors, "hf": write_hf_folder,
 }
 
-__all__ = ["WRITERS", "torch_only", "normconv_parts", "graph_modules", "holds_graph_modules",
+__all__ = ["WRITERS", "export_program", "torch_only", "normconv_parts", "graph_modules", "holds_graph_modules",
            "follow_umask", "write_pickle", "write_pt2", "write_safetensors", "write_hf_folder", "config_mismatch",
            "INPUTS_ATTR"]
