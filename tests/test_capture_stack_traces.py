@@ -57,3 +57,15 @@ def test_an_exported_onnx_file_keeps_its_nodes_source_lines(tmp_path):
     props = [{p.key: p.value for p in n.metadata_props} for n in onnx.load(str(out)).graph.node]
     traces = [p.get("pkg.torch.onnx.stack_trace", "") for p in props]
     assert any("test_capture_stack_traces.py" in t for t in traces)
+
+
+def test_a_capture_writes_its_graph_code_once_at_most(monkeypatch):
+    """torch.export builds and rebuilds GraphModules on the way to one program; each wrote its Python code when
+    made (6 code generations for a tiny block, as for GPT-2). Made lazily, the code is written when first run."""
+    made = []
+    python_code = fx.Graph.python_code
+    monkeypatch.setattr(fx.Graph, "python_code", lambda self, *a, **k: made.append(1) or python_code(self, *a, **k))
+    cap = capture(Block(), Inputs((torch.randn(2, 3, 8),)), "torch.export")
+    assert len(made) <= 1
+    x = torch.randn(2, 3, 8)  # the program still computes what the block does, on fresh values
+    torch.testing.assert_close(cap.exported.module()(x), cap.model(x))

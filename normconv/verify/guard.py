@@ -33,10 +33,17 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from normconv.errors import NormconvError
 
 try:  # torch's lazily compiled GraphModule: its code generated on its first run (normconv's symbolic traces make
-    # them: graph.capture); the one place normconv names it. None on a torch without it
-    from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+    # them: graph.capture; ``lazy_code`` asks torch.export for them); the one place normconv names it. None on a
+    # torch without it
+    from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule, _use_lazy_graph_module
 except ImportError:  # pragma: no cover - an older torch
-    LazyGraphModule = None
+    LazyGraphModule = _use_lazy_graph_module = None
+
+
+def lazy_code() -> contextlib.AbstractContextManager:
+    """Inside the block, each GraphModule torch makes generates its Python code when first run or read, not when
+    made (torch.export builds and rebuilds several on the way to one program)."""
+    return _use_lazy_graph_module(True) if _use_lazy_graph_module is not None else contextlib.nullcontext()
 
 _TORCH_STATE = frozenset(("_parameters", "_buffers", "_modules", "training"))  # guarded on their own (buffers) or left alone
 _CONTAINERS = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, set))
@@ -270,4 +277,4 @@ def forward_guard(model: nn.Module, training: bool = False) -> Iterator[Guard]:
         snapshot.in_use = False
 
 
-__all__ = ["forward_guard", "one_snapshot", "Guard", "LazyGraphModule"]
+__all__ = ["forward_guard", "one_snapshot", "Guard", "LazyGraphModule", "lazy_code"]
