@@ -176,8 +176,10 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def print_json(report: Report) -> None:
-    sys.stdout.write(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+def print_json(report: Report, error: dict[str, Any] | None = None) -> None:
+    """The report as one JSON object; ``error``: the keys of a run that failed with this report (``error``, ``code``,
+    ``exit_code``, as every failure's object carries them)."""
+    sys.stdout.write(json.dumps({**report.to_json(), **(error or {})}, indent=2, default=str) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------

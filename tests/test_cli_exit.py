@@ -79,6 +79,18 @@ def test_json_is_one_object_on_a_refusal_too(cli, args):
     assert r["error"] in err and len(err.strip().splitlines()) == 1
 
 
+def test_json_of_a_failed_verification_says_its_error_code_and_exit_code(cli, tmp_path):
+    """Exit 1 prints the whole report, and its object carries the keys every failure's does (``error``, ``code``,
+    ``exit_code``): a script reads one contract whatever the exit (it had ``passed`` only)."""
+    out = tmp_path / "s.pt"
+    code, stdout, err = cli("swap", "zoo:gpt", "--to", "rmsnorm", "--atol", "1e-12", "--rtol", "0", "-o", out,
+                            "--json")
+    r = json.loads(stdout)
+    assert code == 1 and r["passed"] is False and r["exit_code"] == 1 and r["code"] == "not-verified"
+    assert r["error"] in err and "outputs differ beyond tolerance" in r["error"] and r["validation"]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("args", [("fold", "zoo:resnet", "--atol", "-1"), ("fold", "zoo:resnet", "--bogus"),
                                   ("nocommand",), ("export", "zoo:mlp", "-o", "never.onnx", "--repeats", "-3")])
 def test_a_usage_error_is_one_line_and_exit_2(args):

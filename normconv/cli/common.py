@@ -17,7 +17,7 @@ import functools
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Annotated, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
@@ -208,14 +208,16 @@ def progress_wanted() -> bool:
         return False
 
 
-def emit(report: Report, as_json: bool, printer: Callable[[Report], None] | None = None) -> None:
+def emit(report: Report, as_json: bool, printer: Callable[[Report], None] | None = None,
+         error: dict[str, Any] | None = None) -> None:
+    """The report on stdout: tables, or with ``as_json`` one JSON object (``error``: a failed run's keys added)."""
     from normconv.report import print_json, print_report
 
     end_progress()  # the display is gone before the report prints
     printer = printer or print_report
     with report_stdout():
         if as_json:
-            print_json(report)
+            print_json(report, error)
         else:
             printer(report)
 
@@ -259,8 +261,8 @@ def user_errors(fn: Callable) -> Callable:
             with model_output_to_stderr(), progress_display(progress_wanted()), collector_frozen_at_phases():
                 return fn(*args, **kwargs)
         except VerificationError as exc:
-            if exc.report is not None:
-                emit(exc.report, as_json)
+            if exc.report is not None:  # its --json object says the error as every failure's does
+                emit(exc.report, as_json, error={"error": str(exc), "code": exc.code.value, "exit_code": exc.exit_code})
             fail(str(exc), exc.exit_code, as_json and exc.report is None, exc.code.value)
         except NormconvError as exc:
             fail(str(exc), exc.exit_code, as_json, exc.code.value)
