@@ -103,6 +103,18 @@ def test_a_usage_error_is_one_line_and_exit_2(args):
     assert r.returncode == 2 and "Commands:" in r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("command", [["fold", "zoo:mlp"], ["export", "zoo:mlp"]])
+def test_an_output_path_that_reads_as_a_flag_is_refused(tmp_path, command):
+    """`-o --json` (the path left out): one line and exit 2, no file named --json; ./--json is such a file."""
+    r = subprocess.run([sys.executable, "-m", "normconv.cli", *command, "-o", "--json"], capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "./--json" in r.stderr, r
+    assert list(tmp_path.iterdir()) == []
+    r = subprocess.run([sys.executable, "-m", "normconv.cli", "fold", "zoo:mlp", "-o", "./--json"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "--json").is_file(), r.stderr
+
+
 def test_a_usage_error_with_json_is_one_object_too():
     r = subprocess.run([sys.executable, "-m", "normconv.cli", "fold", "zoo:resnet", "--atol", "-1", "--json"],
                        capture_output=True, text=True)

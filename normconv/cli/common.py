@@ -256,6 +256,10 @@ def user_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
+        output = kwargs.get("output")
+        if isinstance(output, str) and output.startswith("-") and output != "-":  # `-o --json`: a flag taken as a path
+            fail(f"-o {output}: an output path starting with '-' reads as a flag (was -o's value left out?); write "
+                 f"./{output} for a file so named", EXIT_BAD_INPUT, as_json, "usage")
         try:
             # what the model prints never lands in the report (--json stays JSON); progress shows on stderr
             with model_output_to_stderr(), progress_display(progress_wanted()), collector_frozen_at_phases():
