@@ -246,6 +246,14 @@ def test_sigterm_during_a_write_leaves_nothing(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 128 + signal.SIGTERM, r.stderr
     assert list(tmp_path.iterdir()) == []
+    assert r.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM)"
+    # --json: stdout is still one object, as for every other failure (it was empty)
+    r = subprocess.run([sys.executable, "-c", code.replace("'-o',", "'--json', '-o',")], capture_output=True,
+                       text=True, timeout=300)
+    obj = json.loads(r.stdout)
+    assert r.returncode == 143 and obj == {"passed": False, "error": "terminated (SIGTERM)", "code": "terminated",
+                                            "exit_code": 143}, r.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_stale_temp_files_of_a_killed_run_are_removed(tmp_path):

@@ -10,7 +10,7 @@ import typer
 
 from normconv import __version__
 from normconv.cli import canonicalize, deepnorm, export, fold, inspect, recalibrate, rotate, swap, zoo
-from normconv.cli.common import json_error, show_progress
+from normconv.cli.common import Terminated, json_error, show_progress
 
 app = typer.Typer(
     name="normconv",
@@ -46,7 +46,7 @@ for _command in COMMANDS:
 
 
 def _terminated(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: every temp file is removed on the way out
+    raise Terminated(128 + signum)  # unwinds like Ctrl-C: every temp file is removed on the way out
 
 
 def main() -> None:

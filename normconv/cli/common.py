@@ -250,6 +250,11 @@ def reader_gone() -> None:
     raise typer.Exit(EXIT_READER_GONE)
 
 
+class Terminated(SystemExit):
+    """SIGTERM, raised where the process stands (``cli._terminated``): it unwinds as Ctrl-C does, every temp file
+    removed on the way out, and ends as every failure does (one line, ``--json``'s object, exit 128 + 15)."""
+
+
 def user_errors(fn: Callable) -> Callable:
     """Turn NormconvError into one line on stderr and its exit code; a verification failure prints its report."""
 
@@ -272,6 +277,8 @@ def user_errors(fn: Callable) -> Callable:
             fail(str(exc), exc.exit_code, as_json, exc.code.value)
         except KeyboardInterrupt:
             fail("interrupted", 130, as_json, "interrupted")
+        except Terminated as exc:
+            fail("terminated (SIGTERM)", exc.code, as_json, "terminated")
         except BrokenPipeError:  # stdout's reader went away (`normconv inspect --json | head -1`): not a bug
             reader_gone()
         except (typer.Exit, typer.Abort, SystemExit):
@@ -285,6 +292,6 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt",
+__all__ = ["Terminated", "EXIT_BAD_INPUT", "EXIT_READER_GONE", "reader_gone", "KeepNormconvOpt", "OverwriteOpt", "StaticOpt",
            "EXIT_INTERNAL", "user_errors", "emit", "report_stdout", "load_from_flags", "load_half_target", "fail", "options_from_flags", "is_onnx", "refuse_flags", "ConstantInitializersOpt",
            "show_progress", "progress_wanted", "json_error"]
