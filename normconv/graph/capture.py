@@ -9,8 +9,9 @@ the module path that computed a node, the module object, the parameter a node re
 
 A capture that decided a Python branch on a tensor's value (torch.export.draft_export's data-dependent guards, or a
 concrete tensor's value read while symbolic_trace ran: ``if self.flag.item()``) holds one branch only: it is
-``specialized`` and lists each such ``Guard`` (where it is, the module whose forward holds it, what it decided);
-the engine refuses to claim an exact rewrite past it unless it proves the other branches are not affected.
+``specialized`` and lists each such ``Guard`` (``graph.branch_guards``: where it is, the module whose forward holds
+it, what it decided); the engine refuses to claim an exact rewrite past it unless it proves the other branches are
+not affected.
 
 torch.export records each node's Python stack (``stack_trace``) unless told not to: 14% of a GPT-2 capture (0.12 of
 0.89 s), and the analysis reads none of it. A capture takes none unless asked (``stack_traces=True``: an ONNX export
@@ -23,9 +24,7 @@ import contextlib
 import copy
 import functools
 import operator
-import os
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -34,9 +33,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
-from torch.overrides import TorchFunctionMode
 
 from normconv.errors import CaptureError, NormconvError
+from normconv.graph.branch_guards import Guard, ValueReads, branch_site, clean_path, draft_guards
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
 from normconv import kinds
@@ -61,7 +60,7 @@ class NormLeafTracer(fx.Tracer):
         """A Python branch on a traced value (a size, ``x.shape[1] > 2``, or a tensor): the trace fails here, as
         fx's own does; where it stood is kept (``graph.size_guards``: a static export of the same forward takes a
         branch on a size silently)."""
-        self.branched.append(_branch_site(self))
+        self.branched.append(branch_site(self))
         return super().to_bool(obj)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -73,27 +72,6 @@ class NormLeafTracer(fx.Tracer):
             # Their forwards branch on tensors, so tracing fails and capture falls back to torch.export.
             return not any(isinstance(sub, kinds.NATIVE_MODULES) for sub in m.modules())
         return False
-
-
-@dataclass(frozen=True)
-class Guard:
-    """A Python branch the capture decided on a tensor's value, as the example inputs decided it."""
-
-    owner: str  # the module whose forward holds the branch ('' : the model's own forward)
-    where: str  # file:line and the code there
-    what: str  # the condition (torch.export's expression) or the value read
-    # a branch on input sizes (``graph.size_guards``): the dimensions the captured path holds for, each
-    # ((input, axis), ...), name, low, high (None: unbounded); empty for a branch on a value
-    sizes: tuple[tuple[tuple[tuple[str, int], ...], str, int, int | None], ...] = ()
-
-    def describe(self) -> str:
-        return f"{self.where} in {self.owner or 'the model'}'s forward ({self.what})"
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"owner": self.owner, "where": self.where, "what": self.what}
-        if self.sizes:
-            out["on"] = "size"  # one entry per dimension it narrowed, written by ``engine.branches``
-        return out
 
 
 @dataclass
@@ -195,12 +173,12 @@ class Captured:
         if not stack:
             return ""
         path = list(stack.values())[-1][0]
-        return _clean_path(path)
+        return clean_path(path)
 
     def owner_stack(self, node: fx.Node) -> list[str]:
         """All module paths enclosing ``node``, outermost first."""
         stack = node.meta.get("nn_module_stack") or {}
-        paths = [_clean_path(v[0]) for v in stack.values()]
+        paths = [clean_path(v[0]) for v in stack.values()]
         if node.op == "call_module" and (not paths or paths[-1] != node.target):
             paths.append(node.target)
         return paths
@@ -209,7 +187,7 @@ class Captured:
         """Which call of the module at ``path`` computed ``node``: its module-stack key, which both dialects suffix
         with @1, @2, ... for the second, third call of one module (None: not inside that module)."""
         for key, value in (node.meta.get("nn_module_stack") or {}).items():
-            if _clean_path(value[0]) == path:
+            if clean_path(value[0]) == path:
                 return key
         return None
 
@@ -319,14 +297,6 @@ def _in_place(node: fx.Node) -> bool:
     """x.add_(y), torch.relu_(x), aten.copy_.default: writes its first argument."""
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return name.split(".")[0].endswith("_") and not name.startswith("_")
-
-
-def _clean_path(path: str) -> str:
-    """torch.export writes some paths as ``L['self'].layer.0`` or ``L__self___layer_0``; keep the dotted form."""
-    if path.startswith("L['self']"):
-        path = path[len("L['self']"):].lstrip(".")
-    path = path.replace("._modules['", ".").replace("']", "")
-    return path
 
 
 def quiet_torch_logs():
@@ -478,7 +448,7 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
             raise NormconvError("keyword inputs need torch.export")
         tracer = NormLeafTracer()
         tracer.branched = branched if branched is not None else tracer.branched
-        with _ValueReads(tracer) as reads:  # a concrete tensor's value read while tracing: a branch baked in
+        with ValueReads(tracer) as reads:  # a concrete tensor's value read while tracing: a branch baked in
             graph = tracer.trace(model)
         if isinstance(model, fx.GraphModule):
             _inherit_module_stacks(model.graph, graph)
@@ -512,89 +482,6 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
                 attempts[m] = (f"{_one_line(exc)}; captured with torch.export.draft_export instead (branches on "
                                f"tensor values taken as on the example inputs)")
                 return Captured(model, ep.graph_module, m, inputs, exported=ep, attempts=attempts, specialized=True,
-                                guards=_draft_guards(ep))
+                                guards=draft_guards(ep))
         return Captured(model, ep.graph_module, "torch.export", inputs, exported=ep, attempts=attempts)
     raise NormconvError(f"unknown capture method {m!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# guards: where a capture decided a branch on a tensor's value
-
-
-_VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__complex__", "numpy"}
-_INTERNAL = (os.sep + "torch" + os.sep, os.sep + "normconv" + os.sep, os.sep + "typer" + os.sep,
-             os.sep + "click" + os.sep, os.sep + "pluggy" + os.sep, os.sep + "_pytest" + os.sep)
-
-
-def _user_frame() -> traceback.FrameSummary | None:
-    """The innermost frame of the stack outside torch and normconv: the model's own code."""
-    frames = traceback.extract_stack()
-    return next((f for f in reversed(frames) if not any(part in f.filename for part in _INTERNAL)), None)
-
-
-def _where(filename: str, line: Any, code: str | None) -> str:
-    return f"{os.path.basename(str(filename))}:{line}" + (f" `{code.strip()}`" if code and code.strip() else "")
-
-
-def _branch_site(tracer: fx.Tracer) -> tuple[str, str]:
-    """(owner, where) of the forward line the tracer stands on: the module whose forward it is, file:line and code."""
-    stack = getattr(tracer, "module_stack", None) or {}
-    owner = _clean_path(list(stack.values())[-1][0]) if stack else ""
-    frame = _user_frame()
-    return owner, _where(frame.filename, frame.lineno, frame.line) if frame else "the model's forward"
-
-
-class _ValueReads(TorchFunctionMode):
-    """While symbolic_trace runs: a concrete tensor's value read in Python (``bool(t)``, ``t.item()``, ``int(t)``)
-    is a decision the graph bakes in (a Proxy's would have failed the trace). Each is a Guard."""
-
-    def __init__(self, tracer: fx.Tracer):
-        super().__init__()
-        self.tracer, self.guards = tracer, []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in _VALUE_READS and args and isinstance(args[0], torch.Tensor):
-            owner, where = _branch_site(self.tracer)
-            self.guards.append(Guard(owner, where, f"a tensor's value read ({name}) while tracing"))
-        return func(*args, **(kwargs or {}))
-
-
-def _last_frame(trace: str) -> tuple[str, int] | None:
-    """(file, line) of the last ``File "...", line N`` of a node's stack trace."""
-    import re
-
-    found = re.findall(r'File "([^"]+)", line (\d+)', trace or "")
-    return (found[-1][0], int(found[-1][1])) if found else None
-
-
-def _draft_guards(ep: Any) -> tuple[Guard, ...]:
-    """The data-dependent decisions draft_export specialized (its report's failures), each with the module whose
-    forward made it (the module stack of the graph's nodes from that line; the model's own when none)."""
-    report = getattr(ep, "_report", None)
-    names = dict(getattr(report, "str_to_filename", None) or {})
-    try:  # the report maps only the file names first interned during this export; torch's table has them all
-        from torch._logging.structured import INTERN_TABLE
-
-        names.update({v: k for k, v in INTERN_TABLE.items()})
-    except ImportError:
-        pass
-    owners: dict[tuple[str, int], str] = {}
-    for n in ep.graph_module.graph.nodes:
-        last = _last_frame(n.meta.get("stack_trace") or "")
-        stack = n.meta.get("nn_module_stack")
-        if last is not None and stack:
-            owners.setdefault(last, _clean_path(list(stack.values())[-1][0]))
-    guards = []
-    for failure in getattr(report, "failures", None) or []:
-        data = failure.data if isinstance(failure.data, dict) else {}
-        frames = data.get("user_stack") or []
-        if frames:
-            f = frames[-1]
-            filename = names.get(f.get("filename"), str(f.get("filename")))
-            where, owner = _where(filename, f.get("line"), f.get("loc")), owners.get((filename, f.get("line")), "")
-        else:
-            where, owner = "the model's forward", ""
-        what = str(data.get("expr") or getattr(failure.failure_type, "name", "a guard"))
-        guards.append(Guard(owner, where, what + (f", taken as {data['result']}" if data.get("result") else "")))
-    return tuple(dict.fromkeys(guards)) or (Guard("", "the model's forward", "a branch on tensor values"),)
