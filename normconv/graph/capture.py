@@ -35,6 +35,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from normconv.errors import CaptureError, NormconvError
+from normconv.graph.autocast import inline_disabled
 from normconv.graph.branch_guards import Guard, ValueReads, branch_site, clean_path, draft_guards
 from normconv.io.inputs import with_attention_mask
 from normconv.quiet import quiet
@@ -481,7 +482,9 @@ def _capture_with(m: str, model: nn.Module, inputs: Inputs, attempts: dict[str, 
                 _check_draft(model, ep, inputs, reference)
                 attempts[m] = (f"{_one_line(exc)}; captured with torch.export.draft_export instead (branches on "
                                f"tensor values taken as on the example inputs)")
+                inline_disabled(ep.graph_module)
                 return Captured(model, ep.graph_module, m, inputs, exported=ep, attempts=attempts, specialized=True,
                                 guards=draft_guards(ep))
+        inline_disabled(ep.graph_module)  # a norm in an `autocast(enabled=False)` region is seen (graph.autocast)
         return Captured(model, ep.graph_module, "torch.export", inputs, exported=ep, attempts=attempts)
     raise NormconvError(f"unknown capture method {m!r}")
