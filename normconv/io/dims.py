@@ -11,10 +11,10 @@ like its inputs, and checked at a second size each.
             inputs), height / width (dims 2, 3 of an image), depth (dim 2 of a volume), length (the last dim of a
             (B, C, T) signal or a (B, T) waveform), else INPUT_dimK; a name two symbols would share is prefixed
             with the input's name
-  checked   each Dim at a second size (the example's size - 1, + 1, x 2, / 2: the first one the original model
-            accepts), every input that carries it resized together: the written model must equal the original
-            there too. A Dim whose check fails is pinned (static) and the model written again; the report lists
-            each Dim with its range and the sizes checked.
+  checked   each Dim at two more sizes (``candidates``: the example's size + 1 or - 1, then + half or - half, the
+            first of each the original model accepts), every input that carries it resized together: the written
+            model must equal the original there too. A Dim whose check fails is pinned (static) and the model
+            written again; the report lists each Dim with its range and the sizes checked.
 """
 
 from __future__ import annotations
@@ -289,21 +289,24 @@ def input_shapes(model: nn.Module, inputs: Inputs) -> dict[str, tuple[int, bool]
             if isinstance(x, torch.Tensor)}
 
 
-def candidates(n: int) -> list[int]:
-    """Second sizes to check a dimension of example size ``n`` at, first choice first (batch 2 -> 1)."""
-    out = []
-    for m in (n - 1, n + 1, 2 * n, n // 2):
-        if m >= 1 and m != n and m not in out:
-            out.append(m)
-    return out
+def candidates(n: int) -> list[list[int]]:
+    """The probes of a dimension of example size ``n``: each a list of sizes, first choice first, the first size the
+    original accepts checked. The first probe moves it by one, upwards first: a stride-2 conv (kernel 3, padding 1)
+    maps n - 1 to n's own size when n is even (64 and 63 both give 32, 16, 8, ...), so n - 1 proved nothing there,
+    where n + 1 gives odd sizes at every stride (65: 33, 17, 9). The second moves it by half (n + n // 2, n // 2,
+    2n): a path that holds for some multiples of a stride only (a size rounded up to a patch, then reshaped) shows
+    at one or the other."""
+    first = [m for m in (n + 1, n - 1, 2 * n, n // 2) if m >= 1 and m != n]
+    second = [m for m in (n + n // 2, n // 2, 2 * n) if m >= 1 and m not in (n, n + 1)]
+    return [list(dict.fromkeys(first)), list(dict.fromkeys(second))]
 
 
 def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable[[Inputs], Any],
           candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any]) -> list[tuple[Dim, Any]]:
-    """Check each Dim at a second size (after the caller validated the example): the first size of ``candidates``
-    of the example's own size the ``reference`` (the original model) accepts, the ``candidate`` (the written model)
-    compared with it. Returns (Dim, Validation) per Dim checked; a Dim the reference takes at no other size, or whose
-    candidate fails or differs, gets ``pinned`` (its reason)."""
+    """Check each Dim at two more sizes (after the caller validated the example): per probe of ``candidates`` of
+    the example's own size, the first size the ``reference`` (the original model) accepts, the ``candidate`` (the
+    written model) compared with it. Returns (Dim, Validation) per size checked; a Dim the reference takes at no
+    other size, or whose candidate fails or differs, gets ``pinned`` (its reason)."""
     checks = []
     for d in dims:
         # the example's own size (the program may have been traced at a widened batch), which the caller validated
@@ -311,32 +314,42 @@ def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable
         d.checked = [d.size]
         if d.low is not None and d.size < d.low:
             d.low = d.size  # torch.export's range starts at 2 (0/1 specialization); the example ran at 1
-        for size in candidates(d.size):
-            if d.high is not None and size > d.high:
-                continue  # beyond the program's own range
-            alt = resized(model, inputs, d.places, size)
-            try:
-                expected = reference(alt)
-            except Exception:  # noqa: BLE001 - the original does not run at that size: try the next
-                continue
-            label = f"{d.name} = {size}"
-            try:
-                got = candidate(alt)
-            except Exception as exc:  # noqa: BLE001 - the written model refuses a size the original takes
-                d.pinned = f"the exported model fails at {label} where the original runs ({type(exc).__name__})"
-                break
-            v = compare(expected, got, label)
-            checks.append((d, v))
-            d.checked.append(size)
-            if not v.passed:
-                d.pinned = f"the exported model differs from the original at {label} (max abs error " \
-                           f"{v.max_abs_error:.3g})"
-            elif d.low is not None and size < d.low:
-                d.low = size  # torch.export's range starts at 2 (0/1 specialization); the check ran at 1
-            break
-        else:
+        for probe in candidates(d.size):  # every probe checked, until one fails (the Dim is then pinned)
+            if not d.pinned:
+                _probe(d, probe, model, inputs, reference, candidate, compare, checks)
+        if len(d.checked) == 1 and not d.pinned:
             d.pinned = "the original model runs at no other size of it"
     return checks
+
+
+def _probe(d: Dim, sizes: list[int], model: nn.Module, inputs: Inputs, reference: Callable[[Inputs], Any],
+           candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any], checks: list) -> None:
+    """``d`` checked at the first of ``sizes`` the original accepts (and not checked yet): the candidate compared
+    with it (appended to ``checks``), ``d.pinned`` set where it fails or differs; nothing where the original takes
+    none of them."""
+    for size in sizes:
+        if size in d.checked or (d.high is not None and size > d.high):
+            continue  # checked already, or beyond the program's own range
+        alt = resized(model, inputs, d.places, size)
+        try:
+            expected = reference(alt)
+        except Exception:  # noqa: BLE001 - the original does not run at that size: try the next
+            continue
+        label = f"{d.name} = {size}"
+        try:
+            got = candidate(alt)
+        except Exception as exc:  # noqa: BLE001 - the written model refuses a size the original takes
+            d.pinned = f"the exported model fails at {label} where the original runs ({type(exc).__name__})"
+            return
+        v = compare(expected, got, label)
+        checks.append((d, v))
+        d.checked.append(size)
+        if not v.passed:
+            d.pinned = f"the exported model differs from the original at {label} (max abs error " \
+                       f"{v.max_abs_error:.3g})"
+        elif d.low is not None and size < d.low:
+            d.low = size  # torch.export's range starts at 2 (0/1 specialization); the check ran at 1
+        return
 
 
 __all__ = ["Dim", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened", "batch_ones", "kept_free", "example_size",
