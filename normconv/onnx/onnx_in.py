@@ -178,6 +178,18 @@ def _needs_opset(src: Source, jobs: tuple[str, ...], target: str) -> tuple[int, 
     return want, " and ".join(why for n, why in needs if why)
 
 
+def _needed_for(log: SiteLog, lowered: dict, opset: int) -> str:
+    """What in a plan made at a converted opset needs more than the file's ``opset``: a fused LayerNormalization, a
+    placeholder kept as a function op; "" where nothing does."""
+    needs = []
+    if opset < LN_OPSET and any(k == "layernorm" and s.applied for k, s in log.sites()):
+        needs.append("LayerNormalization")
+    kept = sorted(k for k in lowered if k.startswith(f"{DOMAIN}."))
+    if kept and opset < FUNCTION_OPSET:
+        needs.append(f"the function body of {', '.join(kept)}")
+    return " and ".join(needs)
+
+
 def plan(src: Source, command: str, target: str = "onnx", opset: int | None = None) -> tuple[ir.Model, Report, int]:
     """The rewritten model (in memory), its report without validation, and the opset it converted from (or 0)."""
     if target not in TARGETS:
@@ -191,14 +203,20 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
     report = Report(command, str(src.path))
     report.before = op_counts(model)
     converted = 0
+    inlined: list[str] = []
     if want > src.opset:
-        model = to_ir(ir.serde.serialize_model(ConvertOpset(want)(model).model))
-        converted = src.opset
+        convert = ConvertOpset(want)
+        model = to_ir(ir.serde.serialize_model(convert(model).model))
+        converted, inlined = src.opset, convert.inlined
+    model, log, lowered = _rewrite(model, jobs, target)
+    if converted:  # what the converted file's plan needs (the file's own opset refused other spellings)
+        needs = _needed_for(log, lowered, src.opset) or (f"--opset {opset}" if opset and opset > src.opset else "")
         report.notes.append(
             f"{'export would convert' if command == 'inspect' else 'converted'} the file from opset {src.opset} to "
-            f"{want} (onnx.version_converter){' for ' + needs if needs else ''}; the converted file is validated "
-            f"against the input before fusing")
-    model, log, lowered = _rewrite(model, jobs, target)
+            f"{want} (onnx.version_converter){' for ' + needs if needs else ''}"
+            + (f", its local function(s) {', '.join(inlined)} inlined first (the converter converts the graph, not "
+               f"function bodies)" if inlined else "") + "; the converted file is validated against the input before "
+            "fusing")
     for kind, site in log.sites():
         report.sites.append(site)
     report.after = op_counts(model)
@@ -257,6 +275,17 @@ def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
         raise NormconvError(f"refusing to write {out}: its external data would go to {sidecar.name} ({exc.message})",
                             exc.code) from None
     return check_writable(out, overwrite)
+
+
+def _public(text: str, tmpdir: Path | None, out: Path | None) -> str:
+    """A library's message about a file in normconv's temp folder, naming what the user knows instead: the output
+    (OUT), the opset-converted input."""
+    if tmpdir is None:
+        return text
+    for name, said in (("converted.onnx", "the file converted to the new opset"),
+                       (out.name if out is not None else "out.onnx", str(out) if out is not None else "the output")):
+        text = text.replace(str(tmpdir / name), said)
+    return text.replace(str(tmpdir), "a temp folder")
 
 
 def run(spec: str, command: str, output: str | None, target: str = "onnx", opset: int | None = None,
@@ -353,8 +382,9 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
     except OSError as exc:
         raise write_error(where, exc) from None
     except Exception as exc:  # noqa: BLE001 - onnxruntime refusing a file is the input's situation, in one line
-        raise NormconvError(f"{command} of {spec} failed in onnxruntime: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:240] if str(exc) else ''}", Code.NOT_VERIFIED) from None
+        said = _public(str(exc).splitlines()[0] if str(exc) else "", tmpdir, out)
+        raise NormconvError(f"{command} of {spec} failed in onnxruntime: {type(exc).__name__}: {said[:240]}",
+                            Code.NOT_VERIFIED) from None
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)

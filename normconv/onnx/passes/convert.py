@@ -3,32 +3,80 @@
   ai.onnx opset N  =>  opset M > N   (LayerNormalization needs 17): the converter rewrites each op whose schema
   changed in between (e.g. Reduce* axes from attribute to input at 18). The flow validates the converted model
   against the file before any rule runs, and the report says it was converted.
+
+  The converter converts the graph, not the model-local functions (FunctionProto): it drops them, and the converted
+  file no longer resolves their calls. So, as onnxscript's ConvertVersionPass does, the local functions are inlined
+  first (onnx.inliner, each body brought to the model's opset where it imports another): the converted graph holds
+  their bodies, converted with it, and the rules see the norms written inside them.
 """
 
 from __future__ import annotations
 
 import onnx
+import onnx.inliner
 import onnx_ir as ir
 
-from normconv.errors import NormconvError
+from normconv.errors import Code, NormconvError
+
+NAME = "convert-opset"  # the pass_name of its refusals (Code.REFUSED)
+
+
+def function_names(proto: onnx.ModelProto) -> list[str]:
+    """The model-local functions, as domain.name."""
+    return sorted(f"{f.domain}.{f.name}" if f.domain else f.name for f in proto.functions)
+
+
+def inline_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with its local functions inlined and the opset imports only they used dropped; or one line naming
+    the functions that cannot be inlined."""
+    if not proto.functions:
+        return proto
+    names = function_names(proto)
+    try:
+        inlined = onnx.inliner.inline_local_functions(proto, convert_version=True)
+    except Exception as exc:  # noqa: BLE001 - the inliner's message names the op
+        why = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise NormconvError(f"cannot convert the file's opset: its local function(s) {', '.join(names)} cannot be "
+                            f"inlined first (onnx.inliner: {why})", Code.REFUSED,
+                            hint="pass --opset with the file's own opset to keep its norms as written",
+                            pass_name=NAME) from None
+    used = {n.domain for n in _all_nodes(inlined.graph)}
+    kept = [o for o in inlined.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
+    del inlined.opset_import[:]
+    inlined.opset_import.extend(kept)
+    return inlined
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                yield from _all_nodes(g)
 
 
 class ConvertOpset(ir.passes.FunctionalPass):
-    """Return the model at default-domain opset ``opset`` (unchanged when it is there already)."""
+    """Return the model at default-domain opset ``opset`` (unchanged when it is there already); ``inlined`` lists
+    the local functions inlined on the way (domain.name)."""
 
     def __init__(self, opset: int) -> None:
         super().__init__()
         self.opset = opset
+        self.inlined: list[str] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         have = model.opset_imports.get("", 1)
         if have >= self.opset:
             return ir.passes.PassResult(model, False)
         proto = ir.serde.serialize_model(model)
+        self.inlined = function_names(proto)
+        proto = inline_functions(proto)
         try:
             converted = onnx.version_converter.convert_version(proto, self.opset)
         except Exception as exc:  # noqa: BLE001 - the converter's own message names the op
             raise NormconvError(f"cannot convert the file from opset {have} to {self.opset} "
                                 f"(onnx.version_converter: {str(exc).splitlines()[0][:200]})",
-                                hint="pass --opset with the file's own opset to keep its norms as written") from None
+                                Code.REFUSED,
+                                hint="pass --opset with the file's own opset to keep its norms as written",
+                                pass_name=NAME) from None
         return ir.passes.PassResult(ir.serde.deserialize_model(converted), True)
