@@ -103,6 +103,14 @@ def specs(path: str, model, overrides: list[str] | None) -> list[Spec]:
                             f"each rewrite against the file given, in onnxruntime") from None
     hints = _int_hints(model)
     given = _parse(overrides or [], [i.name for i in sess.get_inputs()])
+    for i in sess.get_inputs():
+        if i.name in given:
+            dims, dtype, item = given[i.name]
+            why = _contradiction(i, dims, dtype)
+            if why:
+                raise NormconvError(f"-i {item} contradicts {path}: its input {i.name} is declared {_declared(i)} "
+                                    f"({why})")
+            given[i.name] = (dims, dtype if dtype is not None else _NP.get(i.type, np.float32), item)
     unranked = [v.name for v in model.graph.inputs if v.shape is None and v.name not in given and
                 v.name in {i.name for i in sess.get_inputs()}]
     if unranked:  # onnxruntime would take any rank: a made-up one fails in a kernel, or proves nothing
@@ -117,13 +125,51 @@ def specs(path: str, model, overrides: list[str] | None) -> list[Spec]:
             dims.append(d if isinstance(d, int) and d > 0 else (d if isinstance(d, str) and d else (i.name, axis)))
         dtype = _NP[i.type]
         if i.name in given:
-            dims, dtype = given[i.name]
+            dims, dtype, _ = given[i.name]
         values, high = hints.get(i.name, (None, 2))
         out.append(Spec(i.name, dims, dtype, values, high))
     return out
 
 
-def _parse(items: list[str], names: list[str]) -> dict[str, tuple[list[int], Any]]:
+def _declared(i) -> str:
+    """An onnxruntime input's declared type and shape, as float[N,3,H,W]."""
+    elem = i.type[len("tensor("):-1] if i.type.startswith("tensor(") else i.type
+    if i.shape is None:
+        return f"{elem} (no shape)"
+    return f"{elem}[{','.join(str(d) if isinstance(d, int) and d > 0 else (d or '?') for d in i.shape)}]"
+
+
+def _contradiction(i, dims: list[int], dtype) -> str:
+    """How an -i shape and dtype (None: not given) contradict an input's declaration; "" where they agree."""
+    if dtype is not None and i.type in _NP and np.dtype(_NP[i.type]) != np.dtype(dtype):
+        return f"{np.dtype(dtype).name} given"
+    if i.shape is None:
+        return ""
+    if len(dims) != len(i.shape):
+        return f"{len(dims)} dimension(s) given, {len(i.shape)} declared"
+    fixed = [(axis, d, g) for axis, (d, g) in enumerate(zip(i.shape, dims)) if isinstance(d, int) and d > 0 and d != g]
+    return "; ".join(f"dimension {axis}: {g} given, {d} declared" for axis, d, g in fixed)
+
+
+def too_large(path: str, specs: list[Spec], sizes: dict) -> None:
+    """One line where the inputs at ``sizes`` alone (every other dynamic dimension at 1) take more than half this
+    machine's memory: onnxruntime cannot run the file there, whatever it computes."""
+    from normconv.io.archive import memory_bytes
+
+    total, biggest = 0, None
+    for s in specs:
+        shape = [d if isinstance(d, int) else sizes.get(d, 1) for d in s.dims]
+        n = int(np.prod(shape, dtype=np.float64)) * np.dtype(s.dtype).itemsize
+        total += n
+        biggest = max(biggest or (0, s.name, shape), (n, s.name, shape))
+    memory = memory_bytes()
+    if memory is not None and total > memory // 2:
+        _, name, shape = biggest
+        raise NormconvError(f"{path} is too large to run here: its input {name} of shape {shape} alone takes "
+                            f"{total / 1e9:.3g} GB, more than half this machine's {memory / 1e9:.3g} GB")
+
+
+def _parse(items: list[str], names: list[str]) -> dict[str, tuple[list[int], Any, str]]:
     out = {}
     for item in items:
         parts = item.split(":")
@@ -138,7 +184,7 @@ def _parse(items: list[str], names: list[str]) -> dict[str, tuple[list[int], Any
             raise NormconvError(f"bad --input-shape {item!r}: dimensions must be integers") from None
         if any(d <= 0 for d in dims):
             raise NormconvError(f"bad --input-shape {item!r}: dimensions must be positive")
-        dtype = np.float32
+        dtype = None  # the declared one
         if len(parts) == 3:
             key = f"tensor({ {'float32': 'float', 'float64': 'double'}.get(parts[2], parts[2]) })"
             if key not in _NP:
@@ -146,7 +192,7 @@ def _parse(items: list[str], names: list[str]) -> dict[str, tuple[list[int], Any
             dtype = _NP[key]
         if parts[0] in out:
             raise NormconvError(f"bad --input-shape {item!r}: {parts[0]} is given twice")
-        out[parts[0]] = (dims, dtype)
+        out[parts[0]] = (dims, dtype, item)
     return out
 
 
@@ -182,6 +228,7 @@ def plan_sizes(path: str, specs: list[Spec]) -> Plan:
     keys = list(dict.fromkeys(d for s in specs for d in s.dims if not isinstance(d, int)))
     first = {k for s in specs for i, k in enumerate(s.dims) if i == 0 and not isinstance(k, int)}
     plan = Plan(specs, [])
+    too_large(path, specs, {})
     if not keys:
         if not _runs(sess, specs, {}):
             raise NormconvError(f"{path} does not run in onnxruntime on random inputs of its declared shapes")
