@@ -230,11 +230,18 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
 
 
 def _save(proto: onnx.ModelProto, path: Path, external: bool) -> None:
+    """``proto`` at ``path``; ``external``: its tensors of 1 KiB and more in ``path.name + ".data"`` beside it. The
+    tensors are marked here, as onnx.save_model(save_as_external_data=True) marks them, because that call refuses
+    a location that exists relative to the current folder, not the model's (a rerun's OUT.onnx.data there)."""
     if external:
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
-    else:
-        onnx.save_model(proto, str(path))
+        import sys
+
+        from onnx.external_data_helper import _get_initializer_tensors, set_external_data
+
+        for tensor in _get_initializer_tensors(proto):
+            if tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= 1024:
+                set_external_data(tensor, path.name + ".data")
+    onnx.save_model(proto, str(path))  # writes the tensors marked external into path's folder
 
 
 def _check(path: Path, target: str, src: Source) -> tuple[bool, str]:
@@ -274,7 +281,30 @@ def _guard_output(src: Source, out: Path, overwrite: bool = False) -> Path:
     except NormconvError as exc:
         raise NormconvError(f"refusing to write {out}: its external data would go to {sidecar.name} ({exc.message})",
                             exc.code) from None
+    if _writes_sidecar(src) and sidecar.exists() and not overwrite and not _owned_by(out, sidecar):
+        raise NormconvError(f"refusing to write {out}: its external data would replace the existing {sidecar}, which "
+                            f"is not the external data of {out}; pass --overwrite to replace it, or choose another -o")
     return check_writable(out, overwrite)
+
+
+def _writes_sidecar(src: Source) -> bool:
+    """Whether the output keeps its tensors in OUT.onnx.data: the input did, or they pass protobuf's 2 GB."""
+    return bool(src.external) or sum(len(t.raw_data) for t in src.proto.graph.initializer) > EXTERNAL_DATA_BYTES
+
+
+def _owned_by(out: Path, sidecar: Path) -> bool:
+    """``sidecar`` is the external data of the existing ``out`` (a file the run replaces with ``out``, as a
+    rerun of the same command does)."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    if not out.is_file() or out.is_symlink():
+        return False
+    try:
+        old = onnx.load(str(out), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not an ONNX file: the data beside it is not its own
+        return False
+    return any(e.key == "location" and e.value == sidecar.name for t in _get_all_tensors(old)
+               if uses_external_data(t) for e in t.external_data)
 
 
 def _public(text: str, tmpdir: Path | None, out: Path | None) -> str:
