@@ -103,13 +103,15 @@ def specs(path: str, model, overrides: list[str] | None) -> list[Spec]:
                             f"each rewrite against the file given, in onnxruntime") from None
     hints = _int_hints(model)
     given = _parse(overrides or [], [i.name for i in sess.get_inputs()])
+    shapeless = {v.name for v in model.graph.inputs if v.shape is None}  # onnxruntime shows them as rank 0
     for i in sess.get_inputs():
         if i.name in given:
             dims, dtype, item = given[i.name]
-            why = _contradiction(i, dims, dtype)
+            shape = None if i.name in shapeless else i.shape
+            why = _contradiction(i.type, shape, dims, dtype)
             if why:
-                raise NormconvError(f"-i {item} contradicts {path}: its input {i.name} is declared {_declared(i)} "
-                                    f"({why})")
+                raise NormconvError(f"-i {item} contradicts {path}: its input {i.name} is declared "
+                                    f"{_declared(i.type, shape)} ({why})")
             given[i.name] = (dims, dtype if dtype is not None else _NP.get(i.type, np.float32), item)
     unranked = [v.name for v in model.graph.inputs if v.shape is None and v.name not in given and
                 v.name in {i.name for i in sess.get_inputs()}]
@@ -131,23 +133,24 @@ def specs(path: str, model, overrides: list[str] | None) -> list[Spec]:
     return out
 
 
-def _declared(i) -> str:
-    """An onnxruntime input's declared type and shape, as float[N,3,H,W]."""
-    elem = i.type[len("tensor("):-1] if i.type.startswith("tensor(") else i.type
-    if i.shape is None:
+def _declared(typ: str, shape: list | None) -> str:
+    """An input's declared type and shape (None: declared without one), as float[N,3,H,W]."""
+    elem = typ[len("tensor("):-1] if typ.startswith("tensor(") else typ
+    if shape is None:
         return f"{elem} (no shape)"
-    return f"{elem}[{','.join(str(d) if isinstance(d, int) and d > 0 else (d or '?') for d in i.shape)}]"
+    return f"{elem}[{','.join(str(d) if isinstance(d, int) and d > 0 else (d or '?') for d in shape)}]"
 
 
-def _contradiction(i, dims: list[int], dtype) -> str:
-    """How an -i shape and dtype (None: not given) contradict an input's declaration; "" where they agree."""
-    if dtype is not None and i.type in _NP and np.dtype(_NP[i.type]) != np.dtype(dtype):
+def _contradiction(typ: str, shape: list | None, dims: list[int], dtype) -> str:
+    """How an -i shape and dtype (None: not given) contradict an input declared ``typ`` of ``shape`` (onnxruntime's
+    spelling; None: no shape declared); "" where they agree."""
+    if dtype is not None and typ in _NP and np.dtype(_NP[typ]) != np.dtype(dtype):
         return f"{np.dtype(dtype).name} given"
-    if i.shape is None:
+    if shape is None:
         return ""
-    if len(dims) != len(i.shape):
-        return f"{len(dims)} dimension(s) given, {len(i.shape)} declared"
-    fixed = [(axis, d, g) for axis, (d, g) in enumerate(zip(i.shape, dims)) if isinstance(d, int) and d > 0 and d != g]
+    if len(dims) != len(shape):
+        return f"{len(dims)} dimension(s) given, {len(shape)} declared"
+    fixed = [(axis, d, g) for axis, (d, g) in enumerate(zip(shape, dims)) if isinstance(d, int) and d > 0 and d != g]
     return "; ".join(f"dimension {axis}: {g} given, {d} declared" for axis, d, g in fixed)
 
 
