@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from normconv.errors import Code, NormconvError, VerificationError
 from normconv.onnx import parity
+from normconv.onnx.defaults import OPSETS
 from normconv.onnx.ops import DOMAIN, FUNCTION_OPSET
 from normconv.onnx.passes.convert import ConvertOpset
 from normconv.onnx.passes.function_types import TypeFunctionBodies
@@ -195,10 +196,12 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
     if target not in TARGETS:
         raise NormconvError(f"unknown --target {target!r}; choose onnx or ort")
     jobs = JOBS[command]
-    needed, needs = _needs_opset(src, jobs, target)
-    want = max(opset or 0, needed)
     if opset is not None and opset < src.opset:
         raise NormconvError(f"--opset {opset} is below the file's opset {src.opset}: normconv converts up, not down")
+    if opset is not None and opset != src.opset and opset not in OPSETS:  # the file's own opset: nothing converted
+        raise NormconvError(f"unsupported --opset {opset}: normconv exports opsets {OPSETS[0]} to {OPSETS[-1]}")
+    needed, needs = _needs_opset(src, jobs, target)
+    want = max(opset or 0, needed)
     model = to_ir(src.proto)
     report = Report(command, str(src.path))
     report.before = op_counts(model)
