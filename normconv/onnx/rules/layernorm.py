@@ -43,7 +43,17 @@ class LayerNormWhy(Why):
     SCALE_NOT_PER_FEATURE = "scale-not-per-feature"
     INNER_VALUE_READ = "inner-value-read"
     RANK_UP = "constant-broadcasts-up-a-rank"
+    RANK_UNKNOWN = "rank-unknown"
     OPSET_BELOW = "opset-below-17"
+
+
+def _mean_of_unranked(v: ir.Value, x: ir.Value) -> bool:
+    """``v`` is ReduceMean(x) (put back to rank or not) over an ``x`` whose rank is unknown: ``mean_of`` cannot
+    read its axes, so nothing tells a LayerNorm from another mean."""
+    inner, _ = restored(v)
+    node = inner.producer() if inner is not None else None
+    return node is not None and default(node) and node.op_type == "ReduceMean" and node.inputs[0] is x and \
+        rank(x) is None
 
 
 def opset_of(context) -> int:
@@ -118,6 +128,10 @@ class LayerNormFusion(NormRule):
         if x.dtype not in FLOATS:
             return self.refuse(context, W.NOT_FLOAT, f"input is {x.dtype or 'of an unknown type'}, not a float type", x)
         m = mean_of(mean)
+        if m is None and (one is None or scalar(one) == 1.0) and _mean_of_unranked(mean, x):
+            return self.refuse(context, W.RANK_UNKNOWN, "the input's rank is unknown (declared without a shape, as "
+                                                        "a Loop body's state input often is): its reduced axes cannot "
+                                                        "be placed; declare the shape to fuse it", x)
         if (one is not None and scalar(one) != 1.0) or m is None:
             return MatchResult().fail("not (x − E[·]) / sqrt(·)")  # not LayerNorm-shaped at all: no site
         e = 0.0 if self.options["no_eps"] else scalar(eps)
