@@ -261,6 +261,20 @@ class NormRule(pattern.RewriteRuleClassBase):
         self.log.add(self.kind, Site(self.pass_name, name_of(anchor), True, reason, code))
 
 
+def untyped(context) -> str:
+    """Why a matched input has no type, for its site's reason: inside an ONNX function (whose values ONNX leaves
+    untyped; ``passes/function_types`` types a function called once), or where shape inference did not reach."""
+    fn = context.graph_or_function
+    if not isinstance(fn, ir.Function):
+        return "the input's type is unknown (shape inference did not reach it), so nothing shows it is a float"
+    calls = sum(1 for n in ir.traversal.RecursiveGraphIterator(context.model.graph)
+                if (n.domain, n.op_type, n.overload) == fn.identifier())
+    return (f"the input has no type: it is inside the ONNX function {fn.domain}.{fn.name}, whose values ONNX leaves "
+            f"untyped, and its {calls} calls may differ (only a function called once is typed from its call)"
+            if calls > 1 else f"the input has no type: it is inside the ONNX function {fn.domain}.{fn.name}, whose "
+                              f"values ONNX leaves untyped, and its call does not type it")
+
+
 def square_of(v: ir.Value | None) -> ir.Value | None:
     """x, if ``v`` is x² written Pow(x, 2) or Mul(x, x)."""
     node = v.producer() if v is not None else None

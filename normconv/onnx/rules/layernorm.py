@@ -24,7 +24,7 @@ from onnxscript.rewriter._basics import MatchResult
 
 from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, default, describe, layout,
                                       mean_of, normalize, per_feature, producers, rank, rank_up, restored, scalar,
-                                      square_of)
+                                      square_of, untyped)
 from normconv.report import Why
 
 OPSET = 17  # LayerNormalization's first opset
@@ -34,6 +34,7 @@ class LayerNormWhy(Why):
     FUSED = "fused-layernorm"
     SCALE_FOLDED = "affine-folded"
     NOT_FLOAT = "not-float"
+    TYPE_UNKNOWN = "type-unknown"
     EPS_NOT_CONSTANT = "eps-not-constant"
     MEAN_NOT_OF_INPUT = "mean-not-of-input"
     VARIANCE_NOT_OF_INPUT = "variance-not-of-input"
@@ -125,6 +126,8 @@ class LayerNormFusion(NormRule):
     def check(self, context, x, mean, var, eps, one=None, w=None, **_) -> MatchResult:
         W = LayerNormWhy
         self._anchor = context.root
+        if x.dtype is None:
+            return self.refuse(context, W.TYPE_UNKNOWN, untyped(context), x)
         if x.dtype not in FLOATS:
             return self.refuse(context, W.NOT_FLOAT, f"input is {x.dtype or 'of an unknown type'}, not a float type", x)
         m = mean_of(mean)

@@ -18,13 +18,15 @@ from onnxscript.rewriter._basics import MatchResult
 
 from normconv.onnx.ops import DOMAIN
 from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, describe, layout,
-                                      mean_of, normalize, per_feature, producers, rank, rank_up, scalar, square_of)
+                                      mean_of, normalize, per_feature, producers, rank, rank_up, scalar, square_of,
+                                      untyped)
 from normconv.report import Why
 
 
 class RmsNormWhy(Why):
     FUSED = "fused-rmsnorm"
     NOT_FLOAT = "not-float"
+    TYPE_UNKNOWN = "type-unknown"
     EPS_NOT_CONSTANT = "eps-not-constant"
     NOT_MEAN_SQUARE = "not-mean-square-of-input"
     AXES_NOT_FUSABLE = "axes-not-fusable"
@@ -47,6 +49,8 @@ class RmsNormFusion(NormRule):
     def check(self, context, x, ms, eps, one=None, **_) -> MatchResult:
         W = RmsNormWhy
         self._anchor = context.root
+        if x.dtype is None:
+            return self.refuse(context, W.TYPE_UNKNOWN, untyped(context), x)
         if x.dtype not in FLOATS:
             return self.refuse(context, W.NOT_FLOAT, f"input is {x.dtype or 'of an unknown type'}, not a float type", x)
         m = mean_of(ms)
