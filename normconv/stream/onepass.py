@@ -275,8 +275,8 @@ class _Pass:
         held = {k: self.ckpt.get(k, self.reads.take) for k in keys}
         out: dict[str, torch.Tensor] = {}
         for k in keys:
-            for c in self.copies.get(k, []):
-                out[c] = held[k]  # an untied copy keeps the original values
+            for c in self.copies.get(k, []):  # an untied name of the tensor, rewritten as that name is
+                out[c] = self.produce(c, held[k], lambda name: self._source(held, name))
             out[k] = self.produce(self.ckpt.name[k], held[k], lambda name: self._source(held, name))
         for k, t in out.items():
             self.writer.write(k, t)
@@ -404,9 +404,10 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
                    keep_temp_on_failure: bool = False, after_rewrite: Callable[[Path], None] | None = None,
                    dtypes: dict[str, torch.dtype] | None = None) -> None:
     """The module docstring's pass: every source tensor (stored key) written as ``produce`` returns it, after the
-    names in ``copies[key]`` (the stored values: untied copies; ``untied``: config.json unties the embeddings);
-    every block output compared with ``reference(original block output)``; ``dtypes[key]``: a rewritten tensor
-    written in another dtype than it is stored in (swap: a centered writer stored narrower than the model's dtype).
+    names in ``copies[key]`` (untied names of its tensor, each as ``produce`` returns it for that name: a centered
+    embedding or the original values; ``untied``: config.json unties the embeddings);
+    every block output compared with ``reference(original block output)``; ``dtypes[key]`` (an output key): a rewritten
+    tensor written in another dtype than it is stored in (swap: a centered writer stored narrower than the model's dtype).
     ``after_rewrite(temp folder)`` runs
     once everything is written, before the checksums are read back (tests corrupt the output there)."""
     remove_stale_temps(out)

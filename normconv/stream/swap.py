@@ -100,43 +100,55 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
 
 def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[str]], dtype: torch.dtype,
              notes: list[str]) -> tuple[Produce, dict[str, list[str]], dict[str, torch.dtype], bool, int]:
-    """How each tensor is rewritten (``produce``), the untied copies to write (stored key -> names written with
-    the original values), the rewritten tensors written in the model's dtype ``dtype`` (stored key -> dtype: those
-    stored in a dtype that cannot hold the rewrite, ``holds``), whether config.json unties the embeddings, and how
-    many norm biases are folded."""
+    """How each tensor is rewritten (``produce``, by the model's name: a tied tensor's names may differ), the untied
+    copies to write (stored key -> the other names of its tensor, each written as ``produce`` gives it for that
+    name), the rewritten tensors written in the model's dtype ``dtype`` (output key -> dtype: those stored in a dtype
+    that cannot hold the rewrite, ``holds``), whether config.json unties the embeddings, and how many norm biases
+    are folded."""
     # a norm whose bias would need a new bias parameter (a consumer without one) kept it (analyze, add_bias=False):
     # no fold names it, and LN(x) = RMSNorm(x) * g + b on the zero-mean stream all the same
     fold_into = plan.fold_into()
     zeroed = {f.beta for f in plan.folds}
-    # untie: the centered embedding keeps its name; each name tied to it is written with the original values: as
-    # a copy, or, where the checkpoint stores that name too (both tied keys stored), as its own stored tensor
+    untied_names = set(plan.untie.values())
+
+    def centers(name: str) -> int | None:
+        """The axis ``name`` is centered along, as the in-memory swap leaves it: an untied embedding's own copy is
+        centered; the names still tied together share one tensor, centered where one of them is a writer."""
+        if name in untied_names:
+            return plan.center.get(name)
+        return next((plan.center[a] for a in aliases.get(name, [name]) if a not in untied_names and a in plan.center),
+                    None)
+
+    # untie: each centered embedding is written under its own name with the centered values, every other name of
+    # its tensor with the original ones (as copies, or as its own stored tensor where the checkpoint stores it)
     copies: dict[str, list[str]] = {}
-    own: set[str] = set()  # tied names stored under their own key: never centered with the embedding
-    for path, weight in plan.untie.items():
+    untied = False
+    done: set[str] = set()
+    for weight in plan.untie.values():
         stored = stored_key(ckpt, aliases, weight)
-        others = [a for a in aliases.get(weight, []) if a != ckpt.name[stored]]
-        copies[stored] = [a for a in others if a not in ckpt.key]
-        own.update(a for a in others if a in ckpt.key)
+        copies[stored] = [a for a in aliases.get(weight, [weight]) if a != ckpt.name[stored] and a not in ckpt.key]
+        others = [a for a in aliases.get(weight, [weight]) if a != weight and a not in done]
+        done.add(weight)
         if others:
-            notes.append(f"untied {weight} from {', '.join(others)}: the embedding is centered, {', '.join(others)} "
-                         f"keeps the original values (config.json: tie_word_embeddings = false)")
+            untied = True
+            kept = [a for a in aliases.get(weight, [weight]) if centers(a) is None]
+            notes.append(f"untied {weight} from {', '.join(others)}: the embedding is centered"
+                         + (f", {', '.join(kept)} {'keeps' if len(kept) == 1 else 'keep'} the original values"
+                            if kept else "") + " (config.json: tie_word_embeddings = false)")
+    written = {ckpt.name[k]: k for k in ckpt.name} | {c: c for cs in copies.values() for c in cs}
     # a rewritten tensor stored in a dtype that cannot hold it is written in the model's dtype (from_pretrained
     # loads it in that dtype either way): rounded back into float16 / float8 it is no longer zero-mean
-    changed = {k for n in list(plan.center) + list(fold_into) for a in aliases.get(n, [n])
-               if a not in own and (k := ckpt.key.get(a)) is not None}
-    widen = {k: dtype for k in changed if not holds(ckpt.dtype(k), dtype)}
+    widen = {key: dtype for name, key in written.items()
+             if (centers(name) is not None or name in fold_into) and
+             not holds(ckpt.dtype(stored_key(ckpt, aliases, name)), dtype)}
 
     def wide(name: str, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` in the dtype it is written in."""
-        return t.to(widen.get(stored_key(ckpt, aliases, name) or "", t.dtype), copy=True)
+        """A copy of ``t`` in the dtype ``name`` is written in."""
+        return t.to(widen.get(written.get(name, ""), t.dtype), copy=True)
 
     def edited(name: str, t: torch.Tensor) -> torch.Tensor:
-        if name in own:
-            return t
-        for alias in aliases.get(name, [name]):
-            if alias in plan.center:
-                return swap_norm.center_(wide(name, t), plan.center[alias])  # writer: minus its mean (hidden axis)
-        return t
+        axis = centers(name)
+        return t if axis is None else swap_norm.center_(wide(name, t), axis)  # writer: minus its mean (hidden axis)
 
     def produce(name: str, t: torch.Tensor, source: Callable[[str], torch.Tensor]) -> torch.Tensor:
         new = edited(name, t)  # a copy where it changes: ``t`` stays the original (the original model runs on it)
@@ -147,7 +159,6 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
                 w if w.is_floating_point() else w.to(dtype), source(f.beta), f.layout))
         return torch.zeros_like(new) if name in zeroed else new  # a zeroed norm bias now lives in its consumers
 
-    untied = any(copies.values()) or bool(own)
     return produce, copies, widen, untied, len({f.norm for f in plan.folds})
 
 

@@ -46,14 +46,15 @@ class Layout:
 def plan_layout(ckpt: Checkpoint, copies: dict[str, list[str]], dtypes: dict[str, torch.dtype] | None = None
                 ) -> Layout:
     """The output shards of ``ckpt``: each shard under its own name, its tensors in file order, the names in
-    ``copies[key]`` (untied copies) just before ``key``, with the input's dtypes and shapes (``dtypes[key]``: a
-    rewritten tensor written in another dtype; its copies keep the stored one)."""
+    ``copies[key]`` (untied copies) just before ``key``, with the input's dtypes and shapes (``dtypes[name]``: a
+    rewritten tensor or copy written in another dtype)."""
     layout = Layout()
     for shard, header in ckpt.shards.items():
         entries = []
         for n in ckpt.names(shard):
             shape, dtype = tuple(header[n]["shape"]), _DTYPES[header[n]["dtype"]]
-            entries += [(c, dtype, shape) for c in copies.get(n, [])] + [(n, (dtypes or {}).get(n, dtype), shape)]
+            entries += [(c, (dtypes or {}).get(c, dtype), shape) for c in copies.get(n, [])] + \
+                [(n, (dtypes or {}).get(n, dtype), shape)]
         raw, offsets, size = shard_header(entries, header.get("__metadata__") or {"format": "pt"})
         layout.shards[shard] = (raw, size)
         for (name, dtype, shape), start in zip(entries, offsets):
