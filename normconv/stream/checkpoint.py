@@ -40,6 +40,8 @@ _DTYPES.update({code: getattr(torch, name) for code, name in (("U16", "uint16"),
                                                               ("F8_E8M0", "float8_e8m0fnu"), ("C64", "complex64"))
                 if hasattr(torch, name)})
 _CODES = {v: k for k, v in _DTYPES.items()}
+# the suffixes an -o names a file format with (io.write.output_format, export's .onnx): --stream writes a folder only
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pt2", ".safetensors", ".onnx")
 _entries = tensor_names  # a header's tensor names (io.hf_folder: headers validated by the safetensors library)
 
 
@@ -217,11 +219,16 @@ class ShardWriter:
 
 def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path, Checkpoint, Any, Any,
                                                                             torch.dtype]:
-    """(input folder, output folder, its checkpoint, model class, config, float dtype), or NormconvError: not a
-    Hugging Face folder, remote code, weights that are not what from_pretrained loads or that name a path outside
-    the folder, an invalid header, an output over / inside anything read or already there, unwritable. Nothing of
-    the weights is read before every one of these checks passed."""
-    src = Path(folder)
+    """(input folder, output folder, its checkpoint, model class, config, float dtype), or NormconvError: an output
+    whose suffix asks for a file format (``FILE_SUFFIXES``: --stream writes a folder), not a Hugging Face folder,
+    remote code, weights that are not what from_pretrained loads or that name a path outside the folder, an invalid
+    header, an output over / inside anything read or already there, unwritable. Nothing of the weights is read
+    before every one of these checks passed."""
+    src, out = Path(folder), Path(output)
+    if out.suffix.lower() in FILE_SUFFIXES:  # the flag's meaning first: nothing is read for an -o it cannot honour
+        raise NormconvError(f"-o {output}: --stream writes a Hugging Face folder, not the {out.suffix} file its "
+                            f"suffix asks for; give a folder name without a file suffix, or run without --stream "
+                            f"to write a {out.suffix} file")
     if not (src / "config.json").is_file():
         raise NormconvError(f"{src} is not a Hugging Face folder (no config.json): --stream reads Hugging Face "
                             f"folders with safetensors weights")
@@ -237,7 +244,6 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite:
     ledger.record_folder(src, primary=True)
     if weights is not None:
         weights.record(ledger)
-    out = Path(output)
     ledger.check_write(out, folder=True, overwrite=overwrite)  # never over or inside anything the run reads
     if out.exists() and not overwrite:
         raise NormconvError(f"cannot write the Hugging Face folder {out}: it exists; pass --overwrite to replace it, "
