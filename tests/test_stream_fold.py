@@ -103,8 +103,6 @@ def test_cli_stream_fold_writes_a_verified_folder(tmp_path, cli):
 
 
 def test_cli_stream_fold_refusals_write_nothing(tmp_path, cli):
-    from transformers import GPT2Config, GPT2Model
-
     src = tmp_path / "in"
     _saved(src)
     code, _, stderr = cli("fold", str(src), "--stream", "--eval", "-o", str(tmp_path / "out"))
@@ -113,10 +111,7 @@ def test_cli_stream_fold_refusals_write_nothing(tmp_path, cli):
     assert code == 2 and "-o" in stderr
     code, _, stderr = cli("fold", str(src), "--stream", "-o", str(src / "sub"))
     assert code == 2 and "input folder" in stderr
-    GPT2Model(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
-    code, _, stderr = cli("fold", str(tmp_path / "gpt2"), "--stream", "-o", str(tmp_path / "out"))
-    assert code == 2 and "has no BatchNorm" in stderr and len(stderr.strip().splitlines()) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "in"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # (no BatchNorm at all: tests/test_stream_codes.py)
 
 
 def _corrupt(folder):

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from normconv.errors import NormconvError
+from normconv.errors import Code, NormconvError
 from normconv.quiet import phase
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
@@ -50,24 +50,26 @@ def _identity(block_output: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(src: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
-    """(decisions to stream, report sites, meta model, aliases)."""
+    """(decisions to stream, report sites, meta model, aliases); no decision and no site for a model without
+    BatchNorm (nothing to plan: the in-memory fold leaves it unchanged, and so does this one)."""
     meta = build_on_meta(cls, config, dtype)
     ckpt.rename_for(meta)
     aliases = tied_names(meta)
-    bns = [(path, m) for path, m in meta.named_modules() if isinstance(m, _BN)]
-    if not bns:
-        raise NormconvError(f"fold: {type(meta).__name__} has no BatchNorm to fold")
     inputs = hf_example_inputs(meta)
     if inputs is None:
         raise NormconvError(f"{src}: no example inputs from its config (--stream needs a model taking input_ids "
                             f"or pixel_values)")
+    bns = [(path, m) for path, m in meta.named_modules() if isinstance(m, _BN)]
+    if not bns:
+        return [], [], meta, aliases
     # shapes only: every tensor on meta, inputs too (a meta weight meeting a real buffer fails in torch.export)
     phase("capture", detail="on the meta device")
     cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
     if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
         raise NormconvError(f"{src}: the capture specialized a branch on tensor values at "
                             f"{cap.guards[0].describe()}; --stream rewrites models whose graph holds every branch "
-                            f"(run without --stream, where the rewrite is proven for the other branch or refused)")
+                            f"(run without --stream, where the rewrite is proven for the other branch or refused)",
+                            Code.REFUSED, pass_name=fold_batchnorm.NAME)  # the code the in-memory refusal has
     # then the BN tensors are read for real: the plan computes each BN's (s, t) from them
     bn_slots = [slot for path, m in bns for slot in tensor_slots(m, path)]
     fill(bn_slots, ckpt, aliases, src)
@@ -128,9 +130,11 @@ def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
     """``normconv fold FOLDER --stream -o OUT``: see the module docstring."""
     src, out, ckpt, cls, config, dtype = open_folder(folder, output, overwrite)
     decisions, sites, meta, aliases = _plan(src, ckpt, cls, config, dtype)
-    if not decisions:
+    if sites and not decisions:
+        # BatchNorms the stream cannot fold (the in-memory fold may fold them otherwise, or through other ops): an
+        # unchanged copy would pass for a fold, so the stream refuses, as a pass refusing the model as a whole
         raise NormconvError(f"fold --stream: no BatchNorm of {src} can be folded into the layer before it "
-                            f"(normconv inspect lists every site and why)")
+                            f"(normconv inspect lists every site and why)", Code.REFUSED, pass_name=fold_batchnorm.NAME)
     report = Report(command="fold", model=str(src), sites=sites)
     report.extra.update({"streamed": True, "folded": len(decisions)})
     edits = _edits(decisions, meta)
@@ -148,6 +152,9 @@ def fold(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
 
     write_verified(src, out, ckpt, cls, config, dtype, report, produce, {}, False, _identity, atol, rtol,
                    keep_temp_on_failure, after_rewrite, dtypes=widen)
+    if not sites:  # as the in-memory fold: the model written unchanged (and verified), exit 0
+        report.notes.append("the model has no BatchNorm; it is unchanged")
+        return report
     report.notes.append("the output is the same architecture with rewritten weights: each folded BatchNorm is the "
                         "identity (or a per-channel shift where its layer has no bias); normconv fold OUT in memory "
                         "removes them")

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from normconv.errors import CaptureError, NormconvError
+from normconv.errors import CaptureError, Code, NormconvError
 from normconv.quiet import phase
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
@@ -65,7 +65,8 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
         raise NormconvError(f"{folder}: the capture specialized a branch on tensor values at "
                             f"{cap.guards[0].describe()}; --stream rewrites models whose graph holds every branch "
-                            f"(run without --stream, where the rewrite is proven for the other branch or refused)")
+                            f"(run without --stream, where the rewrite is proven for the other branch or refused)",
+                            Code.REFUSED, pass_name=swap_norm.NAME)  # the code the in-memory refusal has
     aliases = tied_names(meta)
 
     seen: dict[str, torch.Tensor] = {}  # analyze and edits read the same few vectors (the norms' biases): once
@@ -82,15 +83,18 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     # and each norm's class (a hand-written norm that is its module's forward: that module, only its writers change)
     a = swap_norm.analyze(cap, find_norms(cap), "rmsnorm", read=read, add_bias=False, keeps_class=True)
     if not a.plans:
-        raise NormconvError(f"swap: {type(meta).__name__} has no layernorm to swap to rmsnorm")
+        raise NormconvError(f"swap: {type(meta).__name__} has no layernorm to swap to rmsnorm", Code.REFUSED,
+                            pass_name=swap_norm.NAME)
     why = swap_norm.refusal(a)
     if why:
-        raise NormconvError(f"{why} (--stream rewrites exact swaps only; normconv inspect lists every site)")
+        raise NormconvError(f"{why} (--stream rewrites exact swaps only; normconv inspect lists every site)",
+                            Code.REFUSED, pass_name=swap_norm.NAME)
     plan = swap_norm.edits(cap, a, read=read)
     # a layer scale folded into its writer edits two tensors at once: not streamed yet (the in-memory swap does it)
     if plan.scales:
         raise NormconvError(f"{folder}: the stream has layer scales ({plan.scales[0].scale}, ...): --stream does not "
-                            f"fold them yet; run normconv swap without --stream")
+                            f"fold them yet; run normconv swap without --stream", Code.REFUSED,
+                            pass_name=swap_norm.NAME)
     return a, plan, aliases
 
 
