@@ -95,3 +95,39 @@ def test_a_stream_of_an_encoder_decoder_centers_each_embedding_under_its_own_nam
         # what the output promises: every block of both stacks writes a zero-mean stream (each LayerNorm = RMSNorm)
         assert _block_means(new, inputs) < 1e-5
         assert _block_means(model, inputs) > 1e-3  # (the original's is not: the check above means something)
+
+
+def test_both_stacks_are_compared_block_by_block(pegasus, tmp_path, cli):
+    src, _ = pegasus
+    code, stdout, stderr = cli("swap", src, "--to", "rmsnorm", "--stream", "-o", tmp_path / "out", "--json")
+    assert code == 0, stderr
+    blocks = json.loads(stdout)["extra"]["blocks"]
+    assert len(blocks) == 2 * 4 and all(b["passed"] for b in blocks)  # 2 encoder + 2 decoder blocks, two shapes
+    assert {b["block"] for b in blocks} == {0, 1, 2, 3}
+
+
+def test_a_decoder_stream_left_uncentered_fails_at_a_decoder_block(pegasus, tmp_path, cli, monkeypatch):
+    """LayerNorm is blind to a mean shift: the final outputs cannot see a decoder embedding left as it was (its
+    stream no longer zero-mean, each LayerNorm no longer an RMSNorm); the decoder's block check does."""
+    from normconv.stream import swap as streaming
+
+    src, _ = pegasus
+    rewrite = streaming._rewrite
+
+    def wrong(*a, **k):
+        produce, *rest = rewrite(*a, **k)
+
+        def produce_wrong(name, t, source):
+            return t if name == "model.decoder.embed_tokens.weight" else produce(name, t, source)
+
+        return (produce_wrong, *rest)
+
+    monkeypatch.setattr(streaming, "_rewrite", wrong)
+    out = tmp_path / "out"
+    code, stdout, stderr = cli("swap", src, "--to", "rmsnorm", "--stream", "-o", out, "--json")
+    assert code == 1 and "model.decoder.layers.0" in stderr and "nothing written" in stderr
+    report = json.loads(stdout)
+    assert report["code"] == "not-verified"
+    finals = [v for v in report["validation"] if "final outputs" in v["label"] or "second shape" in v["label"]]
+    assert finals and all(v["passed"] for v in finals)  # what the block check alone catches
+    assert not out.exists()

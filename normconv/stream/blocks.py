@@ -2,7 +2,7 @@
 (``build_on_meta``), its blocks (the longest ``nn.ModuleList``, ``block_list``) filled from tensors just before
 they run and put back on meta after (``fill`` / ``restore``), several forwards meeting at every block in threads
 (``lockstep``: both input shapes, the original and the rewritten model, run through each block while it is
-loaded once; stream.onepass drives them).
+loaded once; stream.onepass drives them). An encoder-decoder's blocks are both stacks' (``blocks``).
 
 Peak memory: one block plus the embeddings and head. Imports stream.checkpoint (no graph, no passes: it runs
 models, it does not analyze them).
@@ -74,6 +74,24 @@ def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     if not lists:
         raise NormconvError(f"{type(model).__name__} has no nn.ModuleList of blocks to verify one at a time")
     return max(lists, key=lambda nm: len(nm[1]))
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, block) of every block verified one at a time, in the order a forward calls them: an encoder-decoder's
+    encoder blocks then its decoder blocks (each stack's longest nn.ModuleList: the decoder's blocks are checked too,
+    not held whole with the embeddings), else the longest nn.ModuleList's."""
+    stacks = [model]
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        parts = [getattr(model, f"get_{side}", lambda: None)() for side in ("encoder", "decoder")]
+        if all(isinstance(p, nn.Module) for p in parts) and parts[0] is not parts[1]:
+            stacks = parts
+    path = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for stack in stacks:
+        prefix, found = block_list(stack)
+        base = path[id(found)] if id(found) in path else prefix
+        out += [(f"{base}.{i}", b) for i, b in enumerate(found)]
+    return out
 
 
 def tensor_slots(module: nn.Module, prefix: str = "",
@@ -200,7 +218,7 @@ def lockstep(runs: list[tuple[nn.Module, Inputs]], enter: Callable[[int], None],
 
     hooks = []
     for model in {id(m): m for m, _ in runs}.values():  # hooks for these forwards only
-        for i, block in enumerate(block_list(model)[1]):
+        for i, (_, block) in enumerate(blocks(model)):
             hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: before(i)))
             hooks.append(block.register_forward_hook(lambda m, a, out, i=i: after(i, out)))
     threads_before = torch.get_num_threads()

@@ -12,7 +12,7 @@ checksum and renamed into place.
            same rows; a linear layer's rows cast a slice at a time, the four forwards' calls of one weight made as
            one product: stream.meeting)
   blocks   the original and the rewritten model run at the example inputs and a second shape, four threads in
-           lockstep (stream.blocks.lockstep); a loader thread reads block i + 1's tensors once from the source,
+           lockstep (stream.blocks.lockstep; an encoder-decoder's blocks: both stacks', stream.blocks.blocks); a loader thread reads block i + 1's tensors once from the source,
            rewrites them and hands them to the writer while block i runs (``_Ahead``); before block i runs, both
            models' block i are filled (cast into the buffers of the block dropped before, ``_Buffers``); after it
            ran, each rewritten block output is compared with ``reference(original block output)`` (float64, within
@@ -52,7 +52,8 @@ from normconv.io.inputs import HF_SEQ_LEN
 from normconv.io.write import remove_stale_temps, remove_temp, replace, signals_held, temp_file, write_error
 from normconv.quiet import phase
 from normconv.report import Report, Validation
-from normconv.stream.blocks import block_list, build_on_meta, fill, lockstep, restore, tensor_slots, trim_heap
+from normconv.stream.blocks import block_list, blocks, build_on_meta, fill, lockstep, restore, tensor_slots, \
+    trim_heap
 from normconv.stream.checkpoint import Checkpoint, copy_folder, model_class, stored_key, tied_names
 from normconv.stream.meeting import Meeting, weight_key
 from normconv.stream.writer import PositionedWriter, changed, digests, plan_layout
@@ -192,9 +193,13 @@ class _Pass:
         self.aliases = (tied_names(original), tied_names(rewritten))
         self.slots: tuple[list, list] = ([], [])  # per model: [rest slots, block 0 slots, block 1 slots, ...]
         for side, model in enumerate((original, rewritten)):
-            prefix, blocks = block_list(model)
-            self.slots[side].append(tensor_slots(model, skip={id(m) for b in blocks for m in b.modules()}))
-            self.slots[side].extend(tensor_slots(b, f"{prefix}.{i}") for i, b in enumerate(blocks))
+            listed = blocks(model)  # an encoder-decoder's: both stacks'
+            self.slots[side].append(tensor_slots(model, skip={id(m) for _, b in listed for m in b.modules()}))
+            self.slots[side].extend(tensor_slots(b, path) for path, b in listed)
+        paths = [path for path, _ in blocks(original)]
+        # a block's label: its index, or its path where the model has two stacks (model.decoder.layers.0)
+        self.label = (lambda i: f"block {i}") if len(paths) == len(block_list(original)[1]) else \
+            (lambda i: f"block {i} ({paths[i]})")
         # the source keys of each unit (rest first: a key tied into a block belongs to the rest)
         self.units: list[list[str]] = []
         seen: set[str] = set()
@@ -330,7 +335,7 @@ class _Pass:
                 r64 = self.reference(outs[k].double())
                 where = shapes[k].describe()
                 self.records[k].append((i, compare(r64, outs[n + k].double(), self.atol + self.rtol *
-                                                   float(r64.abs().max()), 0.0, label=f"block {i} ({where})")))
+                                                   float(r64.abs().max()), 0.0, label=f"{self.label(i)} ({where})")))
 
         rest: list = []
         try:
@@ -358,7 +363,7 @@ class _Pass:
 
     def where(self, key: str) -> str:
         unit = self.unit_of.get(key)
-        return "outside the blocks" if not unit else f"block {unit - 1}"
+        return "outside the blocks" if not unit else self.label(unit - 1)
 
 
 def _verify_and_write(p: _Pass, shapes: list[Inputs], how: str, final: tuple[float | None, float | None]
