@@ -8,6 +8,9 @@ any other reader, or a norm output the model returns, keeps the scale (skip, wit
 read elsewhere (a tied lm_head, a linear called on two different norms) is untied first when only the reader's own
 module holds it that way; otherwise the site is skipped. Math in float64, cast back to the weight dtype.
 This is FlashNorm / the first step of SliceGPT / QuaRot's computational invariance (``passes/rotate.py``).
+Stream only (rotate's fold): a norm inside a sublayer (a per-head q / k norm: RMSNorm(x W_q^T) g, read by the rotary
+embedding) reads the stream only through linears, whose outputs a rotation keeps (``graph.residual.inner_norms``):
+its scale need not go, so it is left as it is (NOT_ON_STREAM), never a refusal.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from normconv.clone import owned
 from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
-from normconv.graph.residual import (Reader, Refused, ResidualWhy, check_weights, norm_module, norm_readers,
-                                     own_module_attr, param_readers, untie)
+from normconv.graph.residual import (Reader, Refused, ResidualWhy, check_weights, inner_norms, norm_module,
+                                     norm_readers, own_module_attr, param_readers, untie)
 from normconv.nn.rmsnorm import make_rmsnorm
 from normconv.report import PassResult, Site, Why
 
@@ -42,6 +45,7 @@ class FoldScalesWhy(Why):
     READERS = "readers-refuse"  # a reader of the norm's output is not a linear taking it (``ScalePlan.detail``)
     WEIGHT_SHARED = "weight-shared"  # a reader's weight is read elsewhere and cannot be untied
     SHARED_MODULE = "module-shared"  # the norm module is called at several sites
+    NOT_ON_STREAM = "not-on-the-stream"  # stream only: inside a sublayer, read through linears; left as it is
 
 
 @dataclass
@@ -63,15 +67,24 @@ class ScalePlan:
         self.detail = why.code if isinstance(why, Refused) else None
 
 
-def analyze(cap: Captured, norms: Sequence[NormSite]) -> list[ScalePlan]:
-    """One plan per RMSNorm site: its readers, what to untie, or why the scale stays."""
+def analyze(cap: Captured, norms: Sequence[NormSite], stream_only: bool = False) -> list[ScalePlan]:
+    """One plan per RMSNorm site: its readers, what to untie, or why the scale stays. ``stream_only``: a norm
+    inside a sublayer is left as it is (NOT_ON_STREAM)."""
     readers_of = param_readers(cap)
     plans = []
-    for s in norms:
+    # inner_norms over every kind: a per-head LayerNorm reads the stream the way a per-head RMSNorm does
+    inner = inner_norms(cap, norms) if stream_only else {}
+    for i, s in enumerate(norms):
         if s.kind != "rmsnorm":
             continue
         p = ScalePlan(s, norm_module(cap, s))
         plans.append(p)
+        # read through linears only (q_proj -> q_norm)  =>  a rotation of the stream keeps its input: left
+        if i in inner:
+            p.refuse(FoldScalesWhy.NOT_ON_STREAM, f"not on the residual stream: it reads it only through "
+                                                  f"{', '.join(inner[i])}, whose output a rotation keeps; left as "
+                                                  f"it is")
+            continue
         mod = cap.modules.get(p.module) if p.module else None
         # an inline norm  =>  no module whose weight could go
         if p.module is None or not isinstance(mod, nn.RMSNorm):
@@ -119,8 +132,8 @@ def sites(plans: Sequence[ScalePlan]) -> list[Site]:
     return out
 
 
-def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-    return sites(analyze(cap, norms))
+def plan(cap: Captured, norms: Sequence[NormSite], stream_only: bool = False) -> list[Site]:
+    return sites(analyze(cap, norms, stream_only))
 
 
 class FoldScales(Pass):
@@ -129,16 +142,18 @@ class FoldScales(Pass):
     name = NAME
     check = Check.EXACT
 
-    def __init__(self, strict: bool = False):
+    def __init__(self, strict: bool = False, stream_only: bool = False):
         self.strict = strict  # raise on the first site that cannot fold (rotate needs every scale gone)
+        self.stream_only = stream_only  # leave the norms inside a sublayer (rotate: only the stream's scales go)
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-        return plan(cap, norms)
+        return plan(cap, norms, self.stream_only)
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
-        plans = analyze(cap, find_norms(cap))
+        plans = analyze(cap, find_norms(cap), self.stream_only)
         if self.strict:
-            bad = next((p for p in plans if not p.ok and p.code != FoldScalesWhy.WEIGHT_FREE), None)
+            kept = (FoldScalesWhy.WEIGHT_FREE, FoldScalesWhy.NOT_ON_STREAM)
+            bad = next((p for p in plans if not p.ok and p.code not in kept), None)
             if bad is not None:
                 raise NormconvError(f"fold-scales: {bad.site.target}: {bad.problem}", Code.REFUSED, pass_name=NAME)
         modified = False

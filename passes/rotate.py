@@ -13,7 +13,10 @@ adds read by the norms (``normconv.graph.residual``); its leaves (the writers) m
 (Gemma's sqrt(D) on the embeddings: it commutes with Q). Preconditions (refused with the reason otherwise): every
 norm on the stream is a weight-free RMSNorm (``fold_scales``; LayerNorm goes through the exact swap first), the
 stream is read only by its adds and norms, every norm output only by linears, and each rotated weight only by
-the nodes that rotate it. Q in float64: a randomized Hadamard matrix diag(s) H / sqrt(D) when D = 2^k m with a
+the nodes that rotate it. A norm inside a sublayer (a per-head q / k norm after q_proj / k_proj) reads the stream
+only through reader linears: n(z Q (W Q)^T) = n(z W^T), its input is unchanged, so it is left as it is, whatever
+its kind or scale (``graph.residual.inner_norms``; its site says NOT_ON_STREAM). Q in float64: a randomized
+Hadamard matrix diag(s) H / sqrt(D) when D = 2^k m with a
 known Hadamard order m (Sylvester 2^k times Paley m = p + 1, p prime = 3 mod 4), else QR of a seeded Gaussian.
 """
 
@@ -31,8 +34,8 @@ from normconv.clone import owned
 from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
-from normconv.graph.residual import (Reader, Refused, Writer, hidden, norm_module, norm_readers, param_readers,
-                                     passes_through, untie, walk, writer)
+from normconv.graph.residual import (Reader, Refused, Writer, hidden, inner_norms, norm_module, norm_readers,
+                                     param_readers, passes_through, untie, walk, writer)
 from normconv.report import PassResult, Site, Why
 
 from .base import Check, Pass
@@ -55,6 +58,7 @@ class RotateWhy(Why):
     STREAM_READ = "stream-read-elsewhere"  # the stream is read by something that would see it rotated
     WRITER_OUTPUT = "writer-output-shared"  # a writer's output is also read outside the stream
     TENSOR_SHARED = "tensor-shared"  # a rotated tensor is also read unrotated, or rotated two ways
+    NOT_ON_STREAM = "not-on-the-stream"  # a norm inside a sublayer, read through reader linears: left as it is
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,6 +139,7 @@ class RotationPlan:
     unties: list[Reader] = field(default_factory=list)
     problem: str | None = None
     code: RotateWhy = RotateWhy.ROTATED
+    left: dict[str, str] = field(default_factory=dict)  # site target -> the linears it reads the stream through
 
     def refuse(self, code: RotateWhy, why: str) -> RotationPlan:
         self.code, self.problem = code, why
@@ -169,6 +174,11 @@ def _through_scalar(cap: Captured, leaf: Any) -> tuple[Any, list[fx.Node]]:
 
 def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
     plan = RotationPlan()
+    # read through reader linears only (q_proj -> q_norm)  =>  its input is unchanged: left as it is
+    inner = inner_norms(cap, norms)
+    plan.left = {norms[i].target: ", ".join(via) for i, via in sorted(inner.items())}
+    outputs = {s.node: s.target for s in norms}
+    norms = [s for i, s in enumerate(norms) if i not in inner]
     if not norms:
         return plan.refuse(RotateWhy.NO_NORM, "the model has no norm: no residual stream to rotate")
     other = next((s for s in norms if s.kind != "rmsnorm"), None)
@@ -199,6 +209,12 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
             if w_node is not leaf and cap.shape(w_node) != cap.shape(leaf):
                 return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {cap.describe(w_node)} reaches the "
                                                      f"stream through a reshape")
+            # a norm on a sublayer's output (OLMo2, Gemma2/3)  =>  RMSNorm(y) diag(g) Q: Q cannot pass its scale
+            if isinstance(w_node, fx.Node) and w_node.name in outputs:
+                return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {outputs[w_node.name]} is a norm on "
+                                                     f"a sublayer's output: the stream would need its output rotated, "
+                                                     f"and a rotation does not pass a norm's per-feature scale "
+                                                     f"(diag(g) Q != Q diag(g)), so rotate does not rewrite it")
             w = writer(cap, w_node, axis)
             if isinstance(w, Refused):
                 return plan.refuse(RotateWhy.WRITER, f"{s.target}: {w}")
@@ -318,7 +334,8 @@ class Rotate(Pass):
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         p = analyze(cap, norms)
-        return [Site(NAME, s.target, p.problem is None, p.problem or f"stream of width {p.d} rotated", p.code)
+        return [_left(s.target, p.left[s.target]) if s.target in p.left else
+                Site(NAME, s.target, p.problem is None, p.problem or f"stream of width {p.d} rotated", p.code)
                 for s in norms]
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
@@ -340,10 +357,16 @@ class Rotate(Pass):
                 mine = owned(model, t)
                 mine.data.copy_(new.to(t.dtype))
         sites = tuple(Site(NAME, s.target, True, f"stream of width {p.d} rotated ({how})", p.code)
-                      for s in p.sites)
+                      for s in p.sites) + tuple(_left(target, via) for target, via in p.left.items())
         notes.append(f"residual stream (width {p.d}) rotated by a {how} matrix (seed {self.seed}): "
-                     f"{len(p.writers)} writer(s), {len(p.readers)} reader linear(s)")
+                     f"{len(p.writers)} writer(s), {len(p.readers)} reader linear(s)"
+                     + (f"; {len(p.left)} norm(s) inside sublayers left as they are" if p.left else ""))
         return PassResult(model, True, sites, tuple(notes), {"plan": p, "how": how})
+
+
+def _left(target: str, via: str) -> Site:
+    return Site(NAME, target, False, f"not on the residual stream: it reads it only through {via}, whose output the "
+                                     f"rotation keeps; left as it is", RotateWhy.NOT_ON_STREAM)
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:

@@ -20,6 +20,8 @@ RMSNorm -> LayerNorm: RMSNorm_{g,eps}(x) = LN_{g,0,eps}(x) when mean(x) = 0, i.e
   zero-mean (a model this pass produced); otherwise approximate only.
 Approximate (opt-in): a site that cannot be made exact is replaced as is (RMSNorm(g), b folded where possible);
   the output drift is measured and reported.
+Stream only (rotate's swap): a norm inside a sublayer (a per-head q / k LayerNorm) reads the stream only through
+  linears (``graph.residual.inner_norms``); centering the writers leaves its input as it is, so it is left unswapped.
 The stream analysis (walk, writers, readers, the edits and their arithmetic) is ``normconv.graph.residual``; this
 pass decides per site (``SwapWhy``) and replaces the norm modules.
 """
@@ -37,8 +39,8 @@ from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured, capture
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.residual import (Consumer, Edits, Refused, Replaced, ResidualWhy, Stream, apply_, bias_consumers,
-                                     hidden, kept_norm_module, moved_dims, norm_module, param_readers, streams,
-                                     walks)
+                                     hidden, inner_norms, kept_norm_module, moved_dims, norm_module, param_readers,
+                                     streams, walks)
 from normconv.graph.residual import edits as _edits
 from normconv.graph.residual import add_, bias_delta, center_  # noqa: F401  (normconv.stream applies them too)
 from normconv.report import PassResult, Site, Why
@@ -65,6 +67,7 @@ class SwapWhy(Why):
     STREAM = "stream-refused"  # the stream's writers or readers refuse (``SitePlan.detail`` says which rule)
     BIAS_KEPT = "exact-bias-kept"  # exact; the bias has no linear to fold into, so it stays an add after the RMSNorm
     SHARED_MODULE = "module-shared"  # the same module is also called at a site that cannot be swapped
+    NOT_ON_STREAM = "not-on-the-stream"  # stream only: inside a sublayer, its input unchanged by the swap: left
 
 
 @dataclass
@@ -80,6 +83,7 @@ class SitePlan:
     keep_bias: bool = False  # b stays an add after the RMSNorm (BiasAfterNorm)
     detail: ResidualWhy | None = None  # the residual analysis's own rule behind STREAM / BIAS
     moved: tuple[int, ...] | None = None  # a channels-first norm module: the dim it normalizes (``MovedDimNorm``)
+    left: bool = False  # stream only: a norm inside a sublayer, left as it is (neither swapped nor a refusal)
 
 
 @dataclass
@@ -91,7 +95,9 @@ class Analysis:
     def sites(self, approximate: bool = False) -> list[Site]:
         out = []
         for p in self.plans:
-            if p.exact:
+            if p.left:
+                out.append(Site(NAME, p.site.target, False, p.reason, p.code))
+            elif p.exact:
                 out.append(Site(NAME, p.site.target, True, p.reason, p.code))
             elif approximate and p.module is not None:
                 out.append(Site(NAME, p.site.target, True, f"approximate ({p.reason})", SwapWhy.APPROXIMATE))
@@ -105,20 +111,25 @@ class Analysis:
 
 
 def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
-            read: Callable[[str], torch.Tensor] | None = None, add_bias: bool = True, keeps_class: bool = False
-            ) -> Analysis:
+            read: Callable[[str], torch.Tensor] | None = None, add_bias: bool = True, keeps_class: bool = False,
+            stream_only: bool = False) -> Analysis:
     """Plan the swap from the graph and shapes. The values it needs (is a norm's bias zero? is a writer already
     zero-mean?) come through ``read(state_dict name)``, by default the captured model's tensors: a plan made on
     the meta device reads them from the checkpoint instead (normconv.stream). ``add_bias`` False: a norm whose bias
     would need a bias added to a linear keeps it as an add after the RMSNorm (an output that keeps the architecture
     config.json describes, which gives that linear none: a Hugging Face folder). ``keeps_class``: the output keeps
     each norm's class (a Hugging Face folder written by normconv.stream), so a hand-written or functional norm that
-    is its module's whole forward is that module's (graph.residual.kept_norm_module): only its writers change."""
+    is its module's whole forward is that module's (graph.residual.kept_norm_module): only its writers change.
+    ``stream_only``: a norm inside a sublayer is left as it is (``inner_norms``), planned as ``left``, and the
+    streams are those of the others."""
     read = read or (lambda name: cap.tensor(name))
     if to not in SOURCE_KIND:
         raise ValueError(f"unknown target norm {to!r}")
     kind = SOURCE_KIND[to]
     sites = [s for s in norms if s.kind == kind]
+    inner = inner_norms(cap, sites) if stream_only else {}
+    left = [_left(sites[i], via) for i, via in sorted(inner.items())]
+    sites = [s for i, s in enumerate(sites) if i not in inner]
     readers = param_readers(cap)
     plans = []
     for s in sites:
@@ -156,7 +167,14 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
                                                                  f"{kept.site.node}: {kept.beta_problem}")
                 if p.code is SwapWhy.EXACT_RMSNORM:
                     _bias_kept(p, found)
-    return Analysis(to, plans, found)
+    order = {id(s): k for k, s in enumerate(norms)}
+    return Analysis(to, sorted(plans + left, key=lambda p: order[id(p.site)]), found)
+
+
+def _left(site: NormSite, via: list[str]) -> SitePlan:
+    """A norm inside a sublayer: it reads the stream only through ``via``, whose outputs the centering keeps."""
+    return SitePlan(site, None, False, f"not on the residual stream: it reads it only through {', '.join(via)}, whose "
+                                       f"output the rewrite keeps; left as it is", SwapWhy.NOT_ON_STREAM, left=True)
 
 
 def _decide(cap: Captured, p: SitePlan, found: list[Stream], readers, to: str, read, add_bias: bool) -> None:
@@ -242,12 +260,13 @@ def edits(cap: Captured, a: Analysis, approximate: bool = False,
 
 def refusal(a: Analysis) -> str | None:
     """Why the swap cannot be exact (the first refused site, post-LN first), or None."""
-    refused = sorted((p for p in a.plans if not p.exact), key=lambda p: p.code != SwapWhy.POST_LN)
+    refused = sorted((p for p in a.plans if not p.exact and not p.left), key=lambda p: p.code != SwapWhy.POST_LN)
     if not refused:
         return None
     p = refused[0]
     more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-    return (f"swap: {len(refused)} of {len(a.plans)} {SOURCE_KIND[a.to]} sites cannot be swapped exactly; "
+    total = sum(not p.left for p in a.plans)
+    return (f"swap: {len(refused)} of {total} {SOURCE_KIND[a.to]} sites cannot be swapped exactly; "
             f"{p.site.target or 'the module itself'}: {p.reason.removesuffix(_ONLY_APPROXIMATE)}{more}")
 
 
@@ -292,7 +311,7 @@ class SwapPass(Pass):
     trains = True  # an RMSNorm model to fine-tune: dropout on the centered stream makes it differ (engine.training)
 
     def __init__(self, to: str = "rmsnorm", approximate: bool = False, require: bool = True, partial: bool = False,
-                 add_bias: bool = True):
+                 add_bias: bool = True, stream_only: bool = False):
         if to not in SOURCE_KIND:
             raise NormconvError(f"unknown --to {to!r}: choose rmsnorm or layernorm")
         if partial and approximate:
@@ -301,16 +320,18 @@ class SwapPass(Pass):
         self.partial = partial  # swap the exact sites, keep the others as they are: the result stays exact
         self.require = require  # False: a model with no norm to swap passes through unchanged (rotate, fold-scales)
         self.add_bias = add_bias  # False: no bias added to a linear (the output keeps the architecture's parameters)
+        self.stream_only = stream_only  # True: norms inside a sublayer are left as they are (rotate's swap)
         self._parts = False  # True while run on parts: a part with nothing to swap is no error (end_parts)
 
     def begin_parts(self) -> None:
         self._parts = True
 
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
-        return analyze(cap, norms, self.to, add_bias=self.add_bias).sites(self.approximate)
+        a = analyze(cap, norms, self.to, add_bias=self.add_bias, stream_only=self.stream_only)
+        return a.sites(self.approximate)
 
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
-        a = analyze(cap, find_norms(cap), self.to, add_bias=self.add_bias)
+        a = analyze(cap, find_norms(cap), self.to, add_bias=self.add_bias, stream_only=self.stream_only)
         kind = SOURCE_KIND[self.to]
         extra = {"plans": tuple(a.plans), "dropped": []}
         if not a.plans and (not self.require or self._parts):

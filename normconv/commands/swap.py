@@ -82,8 +82,8 @@ def rotate(loaded: Loaded, opts: Options = Options(), rotation: str = "hadamard"
     if any(isinstance(m, nn.LayerNorm) for m in loaded.model.modules()):
         refuse_folder(loaded, opts, "rotate makes each LayerNorm an RMSNorm of a rotated stream, whose mean is no "
                                     "longer 0, so the LayerNorm config.json names would compute something else")
-    swap_pass = swap_norm.SwapPass("rmsnorm", require=False)
-    fold_pass = fold_scales.FoldScales(strict=True)
+    swap_pass = swap_norm.SwapPass("rmsnorm", require=False, stream_only=True)
+    fold_pass = fold_scales.FoldScales(strict=True, stream_only=True)
     rot = rotate_pass.Rotate(rotation, seed)
     passes = [canonicalize_pass.Canonicalize(functional=True), swap_pass, fold_pass] + \
         ([rot] if rotation != "none" else [])

@@ -10,6 +10,7 @@ Rooms (each a module; passes use the names below and never one another):
              (``writer``: a ``Writer`` or a ``Refused``), and the linears of a graph by weight (``linear_of``)
   streams    norms reading one stream, grouped; may its writers be centered, are they zero-mean (``streams``)
   readers    the linears reading a norm's output, that absorb its bias, scale or a rotation (``norm_readers``)
+  inner      norms inside a sublayer (per-head q / k norms): they read the stream only through linears (``inner_norms``)
   edits      the edits as data (``Edits``: untie, scale, center, fold) and their float64 arithmetic, applied by
              the in-memory swap and the streaming writer alike (``center_``, ``bias_delta``, ``add_``)
   sublayers  post-LN sublayers LN(x + f(x)) and the roles of f's linears (``sublayer``)
@@ -22,6 +23,7 @@ and deepnorm (LN(alpha x + f(x))).
 from .axes import back, last, passes_through, source
 from .edits import (Edits, Fold, Replaced, Scale, add_, apply_, bias_delta, center_, edits, fold_scale_, untie,
                     untie_config, untie_embedding)
+from .inner import inner_norms
 from .readers import Consumer, Reader, bias_consumers, check_weights, norm_readers, own_module_attr
 from .streams import Stream, along, hidden, kept_norm_module, moved_dims, norm_module, slices, streams, writer_mean
 from .walk import live_users, reader, stream_end, walk, walks
@@ -29,7 +31,7 @@ from .why import Refused, ResidualWhy
 from .writers import HIDDEN_CAT, Writer, layout_axis, linear_of, own_name, owns, param_readers, writer
 
 __all__ = ["back", "last", "passes_through", "source", "Edits", "Fold", "Replaced", "Scale", "add_", "apply_",
-           "bias_delta", "center_", "edits", "fold_scale_", "untie", "untie_config", "untie_embedding", "Consumer",
+           "bias_delta", "center_", "edits", "fold_scale_", "inner_norms", "untie", "untie_config", "untie_embedding", "Consumer",
            "Reader", "bias_consumers", "check_weights", "norm_readers", "own_module_attr", "Stream", "along", "hidden",
            "kept_norm_module", "moved_dims", "norm_module", "slices", "streams", "writer_mean", "live_users", "reader", "stream_end", "walk",
            "walks",

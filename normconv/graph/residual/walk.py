@@ -131,10 +131,10 @@ def where_parts(cap: Captured, node: fx.Node, axis: int | None) -> list[tuple[fx
 def live_users(cap: Captured, node: fx.Node) -> list[fx.Node]:
     """Users whose value is used (``Captured.live``: MBart's ``embeds[:, :, -1]`` read for its shape only is left
     dead by export); a use as a shape template (``bos.expand_as(x)``, ``zeros_like(x)``) reads no value."""
-    return [u for u in cap.users(node) if u.name in cap.live and not _template_use(u, node)]
+    return [u for u in cap.users(node) if u.name in cap.live and not template_use(u, node)]
 
 
-def _template_use(u: fx.Node, node: fx.Node) -> bool:
+def template_use(u: fx.Node, node: fx.Node) -> bool:
     """``u`` takes ``node`` only for its shape or dtype."""
     name = call_name(u)
     if name in LIKE:
