@@ -34,8 +34,8 @@ from normconv.clone import owned
 from normconv.errors import Code, NormconvError
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
-from normconv.graph.residual import (Reader, Refused, Writer, hidden, inner_norms, norm_module, norm_readers,
-                                     param_readers, passes_through, untie, walk, writer)
+from normconv.graph.residual import (Reader, Refused, Writer, hidden, in_words, inner_norms, norm_module,
+                                     norm_readers, param_readers, passes_through, untie, walk, writer)
 from normconv.report import PassResult, Site, Why
 
 from .base import Check, Pass
@@ -207,7 +207,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
         for leaf, path, axis in leaves:
             w_node, extra = _through_scalar(cap, leaf)
             if w_node is not leaf and cap.shape(w_node) != cap.shape(leaf):
-                return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {cap.describe(w_node)} reaches the "
+                return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {in_words(cap, w_node)} reaches the "
                                                      f"stream through a reshape")
             # a norm on a sublayer's output (OLMo2, Gemma2/3)  =>  RMSNorm(y) diag(g) Q: Q cannot pass its scale
             if isinstance(w_node, fx.Node) and w_node.name in outputs:
@@ -220,7 +220,8 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
                 return plan.refuse(RotateWhy.WRITER, f"{s.target}: {w}")
             if w.scale or w.kind == "norm":  # the rotation is not carried through a layer scale or a LayerNorm
                 what = f"is scaled by {w.scale}" if w.scale else "is a LayerNorm"
-                return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {w.module or w.node} {what}, which "
+                who = w.module or in_words(cap, cap.nodes[w.node])
+                return plan.refuse(RotateWhy.WRITER, f"{s.target}: stream writer {who} {what}, which "
                                                      f"rotate does not rewrite")
             if w.node not in {x.node for x in plan.writers}:
                 plan.writers.append(w)
@@ -239,30 +240,33 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
     for name in sorted(values):
         for u in cap.users(cap.nodes[name]):
             if u.name not in allowed:
-                return plan.refuse(RotateWhy.STREAM_READ, f"the residual stream ({name}) is also read by "
-                                                          f"{cap.describe(u)}, which would see it rotated")
+                where = in_words(cap, cap.nodes[name])
+                return plan.refuse(RotateWhy.STREAM_READ, f"the residual stream ({where}) is also read by "
+                                                          f"{in_words(cap, u)}, which would see it rotated")
     # a writer's output flows only into the stream
     for leaf, path in chains:
         chain = [leaf] + path
         for a, b in zip(chain, chain[1:]):
             if [u.name for u in cap.users(a)] != [b.name]:
-                return plan.refuse(RotateWhy.WRITER_OUTPUT, f"the output of stream writer {cap.describe(leaf)} is also "
-                                                            f"read elsewhere")
+                return plan.refuse(RotateWhy.WRITER_OUTPUT, f"the output of stream writer {in_words(cap, leaf)} is "
+                                                            f"also read elsewhere")
         for u in cap.users(chain[-1]):
             if u.name not in allowed:
-                return plan.refuse(RotateWhy.WRITER_OUTPUT, f"the output of stream writer {cap.describe(leaf)} is also "
-                                                            f"read by {cap.describe(u)}")
+                return plan.refuse(RotateWhy.WRITER_OUTPUT, f"the output of stream writer {in_words(cap, leaf)} is "
+                                                            f"also read by {in_words(cap, u)}")
     # shapes: writers write d-wide rows, readers read d-wide rows
     for w in plan.writers:
         t = cap.tensor(w.weight)
         axis = w.axis
         if t is None or t.dim() <= axis or t.shape[axis] != d:
-            return plan.refuse(RotateWhy.WIDTH, f"stream writer {w.module or w.node} does not write {d}-wide rows")
+            who = w.module or in_words(cap, cap.nodes[w.node])
+            return plan.refuse(RotateWhy.WIDTH, f"stream writer {who} does not write {d}-wide rows")
     for r in plan.readers:
         t = cap.tensor(r.weight)
         axis = 1 if r.layout == "out_in" else 0
         if t is None or t.dim() != 2 or t.shape[axis] != d:
-            return plan.refuse(RotateWhy.WIDTH, f"{r.module or r.node} does not read {d}-wide rows")
+            who = r.module or in_words(cap, cap.nodes[r.node])
+            return plan.refuse(RotateWhy.WIDTH, f"{who} does not read {d}-wide rows")
     why = _check_tensors(cap, plan)
     return plan.refuse(RotateWhy.TENSOR_SHARED, why) if why else plan
 
@@ -307,7 +311,7 @@ def _check_tensors(cap: Captured, plan: RotationPlan) -> str | None:
         t = cap.tensor(name)
         foreign = [n for n in readers_of.get(id(t), []) if n not in nodes_of[id(t)]]
         if foreign:
-            return f"{name} is also read by {cap.describe(cap.nodes[foreign[0]])}, which is not rotated with it"
+            return f"{name} is also read by {in_words(cap, cap.nodes[foreign[0]])}, which is not rotated with it"
         if len(by_tensor[id(t)]) > 1:
             r = next((r for r in plan.readers if r.weight == name), None)
             if r is None or any(x.module == r.module for x in plan.writers):

@@ -21,7 +21,7 @@ import torch.nn as nn
 from normconv.graph.capture import Captured
 
 from .axes import passes_through
-from .walk import reader
+from .walk import in_words, reader, returned
 from .why import Refused, ResidualWhy as W
 from .writers import linear_of, own_name, owns
 
@@ -54,7 +54,7 @@ def norm_readers(cap: Captured, node: fx.Node) -> tuple[list[Reader], Refused | 
                 continue
             seen.add(u.name)
             if u.op == "output":  # named by modules: the norm, and the op it reaches the output through
-                via = "" if v is node else f" (through {cap.op(v) or v.name} in {cap.owner(v) or 'the forward'})"
+                via = "" if v is node else f" (through {in_words(cap, v)})"
                 return [], Refused(W.RETURNED, f"the output of {cap.describe(node)} is returned by the model{via}")
             if passes_through(cap, u) and u.args[0] is v:
                 stack.append(u)
@@ -63,8 +63,10 @@ def norm_readers(cap: Captured, node: fx.Node) -> tuple[list[Reader], Refused | 
             lin = linear_of(cap, u) if cap.op(u) in ("linear", "matmul") else None
             if lin is not None and lin[2] is None and getattr(cap.modules.get(lin[4]), "bias", None) is not None:
                 lin = (*lin[:2], f"{lin[4]}.bias", *lin[3:])
-            if lin is None or lin[0] is not v or lin[1] is None:
-                return [], Refused(W.NON_LINEAR, f"{cap.describe(u)} reads the norm output and is not a linear layer")
+            if lin is None or lin[0] is not v or lin[1] is None:  # named by modules, as the output above
+                onward = ", and its result is returned by the model" if u.op != "output" and returned(cap, u) else ""
+                return [], Refused(W.NON_LINEAR, f"{in_words(cap, u)} reads the norm output and is not a linear "
+                                                 f"layer{onward}")
             readers.append(Reader(u.name, own_name(cap, lin[4], lin[1]), own_name(cap, lin[4], lin[2]), lin[3],
                                   lin[4]))
     return readers, None

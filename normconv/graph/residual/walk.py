@@ -166,3 +166,40 @@ def cat_on_last(cap: Captured, node: fx.Node) -> bool:
 def reader(cap: Captured, node: fx.Node) -> str:
     """A reader of the stream, in words."""
     return "the model's output" if node.op == "output" else cap.describe(node)
+
+
+def in_words(cap: Captured, node: fx.Node) -> str:
+    """What a node is in the model's terms, never a graph node's name: the model's output, a layer (its module
+    path), the add of a parameter (a norm's bias kept after it), a residual add, or the op and the module it runs in
+    (the module path from the node's module stack)."""
+    if node.op == "output":
+        return "the model's output"
+    named = cap.describe(node)
+    if named != node.name:
+        return named  # a layer's own op: its module path
+    where = cap.owner(node) or "the model's forward"
+    op = cap.op(node) or call_name(node) or str(node.target)
+    if op == "add" and len(node.args) >= 2:
+        params = [cap.param_name(a) for a in node.args[:2]]
+        param = next((p for p in params if p is not None), None)
+        if param is not None:
+            return f"the add of {param} in {where}"
+        if all(isinstance(a, fx.Node) and cap.shape(a) == cap.shape(node) for a in node.args[:2]):
+            return f"a residual add in {where}"
+    return f"{op} in {where}"
+
+
+def returned(cap: Captured, node: fx.Node) -> bool:
+    """``node``'s value reaches the model's output through adds and pass-through ops alone."""
+    seen, stack = set(), [node]
+    while stack:
+        v = stack.pop()
+        if v.name in seen:
+            continue
+        seen.add(v.name)
+        for u in cap.users(v):
+            if u.op == "output":
+                return True
+            if cap.op(u) == "add" or passes_through(cap, u):
+                stack.append(u)
+    return False
