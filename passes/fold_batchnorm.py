@@ -9,8 +9,11 @@
                            before it multiply to the same number (LeViT: (N, L, C) -flatten(0, 1)-> (N*L, C))
   ConvTranspose weight is (in, out/groups, k...): output channel o of group g is W[g*ipg:(g+1)*ipg, o - g*opg].
 All arithmetic in float64, cast back to the weight dtype; in float16 / bfloat16 a fold whose weights or bias would pass
-half the dtype's max (its products would overflow) is not made, and that BN stays. BN modules become nn.Identity (the user's class and
-state_dict keys stay); a functional / inline BN is removed from the traced graph (a GraphModule comes back).
+half the dtype's max (its products would overflow) is not made, and that BN stays. BN modules become nn.Identity (the
+user's class and state_dict keys stay); a module whose forward is F.batch_norm and then its own children (timm's
+BatchNormAct2d: drop, act) becomes those children alone (nn.Sequential under the same names; graph.norm_module),
+whatever captured the model; any other functional / inline BN is removed from the traced graph (a GraphModule comes
+back).
 A BN with no foldable neighbour is left as it is: its eval kernel is one fused per-channel pass already
 (measured against a scale-and-shift in benchmarks/results/fold.md).
 """
@@ -18,6 +21,7 @@ A BN with no foldable neighbour is left as it is: its eval kernel is one fused p
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -25,10 +29,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, batchnorm_sites, channel_affine, fold_backward,
-                                      fold_forward, folded_backward, folded_forward, is_pass_through, store)
+from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, as_module, batchnorm_sites, channel_affine,
+                                      fold_backward, fold_forward, folded_backward, folded_forward, is_pass_through,
+                                      store)
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
+from normconv.graph.norm_module import ModuleForm, replaceable
 from normconv.match import PERMUTE, VIEW, call_name, permutation
 from normconv.report import PassResult, Site, Why
 from normconv.nn.modules import ChannelShift
@@ -87,6 +93,8 @@ class Decision:
     code: FoldWhy | None = None
     # a half layer's folded (weight, bias) in float64, computed once by the range check and stored by the pass
     folded: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # a BN computed inside a module whose forward is the BN and its own children: that module, replaced by them
+    form: ModuleForm | None = field(default=None, repr=False, compare=False)
 
     def to_site(self) -> Site:
         return (apply if self.applied else skip)(NAME, self.site, self.reason, self.code)
@@ -130,8 +138,10 @@ def _decide(ctx: Layers, site: NormSite) -> Decision:
                 return Decision(site, True, f"fold the scale into {path} ({direction}); the shift stays as a "
                                             f"ChannelShift: torch's CPU ConvTranspose is 3-12x slower with a bias",
                                 direction, path, (s, t), FoldWhy.KEEPS_SHIFT)
-            return Decision(site, True, f"fold into {path} ({direction})", direction, path, (s, t),
-                            FoldWhy.BACKWARD if direction == "backward" else FoldWhy.FORWARD, folded)
+            form = replaceable(ctx.cap, site)
+            rest = f"; {form.path} becomes its own {', '.join(form.tail)}" if form and form.tail else ""
+            return Decision(site, True, f"fold into {path} ({direction}){rest}", direction, path, (s, t),
+                            FoldWhy.BACKWARD if direction == "backward" else FoldWhy.FORWARD, folded, form)
         except _Skip as why:
             reasons.append(f"{direction}: {why}")
             codes.add(why.code)
@@ -329,18 +339,29 @@ class FoldBatchNorm(Pass):
                 store(layer, *d.folded)
             else:
                 (fold_backward if d.direction == "backward" else fold_forward)(layer, s, t)
-        as_graph = any(d.site.source == "functional" or d.site.target != d.site.owner and d.site.source != "module"
-                       for d in done)
-        if as_graph:
+        # a BN neither a module nor inside one that its own children can replace  =>  only the traced graph loses it
+        graph_only = [d for d in done if not as_module(d.site) and d.form is None]
+        if graph_only:
             model = _remove_from_graph(cap, done)
         else:
             for d in done:
+                if d.form is not None:
+                    # module = bn -> its children  =>  its children alone, under their names (keys unchanged)
+                    replace_module(model, d.form.path, _children(cap.modules[d.form.path], d.form.tail))
+                    continue
                 # bn  =>  identity (keys of the rest unchanged), or the shift a bias-free ConvTranspose keeps out
                 replace_module(model, d.site.target, shifts.get(d.site.target) or nn.Identity())
         # which layer each folded BN went into: a Hugging Face folder keeps the BN as the shift a bias-free layer
         # cannot carry (io.hf_output)
         return PassResult(model, bool(done), tuple(d.to_site() for d in decisions),
                           extra={"folds": {d.site.target: (d.layer, d.direction) for d in done}})
+
+
+def _children(module: nn.Module, tail: tuple[str, ...]) -> nn.Module:
+    """What is left of a module whose forward was the BN and then ``tail``, its own children in order."""
+    if not tail:
+        return nn.Identity()
+    return nn.Sequential(OrderedDict((name, getattr(module, name)) for name in tail))
 
 
 def _keeps_shift(layer: nn.Module | None, site: NormSite, direction: str) -> bool:

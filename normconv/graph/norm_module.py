@@ -117,6 +117,23 @@ def module_form(cap: Captured, site: NormSite) -> ModuleForm:
     return ModuleForm(path, tail)
 
 
+def replaceable(cap: Captured, site: NormSite) -> ModuleForm | None:
+    """The form of a norm computed by a call inside a module of the model (not its root, not a holder the graph
+    reads) whose forward is that norm and its own children: a rewrite that removes the norm replaces the module by
+    those children alone, whatever captured the graph (timm's BatchNormAct2d -> its drop, act). None otherwise: a
+    norm module itself, or a norm only a graph can lose."""
+    if site.source == "module" or (site.source == "handwritten" and site.target == site.owner) or not site.owner:
+        return None
+    key = ("replaceable", site)  # decided once per capture: the analysis and the rewrite read the same answer
+    if key not in cap.found:
+        try:
+            form = module_form(cap, site)
+            cap.found[key] = None if form.held or not form.path else form
+        except NotAModule:
+            cap.found[key] = None
+    return cap.found[key]
+
+
 def _child(cap: Captured, node: fx.Node, path: str) -> str | None:
     """The direct child of the module at ``path`` that computes ``node`` (None: the module's own code)."""
     prefix = f"{path}." if path else ""
@@ -193,4 +210,4 @@ def replace_in_graph(model: nn.Module, path: str, new: nn.Module) -> None:
     gm.recompile()
 
 
-__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form", "held_by", "replace_in_graph"]
+__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form", "replaceable", "held_by", "replace_in_graph"]
