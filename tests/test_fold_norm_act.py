@@ -1,7 +1,14 @@
 """fold on BatchNorm modules whose forward also applies drop + act (timm's BatchNormAct2d): the affine goes into the
-conv before it and the module is replaced by its own drop and act, so the user's class comes back."""
+conv before it and the module is replaced by its own drop and act, so the user's class comes back, whatever captured
+the model (symbolic_trace, or torch.export where symbolic_trace fails)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +17,9 @@ import torch.nn as nn
 
 from fold_helpers import applied, bn_modules, randomize_bn, skipped
 from normconv.api import fold
-from tests.fixtures.bn_act import BNAct, Net, build
+from tests.fixtures.bn_act import BNAct, Net, Untraceable, build, untraceable
+
+ROOT = Path(__file__).resolve().parents[1]
 
 torch.manual_seed(0)
 
@@ -30,7 +39,7 @@ def _same(model, folded, shapes):
         assert (out - ref).abs().max() <= 1e-5 * max(ref.abs().max(), 1.0), (out - ref).abs().max()
 
 
-@pytest.mark.parametrize("cls", [Net])
+@pytest.mark.parametrize("cls", [Net, Untraceable])
 def test_bn_act_modules_fold_and_the_class_comes_back(cls):
     model = _model(cls)
     keys = set(model.state_dict())
@@ -50,7 +59,40 @@ def test_bn_act_modules_fold_and_the_class_comes_back(cls):
     assert bn_modules(model) == 3 and type(model.bn1) is BNAct  # the user's model untouched
 
 
-@pytest.mark.parametrize("name", ["resnext26ts"])
+class FunctionalUntraceable(nn.Module):
+    """F.batch_norm in the model's own forward, which symbolic_trace cannot trace: no module can replace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3)
+        self.register_buffer("mean", torch.randn(5))
+        self.register_buffer("var", torch.rand(5) + 0.5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if y.shape[-1] % 2:
+            y = y[..., 1:]
+        return torch.nn.functional.batch_norm(y, self.mean, self.var, None, None, False, 0.1, 1e-3)
+
+
+def test_under_torch_export_bn_act_modules_fold_and_only_a_functional_bn_is_not_removable():
+    """D2: under torch.export the reason for a module's BN was 'functional batch_norm ... only a symbolically
+    traceable model can have it removed' and nothing folded."""
+    with pytest.raises(Exception):
+        fx.symbolic_trace(Untraceable())
+    _, report = fold(_model(Untraceable), torch.randn(2, 3, 16, 16))
+    assert not any("symbolically traceable" in s.reason for s in report.sites)
+    assert set(applied(report)) and not skipped(report)
+    # a truly functional BN under torch.export keeps that reason: it is true there
+    model = FunctionalUntraceable().eval()
+    folded, report = fold(model, torch.randn(2, 3, 8, 8))
+    (site,) = report.sites
+    assert not site.applied and site.code.value == "not-removable"
+    assert "functional batch_norm in a graph captured by torch.export" in site.reason
+    assert type(folded) is FunctionalUntraceable
+
+
+@pytest.mark.parametrize("name", ["resnext26ts", "mobilevit_xxs"])
 def test_timm_bn_act_models_keep_their_class(name):
     timm = pytest.importorskip("timm")
     model = timm.create_model(name, pretrained=False, num_classes=10)
@@ -62,3 +104,37 @@ def test_timm_bn_act_models_keep_their_class(name):
     assert len(applied(report)) == bns - bn_modules(folded) and bn_modules(folded) < bns // 2
     _same(model, folded, [(1, 3, 64, 64), (2, 3, 96, 96)])
 
+
+# a fresh interpreter in which normconv cannot be imported: the written model is plain torch and the user's classes
+_LOAD = r"""
+import sys
+sys.modules["normconv"] = None
+import torch
+m = torch.load(sys.argv[1], weights_only=False)
+assert type(m).__name__ == "Untraceable", type(m)
+assert not any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
+x = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save([m(t) for t in x], sys.argv[3])
+"""
+
+
+def test_cli_writes_the_users_class_that_loads_without_normconv(cli, tmp_path):
+    out = tmp_path / "folded.pt"
+    code, stdout, stderr = cli("fold", "tests.fixtures.bn_act:untraceable", "-i", "x:2,3,16,16", "-o", out,
+                               "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert [s["applied"] for s in report["sites"]] == [True] * 3 and report["after"]["batchnorm modules"] == 0
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 3, 16, 16, generator=g), torch.randn(1, 3, 18, 21, generator=g)]
+    torch.save(xs, tmp_path / "x.pt")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the user's own code importable, normconv blocked
+    r = subprocess.run([sys.executable, "-c", _LOAD, str(out), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    model = untraceable()
+    with torch.no_grad():
+        for x, y in zip(xs, torch.load(tmp_path / "y.pt")):
+            ref = model(x)
+            assert (y - ref).abs().max() <= 1e-5 * max(ref.abs().max(), 1.0)

@@ -22,6 +22,7 @@ from torch.nn.utils import parametrize, prune
 from torch.nn.utils.weight_norm import WeightNorm
 
 from normconv.graph.capture import Captured
+from normconv.graph.norm_module import replaceable
 from normconv.match import arg, batch_norm_args
 from normconv.graph.site import NormSite
 from normconv.report import Why
@@ -170,7 +171,8 @@ def as_module(site: NormSite) -> bool:
 def channel_affine(cap: Captured, site: NormSite, removable: bool = True,
                    training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Guards on the BN itself; returns its per-channel (s, t) in float64. ``removable``: also require that the BN
-    can leave the model (a module, or a self-contained site of a traced graph that can be handed back).
+    can leave the model (a module, a module whose forward is the BN and its own children, or a self-contained site of
+    a traced graph that can be handed back).
     ``training``: a module in training mode is taken too (its eval-mode self is what is rewritten). Decided once
     per capture (``Captured.found``): each pass that reads the same capture gets the same (s, t) or refusal."""
     key = ("channel_affine", site, removable, training)
@@ -202,8 +204,9 @@ def _channel_affine(cap: Captured, site: NormSite, removable: bool,
         calls = max(site.calls, cap.module_calls.get(site.target, 1))
         raise Refusal(BNWhy.BN_SHARED, f"{site.target} is called at {calls} places")
     if removable and not as_module(site):
-        # a BN that is not a module can only leave a graph that we can hand back (a traced GraphModule)
-        if cap.method != "symbolic_trace":
+        # a BN that is not a module can only leave a graph that we can hand back (a traced GraphModule), or a module
+        # whose forward is the BN and its own children alone (timm's BatchNormAct2d: those children replace it)
+        if cap.method != "symbolic_trace" and replaceable(cap, site) is None:
             raise Refusal(BNWhy.NOT_REMOVABLE, f"{site.source} batch_norm in a graph captured by {cap.method}: only "
                                                f"a symbolically traceable model can have it removed")
         if not site.self_contained:
