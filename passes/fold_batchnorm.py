@@ -13,7 +13,7 @@ half the dtype's max (its products would overflow) is not made, and that BN stay
 user's class and state_dict keys stay); a module whose forward is F.batch_norm and then its own children (timm's
 BatchNormAct2d: drop, act) becomes those children alone (nn.Sequential under the same names; graph.norm_module),
 whatever captured the model; any other functional / inline BN is removed from the traced graph (a GraphModule comes
-back).
+back, and a note says so).
 A BN with no foldable neighbour is left as it is: its eval kernel is one fused per-channel pass already
 (measured against a scale-and-shift in benchmarks/results/fold.md).
 """
@@ -341,8 +341,15 @@ class FoldBatchNorm(Pass):
                 (fold_backward if d.direction == "backward" else fold_forward)(layer, s, t)
         # a BN neither a module nor inside one that its own children can replace  =>  only the traced graph loses it
         graph_only = [d for d in done if not as_module(d.site) and d.form is None]
+        notes: tuple[str, ...] = ()
         if graph_only:
             model = _remove_from_graph(cap, done)
+            if not isinstance(cap.model, fx.GraphModule):  # the user's class is lost: say so
+                notes = (f"a torch.fx.GraphModule comes back, not {type(cap.model).__name__}: {len(graph_only)} "
+                         f"BatchNorm (e.g. {graph_only[0].site.target} in "
+                         f"{graph_only[0].site.owner or 'the root forward'}) is computed functionally in a forward "
+                         f"that does more, and only the traced graph can lose it; the model's own methods besides "
+                         f"forward are not on it",)
         else:
             for d in done:
                 if d.form is not None:
@@ -353,7 +360,7 @@ class FoldBatchNorm(Pass):
                 replace_module(model, d.site.target, shifts.get(d.site.target) or nn.Identity())
         # which layer each folded BN went into: a Hugging Face folder keeps the BN as the shift a bias-free layer
         # cannot carry (io.hf_output)
-        return PassResult(model, bool(done), tuple(d.to_site() for d in decisions),
+        return PassResult(model, bool(done), tuple(d.to_site() for d in decisions), notes,
                           extra={"folds": {d.site.target: (d.layer, d.direction) for d in done}})
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fold_helpers import applied, bn_modules, randomize_bn, skipped
 from normconv.api import fold
@@ -72,7 +73,7 @@ class FunctionalUntraceable(nn.Module):
         y = self.conv(x)
         if y.shape[-1] % 2:
             y = y[..., 1:]
-        return torch.nn.functional.batch_norm(y, self.mean, self.var, None, None, False, 0.1, 1e-3)
+        return F.batch_norm(y, self.mean, self.var, None, None, False, 0.1, 1e-3)
 
 
 def test_under_torch_export_bn_act_modules_fold_and_only_a_functional_bn_is_not_removable():
@@ -90,6 +91,28 @@ def test_under_torch_export_bn_act_modules_fold_and_only_a_functional_bn_is_not_
     assert not site.applied and site.code.value == "not-removable"
     assert "functional batch_norm in a graph captured by torch.export" in site.reason
     assert type(folded) is FunctionalUntraceable
+
+
+class FunctionalRoot(nn.Module):
+    """A truly functional BatchNorm in the model's own forward: only a traced graph can lose it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3)
+        for name, v in (("mean", torch.randn(5)), ("var", torch.rand(5) + 0.5)):
+            self.register_buffer(name, v)
+        self.w, self.b = nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        return F.relu(F.batch_norm(self.conv(x), self.mean, self.var, self.w, self.b, False, 0.1, 1e-3))
+
+
+def test_a_graph_module_comes_back_only_for_a_functional_batch_norm_and_a_note_says_so():
+    model = FunctionalRoot().eval()
+    folded, report = fold(model, torch.randn(2, 3, 8, 8))
+    assert isinstance(folded, fx.GraphModule) and set(applied(report)) == {"batch_norm"}
+    assert any("GraphModule" in n and "FunctionalRoot" in n for n in report.notes), report.notes
+    _same(model, folded, [(2, 3, 8, 8), (1, 3, 12, 10)])
 
 
 @pytest.mark.parametrize("name", ["resnext26ts", "mobilevit_xxs"])
