@@ -93,6 +93,29 @@ def test_under_torch_export_bn_act_modules_fold_and_only_a_functional_bn_is_not_
     assert type(folded) is FunctionalUntraceable
 
 
+class SharedUntraceable(nn.Module):
+    """One BNAct called twice, in a forward symbolic_trace cannot trace: no module can replace either call."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.bn = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1), BNAct(4)
+
+    def forward(self, x):
+        x = self.bn(self.conv2(self.bn(self.conv1(x))))
+        return x[..., 1:] if x.shape[-1] % 2 else x
+
+
+def test_under_torch_export_a_bn_in_a_module_that_cannot_be_replaced_says_which_and_why():
+    """Its BN is not 'functional' alone: the reason names the module and why it cannot be replaced."""
+    model = SharedUntraceable().eval()
+    folded, report = fold(model, torch.randn(2, 3, 8, 8))
+    assert [s.applied for s in report.sites] == [False, False]
+    for site in report.sites:
+        assert site.code.value == "not-removable"
+        assert "inside bn (BNAct)" in site.reason and "called at 2 places" in site.reason, site.reason
+    assert type(folded) is SharedUntraceable and bn_modules(folded) == 1
+
+
 class FunctionalRoot(nn.Module):
     """A truly functional BatchNorm in the model's own forward: only a traced graph can lose it."""
 

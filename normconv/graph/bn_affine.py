@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize, prune
 from torch.nn.utils.weight_norm import WeightNorm
 
 from normconv.graph.capture import Captured
-from normconv.graph.norm_module import replaceable
+from normconv.graph.norm_module import not_replaceable, replaceable
 from normconv.match import arg, batch_norm_args
 from normconv.graph.site import NormSite
 from normconv.report import Why
@@ -207,8 +207,11 @@ def _channel_affine(cap: Captured, site: NormSite, removable: bool,
         # a BN that is not a module can only leave a graph that we can hand back (a traced GraphModule), or a module
         # whose forward is the BN and its own children alone (timm's BatchNormAct2d: those children replace it)
         if cap.method != "symbolic_trace" and replaceable(cap, site) is None:
-            raise Refusal(BNWhy.NOT_REMOVABLE, f"{site.source} batch_norm in a graph captured by {cap.method}: only "
-                                               f"a symbolically traceable model can have it removed")
+            # inside a module that cannot be replaced by its own children  =>  say which and why
+            why = not_replaceable(cap, site)
+            inside = f" inside {site.owner} ({site.module_type}), which is no module to replace ({why})" if why else ""
+            raise Refusal(BNWhy.NOT_REMOVABLE, f"{site.source} batch_norm{inside} in a graph captured by "
+                                               f"{cap.method}: only a symbolically traceable model can have it removed")
         if not site.self_contained:
             raise Refusal(BNWhy.INTERMEDIATE, "an intermediate value of the BN is used outside it")
     if removable and as_module(site) and not site.target:

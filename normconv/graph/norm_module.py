@@ -124,13 +124,27 @@ def replaceable(cap: Captured, site: NormSite) -> ModuleForm | None:
     norm module itself, or a norm only a graph can lose."""
     if site.source == "module" or (site.source == "handwritten" and site.target == site.owner) or not site.owner:
         return None
+    found = _replaceable(cap, site)
+    return found if isinstance(found, ModuleForm) else None
+
+
+def not_replaceable(cap: Captured, site: NormSite) -> str | None:
+    """Why the module around a norm computed by a call cannot be replaced by its own children (None: it can, or
+    no module of the model holds the call)."""
+    if site.source == "module" or (site.source == "handwritten" and site.target == site.owner) or not site.owner:
+        return None
+    found = _replaceable(cap, site)
+    return found if isinstance(found, str) else None
+
+
+def _replaceable(cap: Captured, site: NormSite) -> ModuleForm | str:
     key = ("replaceable", site)  # decided once per capture: the analysis and the rewrite read the same answer
     if key not in cap.found:
         try:
             form = module_form(cap, site)
-            cap.found[key] = None if form.held or not form.path else form
-        except NotAModule:
-            cap.found[key] = None
+            cap.found[key] = form if not form.held else f"{form.path} is never called: the graph reads its tensors"
+        except NotAModule as why:
+            cap.found[key] = str(why)
     return cap.found[key]
 
 
@@ -210,4 +224,5 @@ def replace_in_graph(model: nn.Module, path: str, new: nn.Module) -> None:
     gm.recompile()
 
 
-__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form", "replaceable", "held_by", "replace_in_graph"]
+__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form", "replaceable", "not_replaceable",
+           "held_by", "replace_in_graph"]
