@@ -61,8 +61,9 @@ def test_default_export_takes_batch_1_and_other_lengths(llama_onnx):
         with torch.no_grad():
             torch.testing.assert_close(torch.from_numpy(got), model(ids), atol=1e-4, rtol=1e-4)
     dims = {d["name"]: d for d in report["extra"]["dynamic_dims"]}
-    assert set(dims) == {"batch", "sequence"} and dims["batch"]["checked"] == [2, 1]
-    assert dims["batch"]["min"] == 1 and dims["sequence"]["checked"] == [16, 15]
+    # each dimension checked at two more sizes (io.dims.candidates): one up, then by half
+    assert set(dims) == {"batch", "sequence"} and dims["batch"]["checked"] == [2, 3, 1]
+    assert dims["batch"]["min"] == 1 and dims["sequence"]["checked"] == [16, 17, 24]
     # the second size of each dimension is a validation of its own, against the original model
     assert any("second shape (batch = 1)" in v["label"] and v["passed"] for v in report["validation"])
 

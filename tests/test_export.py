@@ -453,7 +453,7 @@ def test_external_data_sidecar_over_the_size_limit(tmp_path, monkeypatch):
 def test_export_runs_the_original_once_and_reuses_it_for_the_trust_check(tmp_path):
     # the original's output feeds the trace's trust check and the torch check after the passes: the model runs 4
     # times (the original, the traced graph's shape propagation, the folded model, the ONNX exporter's trace); was 6.
-    # Dynamic dimensions (the default since issue 30) add one run of the original per dimension, at its second size
+    # Dynamic dimensions (the default since issue 30) add one run of the original per size each is checked at
     from fold_helpers import randomize_bn
 
     model = randomize_bn(nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
@@ -465,5 +465,6 @@ def test_export_runs_the_original_once_and_reuses_it_for_the_trust_check(tmp_pat
     assert [v.label for v in report.validation][0] == "torch, after canonicalize + fold"
     calls[0] = 0
     report = export_onnx(model, torch.randn(2, 4, 6, 6), str(tmp_path / "dyn.onnx"))
-    dims = [d["name"] for d in report.extra["dynamic_dims"] if not d.get("pinned")]
-    assert sorted(dims) == ["batch", "height", "width"] and calls[0] == 4 + len(dims) and report.passed
+    dims = {d["name"]: d["checked"] for d in report.extra["dynamic_dims"] if not d.get("pinned")}
+    assert sorted(dims) == ["batch", "height", "width"] and report.passed
+    assert all(len(sizes) == 3 for sizes in dims.values()) and calls[0] == 4 + 2 * len(dims)
