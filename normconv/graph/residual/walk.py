@@ -13,7 +13,7 @@ may (``live_users``, ``stream_end``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.fx as fx
 
@@ -142,18 +142,28 @@ def template_use(u: fx.Node, node: fx.Node) -> bool:
     return name in TEMPLATE and len(u.args) == 2 and u.args[1] is node and u.args[0] is not node
 
 
-def stream_end(cap: Captured, node: fx.Node) -> fx.Node:
-    """Past the last norm the stream may go on (adds, views): the first node that really reads it."""
+def _onward(cap: Captured, node: fx.Node, users: Callable[[Captured, fx.Node], Sequence[fx.Node]]) -> Iterator[fx.Node]:
+    """``node``, then every node its value reaches through adds and pass-through ops, depth first in user order, each
+    once: the adds and pass-throughs (followed on to their ``users``) and the first node past them on each path."""
     seen, stack = set(), [node]
     while stack:
         v = stack.pop()
         if v.name in seen:
             continue
         seen.add(v.name)
-        if not (cap.op(v) == "add" or passes_through(cap, v)):
-            return v
-        stack.extend(reversed(live_users(cap, v)))
-    return node
+        yield v
+        if v is node or _carries(cap, v):  # the stream goes on through it
+            stack.extend(reversed(users(cap, v)))
+
+
+def _carries(cap: Captured, node: fx.Node) -> bool:
+    """An add or a pass-through op: the stream's value goes on through it."""
+    return cap.op(node) == "add" or passes_through(cap, node)
+
+
+def stream_end(cap: Captured, node: fx.Node) -> fx.Node:
+    """Past the last norm the stream may go on (adds, views): the first node that really reads it."""
+    return next((v for v in _onward(cap, node, live_users) if not _carries(cap, v)), node)
 
 
 def cat_on_last(cap: Captured, node: fx.Node) -> bool:
@@ -191,15 +201,4 @@ def in_words(cap: Captured, node: fx.Node) -> str:
 
 def returned(cap: Captured, node: fx.Node) -> bool:
     """``node``'s value reaches the model's output through adds and pass-through ops alone."""
-    seen, stack = set(), [node]
-    while stack:
-        v = stack.pop()
-        if v.name in seen:
-            continue
-        seen.add(v.name)
-        for u in cap.users(v):
-            if u.op == "output":
-                return True
-            if cap.op(u) == "add" or passes_through(cap, u):
-                stack.append(u)
-    return False
+    return any(v.op == "output" for v in _onward(cap, node, Captured.users))
