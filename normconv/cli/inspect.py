@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
                 ("--trust-remote-code", trust_remote_code), ("--dtype", dtype is not None),
                 ("--capture", capture != "auto"), ("--calibration", calibration is not None)])
             emit(onnx_in.run(model, "inspect", None, input_shape=input_shape,
-                             constant_initializers=constant_initializers), as_json)
+                             constant_initializers=constant_initializers), as_json, print_onnx_inspect)
             return
         onnx_only([("--constant-initializers", constant_initializers)])
 
@@ -93,6 +93,31 @@ def print_inspect(report: Report) -> None:
     if misses:
         c.print(table(f"norm-like but not a norm: {len(misses)} left as written", ["target", "computes", "why"],
                       [[m["target"], m["computes"], m["reason"]] for m in misses]))
+
+
+def print_onnx_inspect(report: Report) -> None:
+    """An ONNX file's inspect: its norm sites (ops it holds, norms written out in elementwise ops), what fold and
+    export would do at each, and the op counts before / after."""
+    from normconv.report import console, print_report, table
+
+    c = console()
+    sites = report.extra.get("norm_sites", [])
+    c.print(f"{report.model}: {len(sites)} norm sites "
+            f"({', '.join(f'{v} {k}' for k, v in report.extra.get('counts', {}).items()) or 'none'}); "
+            f"opset {report.extra.get('opset_in')}")
+    if sites:
+        c.print(table("norm sites", ["target", "kind", "op", "eps", "shape", "fed by", "would"],
+                      [[s["target"], s["kind"], s["op"], "-" if s["eps"] is None else f"{s['eps']:g}", s["shape"],
+                        s["fed_by"], _would(s)] for s in sites]))
+    print_report(report)
+
+
+def _would(site: dict) -> str:
+    """What the plan does at a site, in a word or two: the passes that would apply, else "kept"."""
+    applied = [p["pass"] for p in site["plan"] if p["applied"]]
+    if applied:
+        return ", ".join(dict.fromkeys(applied))
+    return "kept (one op)" if site["source"] == "op" else "kept (see plan)"
 
 
 def _once(rows: list[list]) -> list[list]:

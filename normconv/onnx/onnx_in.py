@@ -34,6 +34,7 @@ from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
 from normconv.onnx.passes.ir3 import InitializerInputs, list_initializers, unlisted
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
+from normconv.onnx.sites import inspect_sites, norm_sites
 from normconv.onnx.rules import batchnorm, fold_rules, fuse_rules
 from normconv.onnx.rules.base import SiteLog
 from normconv.onnx.rules.layernorm import OPSET as LN_OPSET, LayerNormWhy
@@ -211,7 +212,11 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
         convert = ConvertOpset(want)
         model = to_ir(ir.serde.serialize_model(convert(model).model))
         converted, inlined = src.opset, convert.inlined
+    found = norm_sites(model) if command == "inspect" else []  # before the rewrite changes them
     model, log, lowered = _rewrite(model, jobs, target)
+    if command == "inspect":
+        report.extra["norm_sites"] = inspect_sites(found, log)
+        report.extra["counts"] = dict(collections.Counter(r["kind"] for r in report.extra["norm_sites"]))
     if converted:  # what the converted file's plan needs (the file's own opset refused other spellings)
         needs = _needed_for(log, lowered, src.opset) or (f"--opset {opset}" if opset and opset > src.opset else "")
         report.notes.append(

@@ -39,6 +39,16 @@ def name_of(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs and node.outputs[0].name else node.op_type)
 
 
+def fed_by(x: ir.Value | None) -> str:
+    """What computes ``x``, for a site's report: the op and its name, or the graph input it is."""
+    if x is None:
+        return "-"
+    p = x.producer()
+    if p is None:
+        return f"input {x.name}" if x.name else "-"
+    return f"{p.op_type} {name_of(p)}"
+
+
 def default(node: ir.Node) -> bool:
     return node.domain in ("", "ai.onnx")
 
@@ -229,9 +239,12 @@ class SiteLog:
     """Every site a rule set looked at: one row per norm: applied if any rule fused it, else the first refusal."""
 
     rows: dict[str, list[tuple[str, Site]]] = field(default_factory=dict)
+    facts: dict[str, dict] = field(default_factory=dict)  # what a rule read at a site it fused (eps, shape), by target
 
-    def add(self, kind: str, site: Site) -> None:
+    def add(self, kind: str, site: Site, **facts) -> None:
         self.rows.setdefault(site.target, []).append((kind, site))
+        if facts:
+            self.facts[site.target] = facts
 
     def sites(self) -> list[tuple[str, Site]]:
         out = []
@@ -257,8 +270,9 @@ class NormRule(pattern.RewriteRuleClassBase):
         self.log.add(self.kind, Site(self.pass_name, name_of(at or context.root), False, reason, code))
         return MatchResult().fail(reason, list(sources))
 
-    def done(self, anchor: ir.Node, code: Why, reason: str) -> None:
-        self.log.add(self.kind, Site(self.pass_name, name_of(anchor), True, reason, code))
+    def done(self, anchor: ir.Node, code: Why, reason: str, **facts) -> None:
+        """Log the site fused at ``anchor``; ``facts``: what the rule read there, for inspect (``onnx.sites``)."""
+        self.log.add(self.kind, Site(self.pass_name, name_of(anchor), True, reason, code), **facts)
 
 
 def untyped(context) -> str:

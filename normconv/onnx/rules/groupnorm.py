@@ -12,7 +12,7 @@ import numpy as np
 from onnxscript.rewriter._basics import MatchResult
 
 from normconv.onnx.ops import DOMAIN
-from normconv.onnx.rules.base import NormRule, SiteLog, attr, closed, const, constant, per_feature, rank
+from normconv.onnx.rules.base import NormRule, SiteLog, attr, closed, const, constant, fed_by, name_of, per_feature, rank
 from normconv.report import Why
 
 
@@ -55,12 +55,13 @@ class GroupNormFusion(NormRule):
             return self.refuse(context, W.NOT_GROUPED, "the second Reshape does not restore the input's shape", s2)
         if not closed(list(context.nodes), context.root):
             return self.refuse(context, W.INNER_VALUE_READ, "a value inside the norm is read outside it", x)
-        self._fused = (channels, groups, float(attr(inorm.producer(), "epsilon", 1e-5)))
+        self._fused = (channels, groups, float(attr(inorm.producer(), "epsilon", 1e-5)), name_of(inorm.producer()))
         return MatchResult()
 
     def rewrite(self, op, x, **_):
-        c, g, eps = self._fused
-        self.done(self._anchor, GroupNormWhy.FUSED, f"one GroupNorm, {g} groups of {c} channels (eps {eps:g})")
+        c, g, eps, inner = self._fused
+        self.done(self._anchor, GroupNormWhy.FUSED, f"one GroupNorm, {g} groups of {c} channels (eps {eps:g})",
+                  eps=eps, shape=f"C={c} G={g}", fed_by=fed_by(x), inner=inner)
         return op.GroupNorm(x, constant(op, np.ones(c), x), constant(op, np.zeros(c), x), num_groups=g, epsilon=eps,
                             _domain=DOMAIN)
 

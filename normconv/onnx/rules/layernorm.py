@@ -22,7 +22,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchResult
 
-from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, default, describe, layout,
+from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, default, describe, fed_by, layout,
                                       mean_of, normalize, per_feature, producers, rank, rank_up, restored, scalar,
                                       square_of, untyped)
 from normconv.report import Why
@@ -184,7 +184,8 @@ class LayerNormFusion(NormRule):
         self.done(self._anchor, LayerNormWhy.FUSED, f"one LayerNormalization over {describe(where, rank(x))} "
                                                     f"(eps {eps:g})" + (
             "; the input computed Var as E[x²] − E[x]², which loses digits in float32 where Var ≪ E[x]²: the "
-            "fused op computes it centered, so outputs differ by that rounding (--atol accepts it)" if moments else ""))
+            "fused op computes it centered, so outputs differ by that rounding (--atol accepts it)" if moments else ""),
+                  eps=float(eps), shape="x".join(map(str, sizes)), fed_by=fed_by(x))
 
         def make(v, axis):
             s, b = scale, np.zeros(d)

@@ -17,7 +17,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchResult
 
 from normconv.onnx.ops import DOMAIN
-from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, describe, layout,
+from normconv.onnx.rules.base import (FLOATS, NormRule, SiteLog, closed, const, constant, describe, fed_by, layout,
                                       mean_of, normalize, per_feature, producers, rank, rank_up, scalar, square_of,
                                       untyped)
 from normconv.report import Why
@@ -81,7 +81,8 @@ class RmsNormFusion(NormRule):
 
     def rewrite(self, op, x, **_):
         where, sizes, eps = self._fused
-        self.done(self._anchor, RmsNormWhy.FUSED, f"one RMSNorm over {describe(where, rank(x))} (eps {eps:g})")
+        self.done(self._anchor, RmsNormWhy.FUSED, f"one RMSNorm over {describe(where, rank(x))} (eps {eps:g})",
+                  eps=float(eps), shape="x".join(map(str, sizes)), fed_by=fed_by(x))
         n = len(sizes) if where[0] == "trailing" else 1
 
         def make(v, axis):
