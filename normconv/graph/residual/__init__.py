@@ -26,14 +26,14 @@ from .edits import (Edits, Fold, Replaced, Scale, add_, apply_, bias_delta, cent
 from .inner import inner_norms
 from .readers import Consumer, Reader, bias_consumers, check_weights, norm_readers, own_module_attr
 from .streams import Stream, along, hidden, kept_norm_module, moved_dims, norm_module, slices, streams, writer_mean
-from .walk import in_words, live_users, reader, returned, stream_end, walk, walks
+from .walk import in_words, live_users, returned, stream_end, walk, walks
 from .why import Refused, ResidualWhy
 from .writers import HIDDEN_CAT, Writer, layout_axis, linear_of, own_name, owns, param_readers, writer
 
 __all__ = ["back", "last", "passes_through", "source", "Edits", "Fold", "Replaced", "Scale", "add_", "apply_",
            "bias_delta", "center_", "edits", "fold_scale_", "inner_norms", "untie", "untie_config", "untie_embedding", "Consumer",
            "Reader", "bias_consumers", "check_weights", "norm_readers", "own_module_attr", "Stream", "along", "hidden",
-           "kept_norm_module", "moved_dims", "norm_module", "slices", "streams", "writer_mean", "in_words", "live_users", "reader", "returned", "stream_end", "walk",
+           "kept_norm_module", "moved_dims", "norm_module", "slices", "streams", "writer_mean", "in_words", "live_users", "returned", "stream_end", "walk",
            "walks",
            "Refused", "ResidualWhy", "HIDDEN_CAT", "Writer", "layout_axis", "linear_of", "own_name", "owns",
            "param_readers", "writer"]

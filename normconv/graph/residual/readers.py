@@ -21,7 +21,7 @@ import torch.nn as nn
 from normconv.graph.capture import Captured
 
 from .axes import passes_through
-from .walk import in_words, reader, returned
+from .walk import in_words, returned
 from .why import Refused, ResidualWhy as W
 from .writers import linear_of, own_name, owns
 
@@ -48,7 +48,7 @@ def norm_readers(cap: Captured, node: fx.Node) -> tuple[list[Reader], Refused | 
         v = stack.pop()
         users = cap.users(v)
         if not users:
-            return [], Refused(W.UNREAD, f"the norm output {v.name} is not read by any layer")
+            return [], Refused(W.UNREAD, f"the norm's output ({in_words(cap, v)}) is not read by any layer")
         for u in users:
             if u.name in seen:
                 continue
@@ -150,7 +150,7 @@ def bias_consumers(cap: Captured, module: str | None, node: str, readers: dict[i
                     return [], Refused(W.WRITES_STREAM, f"the norm writes the residual stream (read by "
                                                         f"{cap.describe(u)}), so its bias has no linear layer to "
                                                         f"fold into")
-                return [], Refused(W.NON_LINEAR, f"{reader(cap, u)} reads the norm's output and cannot absorb its "
+                return [], Refused(W.NON_LINEAR, f"{in_words(cap, u)} reads the norm's output and cannot absorb its "
                                                  f"bias")
             consumers.append(Consumer(u.name, own_name(cap, lin[4], lin[1]), own_name(cap, lin[4], lin[2]),
                                       lin[3], lin[4]))

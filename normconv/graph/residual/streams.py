@@ -26,7 +26,7 @@ from normconv.graph.handwritten import owns_only
 from normconv.match import CAT, TRANSPARENT, call_name, permute_dims
 from normconv.nn.rmsnorm import RMSNorm
 
-from .walk import Leaf, cat_on_last, live_users, reader, stream_end
+from .walk import Leaf, cat_on_last, in_words, live_users, stream_end
 from .why import Refused, ResidualWhy as W
 from .writers import HIDDEN_CAT, Writer, owns, writer
 
@@ -216,16 +216,16 @@ def _check_writers(cap, st: Stream, chains, readers, sites, center: bool, read) 
         for a in chain[:-1]:
             other = next((u for u in live_users(cap, a) if u.name not in nexts[a.name]), None)
             if other is not None:
-                problems.append(Refused(W.SHARED_OUTPUT, f"the output of stream writer {cap.describe(leaf)} is also "
-                                                         f"read by {cap.describe(other)}"))
+                problems.append(Refused(W.SHARED_OUTPUT, f"the output of stream writer {in_words(cap, leaf)} is also "
+                                                         f"read by {in_words(cap, other)}"))
         for u in live_users(cap, chain[-1]):
             if u.name not in allowed:
                 # a residual add past the last norm carries the writer on: name where it ends up (SigLIP's head)
                 end = stream_end(cap, u)
-                onward = (f", which carries it on to {reader(cap, end)}, not a LayerNorm (centering the writer "
+                onward = (f", which carries it on to {in_words(cap, end)}, not a LayerNorm (centering the writer "
                           f"would change it)" if end is not u else "")
-                problems.append(Refused(W.SHARED_OUTPUT, f"the output of stream writer {cap.describe(leaf)} is also "
-                                                         f"read by {cap.describe(u)}{onward}"))
+                problems.append(Refused(W.SHARED_OUTPUT, f"the output of stream writer {in_words(cap, leaf)} is also "
+                                                         f"read by {in_words(cap, u)}{onward}"))
     # each writer's parameters are read by the writers only (or by another name: a tie we can clone away)
     # a parameter writer is read by the pass-through ops that carry it into the stream (class_token.expand)
     writer_nodes = set(st.writers).union(st.values, *({n.name for n in path} for _, path in chains),
@@ -249,7 +249,7 @@ def _check_writers(cap, st: Stream, chains, readers, sites, center: bool, read) 
                     st.unties.append(w.module)
                 continue
             n = foreign[0]
-            problems.append(Refused(W.SHARED_TENSOR, f"{pname} is also read by {cap.describe(cap.nodes[n])}: "
+            problems.append(Refused(W.SHARED_TENSOR, f"{pname} is also read by {in_words(cap, cap.nodes[n])}: "
                                                      f"centering it would change that use"))
     return problems
 
@@ -283,8 +283,9 @@ def _check_readers(cap: Captured, st: Stream, sites) -> list[Refused]:
                 end = stream_end(cap, u)
                 if call_name(end) in CAT and cat_on_last(cap, end):  # Swin's patch merging, named as such
                     return [Refused(W.HIDDEN_CAT, HIDDEN_CAT.format(where=cap.describe(end)))]
-                past = f" (the stream flows on through {u.name})" if end is not u else ""
-                return [Refused(W.READ_ELSEWHERE, f"stream value {name} is also read by {reader(cap, end)}{past}, "
+                past = f" (the stream flows on through {in_words(cap, u)})" if end is not u else ""
+                value = in_words(cap, cap.nodes[name])
+                return [Refused(W.READ_ELSEWHERE, f"the stream at {value} is also read by {in_words(cap, end)}{past}, "
                                                   f"which is not a LayerNorm (centering the stream would change it)")]
     return []
 

@@ -173,20 +173,20 @@ def cat_on_last(cap: Captured, node: fx.Node) -> bool:
     return bool(rank) and isinstance(dim, int) and dim % rank == rank - 1
 
 
-def reader(cap: Captured, node: fx.Node) -> str:
-    """A reader of the stream, in words."""
-    return "the model's output" if node.op == "output" else cap.describe(node)
-
-
 def in_words(cap: Captured, node: fx.Node) -> str:
     """What a node is in the model's terms, never a graph node's name: the model's output, a layer (its module
-    path), the add of a parameter (a norm's bias kept after it), a residual add, or the op and the module it runs in
-    (the module path from the node's module stack)."""
+    path), a parameter or buffer (its state_dict name), the add of a parameter (a norm's bias kept after it), a
+    residual add, or the op and the module it runs in (the module path from the node's module stack)."""
     if node.op == "output":
         return "the model's output"
+    if node.op == "call_module":
+        return str(node.target)  # a layer called as a module: its path (a symbolic trace names the node so too)
     named = cap.describe(node)
     if named != node.name:
         return named  # a layer's own op: its module path
+    param = cap.param_name(node)
+    if param is not None:
+        return param  # a parameter or buffer read as it is: its state_dict name
     where = cap.owner(node) or "the model's forward"
     op = cap.op(node) or call_name(node) or str(node.target)
     if op == "add" and len(node.args) >= 2:
