@@ -21,6 +21,22 @@ def _build(cls, config):
     return cls(config).eval()
 
 
+def saved_folder(build, folder, spread: float = 0.02, norms: float = 0.0):
+    """``build()``'s model in eval mode, every parameter moved by N(0, ``spread``) and, with ``norms``, every
+    LayerNorm's gain drawn from N(1, norms) and bias from N(0, norms), saved to ``folder`` by save_pretrained (a
+    folder as users have one: no norm at exactly 1 / 0); returns the model."""
+    model = _build(lambda _: build(), None)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * spread)
+        for m in model.modules():
+            if norms and isinstance(m, torch.nn.LayerNorm):
+                m.weight.normal_(1.0, norms)
+                m.bias.normal_(0.0, norms)
+    model.save_pretrained(folder)
+    return model
+
+
 def tiny_bert():
     from transformers import BertConfig, BertModel
 

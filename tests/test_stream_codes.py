@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 
 import pytest
 import torch
 
 from normconv.passes import fold_batchnorm
 from normconv.stream import fold as stream_fold
-from tests.hf_tiny import VOCAB
+from tests.hf_tiny import VOCAB, saved_folder as _save
 from tests.test_stream_fold import _saved as _saved_resnet
 
 
@@ -37,17 +36,6 @@ def _gpt2():
 
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                       use_cache=False, bos_token_id=0, eos_token_id=0))
-
-
-def _save(build, folder):
-    warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    model = build().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(folder)
-    return model
 
 
 def _run(cli, *args):

@@ -10,9 +10,8 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
-from tests.hf_tiny import VOCAB
+from tests.hf_tiny import VOCAB, saved_folder
 
 
 def _pegasus():
@@ -27,19 +26,8 @@ def _pegasus():
 @pytest.fixture(scope="module")
 def pegasus(tmp_path_factory):
     """(folder, model): random weights (every norm's gain and bias not 1 / 0), one embedding tied four ways."""
-    warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    model = _pegasus().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.normal_(1.0, 0.2)
-                m.bias.normal_(0.0, 0.2)
     folder = tmp_path_factory.mktemp("pegasus") / "in"
-    model.save_pretrained(folder)
-    return folder, model
+    return folder, saved_folder(_pegasus, folder, norms=0.2)
 
 
 def _inputs(batch, seq, dec):
