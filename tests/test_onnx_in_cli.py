@@ -274,6 +274,26 @@ def test_external_data_in_external_data_out(tmp_path):
         onnx_in.run(str(tmp_path / "in" / "o2.onnx"), "fold", str(tmp_path / "in" / "x.onnx"))
 
 
+def test_overwrite_of_an_external_data_output_by_an_inline_one_leaves_no_stale_sidecar(tmp_path):
+    """OUT written before with its tensors in OUT.onnx.data, then replaced (--overwrite) by a file that holds them
+    inline: the old sidecar is the replaced file's and goes with it; an OUT.onnx.data the old OUT did not use stays."""
+    import onnxruntime
+
+    from normconv.onnx import onnx_in
+
+    src = G.save(G.conv_bn(), tmp_path / "m.onnx")
+    out = tmp_path / "o.onnx"
+    onnx.save_model(G.conv_bn(), str(out), save_as_external_data=True, location="o.onnx.data", size_threshold=0)
+    r = onnx_in.run(src, "fold", str(out), overwrite=True)
+    assert r.passed and r.extra["external_data"] is None and not (tmp_path / "o.onnx.data").exists()
+    assert any("removed o.onnx.data" in n for n in r.notes)
+    assert "BatchNormalization" not in _ops(out)
+    onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])  # loads with no sidecar
+    (tmp_path / "o.onnx.data").write_bytes(b"someone else's")  # not the external data of the o.onnx there now
+    onnx_in.run(src, "fold", str(out), overwrite=True)
+    assert (tmp_path / "o.onnx.data").read_bytes() == b"someone else's"
+
+
 def test_silero_spox_file_unnamed_dims_that_must_agree(cli, tmp_path, real_files):
     """spox's silero_vad.onnx declares every dynamic dimension unnamed (0): the input's batch (axis 0) and the
     state's (axis 1) must agree, and the model takes 512 samples a chunk. Both batch dimensions run at 1 and 2

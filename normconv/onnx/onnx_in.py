@@ -413,7 +413,14 @@ def run(spec: str, command: str, output: str | None, target: str = "onnx", opset
                                     report)
         if out is not None:
             written = [f for f in (tmp, tmpdir / (tmp.name + ".data")) if f.exists()]
+            # the external data of the OUT this run replaces, where the new OUT keeps its tensors inline
+            stale = out.parent / (out.name + ".data")
+            stale = stale if not external and stale.is_file() and _owned_by(out, stale) else None
             publish([(f, out.parent / f.name) for f in written])  # over a folder of that name only with --overwrite
+            if stale is not None:
+                stale.unlink()
+                report.notes.append(f"removed {stale.name}: the external data of the {out.name} replaced (the new "
+                                    f"file holds its tensors inline)")
             report.output = str(out)
     except (VerificationError, NormconvError):
         raise
