@@ -536,7 +536,7 @@ def _flip_a_byte(folder):
     name = next(k for k in sorted(ckpt.weight_map) if k.endswith("attn.c_attn.weight"))
     shard = ckpt.weight_map[name]
     h = ckpt.shards[shard]
-    at = h["__start__"] + h[name]["data_offsets"][0] + 5
+    at = h.start + h[name]["data_offsets"][0] + 5
     with open(folder / shard, "r+b") as f:
         f.seek(at)
         byte = f.read(1)[0]

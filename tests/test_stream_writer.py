@@ -220,4 +220,4 @@ def test_a_source_larger_than_the_memory_has_each_tensor_s_pages_dropped_once_re
     h = ckpt.shards[ckpt.weight_map["s0.t1"]]
     start, end = h["s0.t1"]["data_offsets"]
     assert ckpt.get("s0.t1").equal(tensors["s0.t1"])
-    assert dropped == [(h["__start__"] + start, end - start, os.POSIX_FADV_DONTNEED)]
+    assert dropped == [(h.start + start, end - start, os.POSIX_FADV_DONTNEED)]

@@ -98,7 +98,7 @@ def test_headers_are_accepted_exactly_when_the_library_accepts_them(tmp_path, na
         assert str(path) in str(exc) and "\n" not in str(exc)
     assert ours == _library_accepts(path), name
     if ours:  # the header normconv parsed is the one the library read
-        assert set(safetensors_header(path)) - {"__start__", "__metadata__"} == set(ckpt.weight_map)
+        assert set(safetensors_header(path).tensors) == set(ckpt.weight_map)
 
 
 READABLE = [c for c in CASES if c[0] in ("valid", "valid I32 from the library's test", "metadata and padding",
@@ -193,6 +193,34 @@ def test_an_index_that_disagrees_with_its_shards_is_one_line(cli, tmp_path, temp
     out = tmp_path / "out"
     one_line_error(cli, name, folder, *flags, *(["-o", out] if flags else []), match=match)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one file", "sharded"])
+def test_a_tensor_named_like_normconv_s_own_bookkeeping_is_carried(cli, tmp_path, sharded):
+    """Every tensor name the safetensors library accepts is a tensor name to normconv: ``__start__`` (where the data
+    begins, which normconv keeps beside the header, never in it) is carried by --stream like any extra tensor."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder, out = tmp_path / "model", tmp_path / "out"
+    saved_folder(folder, "20KB" if sharded else None)
+    shard = folder / (sorted(set(index_of(folder)["weight_map"].values()))[0] if sharded else "model.safetensors")
+    with safe_open(str(shard), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    extra = {"__start__": torch.arange(6, dtype=torch.float32), "keepme": torch.ones(3)}
+    save_file(tensors | extra, str(shard), metadata=meta)
+    if sharded:
+        index = index_of(folder)
+        index["weight_map"].update(dict.fromkeys(extra, shard.name))
+        write_index(folder, index)
+    assert "__start__" in safetensors_header(shard).tensors
+    rc, _, err = cli("--quiet", "swap", folder, "--to", "rmsnorm", "--stream", "-o", out)
+    assert rc == 0, err
+    carried = {}
+    for path in out.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            carried |= {k: f.get_tensor(k) for k in f.keys() if k in extra}
+    assert sorted(carried) == sorted(extra) and all(torch.equal(carried[k], v) for k, v in extra.items())
 
 
 # -- zip archives -----------------------------------------------------------------------------------------------

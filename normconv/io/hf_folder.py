@@ -83,11 +83,29 @@ def _regular(folder: Path, name: str, named_by: str = "") -> Path:
 _FORMAT_BYTES = 8  # a safetensors file opens with the header's length, a little-endian u64
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
-    """The header of a safetensors file ({name: {dtype, shape, data_offsets}}, "__metadata__", and "__start__":
-    where the data begins), after ``safetensors.safe_open`` accepted the file: a header the library refuses (too
-    long, not JSON, an unknown dtype, a negative dimension, offsets that overlap, leave gaps, disagree with the
-    shape or do not cover the data exactly) is a one-line NormconvError, nothing read."""
+@dataclass
+class Header:
+    """A safetensors file's validated header: ``tensors`` ({name: {dtype, shape, data_offsets}}, every name the
+    library reads, whatever it is), ``metadata`` (its ``__metadata__``, or None) and ``start`` (where the data
+    begins). normconv's own bookkeeping lives beside the tensors, never among them: a tensor may be named anything
+    the format allows (``__start__`` included)."""
+
+    tensors: dict[str, dict[str, Any]]
+    metadata: dict[str, Any] | None
+    start: int
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        return self.tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+
+def safetensors_header(path: Path) -> Header:
+    """The header of a safetensors file (``Header``: its tensors, its metadata, where the data begins), after
+    ``safetensors.safe_open`` accepted the file: a header the library refuses (too long, not JSON, an unknown dtype,
+    a negative dimension, offsets that overlap, leave gaps, disagree with the shape or do not cover the data
+    exactly) is a one-line NormconvError, nothing read."""
     from safetensors import safe_open
 
     try:
@@ -99,16 +117,16 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(_FORMAT_BYTES))
         header = json.loads(f.read(n))
-    mine = {k: (v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    metadata = header.pop("__metadata__", None)
+    mine = {k: (v["dtype"], list(v["shape"])) for k, v in header.items()}
     if mine != library:  # e.g. a name given twice, read otherwise than the library reads it
         raise NormconvError(f"{path} is not a valid safetensors file (its header reads differently than the "
                             f"safetensors library reads it)")
-    header["__start__"] = _FORMAT_BYTES + n
-    return header
+    return Header(header, metadata, _FORMAT_BYTES + n)
 
 
-def tensor_names(header: dict[str, Any]) -> list[str]:
-    return [k for k in header if k not in ("__metadata__", "__start__")]
+def tensor_names(header: Header) -> list[str]:
+    return list(header.tensors)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -126,7 +144,7 @@ class Weights:
     files: list[Path]
     safetensors: bool
     weight_map: dict[str, str] = field(default_factory=dict)
-    headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> header (safetensors)
+    headers: dict[str, Header] = field(default_factory=dict)  # file name -> header (safetensors)
     index_metadata: dict | None = None
 
     def record(self, ledger: Ledger) -> None:
@@ -261,5 +279,5 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     return notes + ([f"not copied into the folder: {', '.join(outside)} (a link resolving outside the input folder: "
                      f"not read)"] if outside else [])
 
-__all__ = ["Weights", "resolve", "chosen", "inside", "safetensors_header", "tensor_names", "check_folder_files",
+__all__ = ["Header", "Weights", "resolve", "chosen", "inside", "safetensors_header", "tensor_names", "check_folder_files",
            "copy_side_files", "OTHER_WEIGHTS", "CONFIG", "SAFE_SINGLE", "SAFE_INDEX", "BIN_SINGLE", "BIN_INDEX"]

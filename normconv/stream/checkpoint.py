@@ -72,7 +72,7 @@ class Checkpoint:
         self.index_name = w.index.name if w.index is not None else None
         self.index_metadata = dict(w.index_metadata or {}) if w.index is not None else None
         self.weight_map: dict[str, str] = dict(w.weight_map)
-        self.shards: dict[str, dict[str, Any]] = dict(w.headers)  # shard -> header, in the index's order
+        self.shards: dict[str, hf_folder.Header] = dict(w.headers)  # shard -> header, in the index's order
         self.key = {k: k for k in self.weight_map}  # model's state_dict name -> checkpoint key
         self.name = dict(self.key)  # checkpoint key -> model's state_dict name
         self.uncached = False  # each tensor's pages dropped from the page cache once read (``larger_than_memory``)
@@ -127,11 +127,11 @@ class Checkpoint:
         if end > start:
             buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
             with open(self.folder / shard, "rb") as f:
-                f.seek(h["__start__"] + start)
+                f.seek(h.start + start)
                 if f.readinto(buf) != end - start or buf.nbytes != end - start:
                     raise NormconvError(f"{self.folder / shard}: tensor {name} is truncated")
                 if self.uncached:  # OPT-13B (25.7 GB, 23 GB of RAM): 44 -> 41 s
-                    durable.drop_cached(f.fileno(), h["__start__"] + start, end - start)
+                    durable.drop_cached(f.fileno(), h.start + start, end - start)
         return t
 
     def dtype(self, key: str) -> torch.dtype:

@@ -55,7 +55,7 @@ def plan_layout(ckpt: Checkpoint, copies: dict[str, list[str]], dtypes: dict[str
             shape, dtype = tuple(header[n]["shape"]), _DTYPES[header[n]["dtype"]]
             entries += [(c, (dtypes or {}).get(c, dtype), shape) for c in copies.get(n, [])] + \
                 [(n, (dtypes or {}).get(n, dtype), shape)]
-        raw, offsets, size = shard_header(entries, header.get("__metadata__") or {"format": "pt"})
+        raw, offsets, size = shard_header(entries, header.metadata or {"format": "pt"})
         layout.shards[shard] = (raw, size)
         for (name, dtype, shape), start in zip(entries, offsets):
             layout.at[name] = (shard, len(raw) + start, dtype, shape)
