@@ -56,6 +56,21 @@ def test_architectures_naming_something_that_is_not_a_model(cli, tmp_path, templ
     one_line_error(cli, "swap", folder, "--stream", "-o", tmp_path / "out", match="not a transformers model class")
 
 
+@pytest.mark.parametrize("changes,match", [({"torch_dtype": "int8", "dtype": "int8"}, "cannot be instantiated"),
+                                           ({"model_type": "evilgpt"}, "not a readable Hugging Face config")],
+                         ids=["integer dtype", "unknown model_type"])
+@pytest.mark.parametrize("command", ["swap", "swap --stream"])
+def test_a_config_transformers_refuses_is_one_line_in_memory_and_streamed(cli, tmp_path, template, changes, match,
+                                                                          command):
+    """transformers' own refusal of a config (its multi-line text, or a build it refuses) is the user's mistake:
+    one line and exit 2, read in memory or built on the meta device by --stream, nothing written."""
+    folder = _with_config(tmp_path, template, **changes)
+    out = tmp_path / "out"
+    one_line_error(cli, *command.split(" ")[:1], folder, "--to", "rmsnorm", *command.split(" ")[1:], "-o", out,
+                   match=match)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("layers", [1e9, 1000000000, 10 ** 15])
 @pytest.mark.parametrize("command", ["inspect", "swap --stream"])
 def test_a_config_larger_than_memory_is_refused_before_building(cli, tmp_path, template, layers, command):

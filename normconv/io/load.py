@@ -383,11 +383,7 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
         ledger.record_folder(path, primary=True)
         if weights is not None:
             weights.record(ledger)
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
-                                                         trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise NormconvError(f"{spec}/config.json is not a readable Hugging Face config ({describe(exc)})") from None
+    config = hf_config(path, spec, trust_remote_code)
     hf_folder.check_folder_files(path, list(getattr(type(config), "extra_files", ())))
     cls = hf_model_class(config, spec)
     config_size.check_memory(raw, spec, cls, config)  # past memory: estimated, and where so, counted on meta
@@ -398,10 +394,9 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # normconv's output is normconv's: no "Loading weights" bar on stderr
     try:
-        model = cls.from_pretrained(str(path), config=config, local_files_only=True,
-                                    trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise NormconvError(f"cannot load the Hugging Face model in {spec} ({describe(exc)})") from None
+        with hf_building(spec):
+            model = cls.from_pretrained(str(path), config=config, local_files_only=True,
+                                        trust_remote_code=trust_remote_code)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -411,6 +406,31 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
         inputs = inputs.to(dtype)  # pixels and audio in the model's own dtype: a float16 checkpoint takes float16
     return Loaded(model.eval(), inputs, spec, "hf", path,
                   use_cache=use_cache if isinstance(use_cache, bool) else None)
+
+
+def hf_config(path: str | os.PathLike, spec: str, trust_remote_code: bool = False) -> Any:
+    """transformers' config for the folder ``path``; what transformers refuses in it (an unknown model_type, a value
+    its config class rejects) is the user's: one line, exit 2 (in memory and --stream alike)."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                       trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise NormconvError(f"{spec}/config.json is not a readable Hugging Face config ({describe(exc)})") from None
+
+
+@contextlib.contextmanager
+def hf_building(spec: str):
+    """transformers' refusal to build or load the model a config describes (a dtype no model is built in, a size
+    its code rejects) is the user's: one line, exit 2, whether the model is loaded (in memory) or built on the meta
+    device (--stream)."""
+    try:
+        yield
+    except NormconvError:
+        raise
+    except Exception as exc:
+        raise NormconvError(f"cannot load the Hugging Face model in {spec} ({describe(exc)})") from None
 
 
 def hf_model_class(config: Any, spec: str) -> Any:

@@ -4,8 +4,8 @@ they run and put back on meta after (``fill`` / ``restore``), several forwards m
 (``lockstep``: both input shapes, the original and the rewritten model, run through each block while it is
 loaded once; stream.onepass drives them). An encoder-decoder's blocks are both stacks' (``blocks``).
 
-Peak memory: one block plus the embeddings and head. Imports stream.checkpoint (no graph, no passes: it runs
-models, it does not analyze them).
+Peak memory: one block plus the embeddings and head. Imports stream.checkpoint and io.load's ``hf_building`` (no
+graph, no passes: it runs models, it does not analyze them).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from normconv.errors import NormconvError
+from normconv.io.load import hf_building
 from normconv.libc import c_function
 from normconv.stream.checkpoint import Checkpoint, stored_key
 from normconv.verify import Inputs
@@ -55,8 +56,8 @@ def build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
     hf_logging.set_verbosity_error()
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype if dtype.is_floating_point else old)
-    try:
-        with _parameters_on_meta():
+    try:  # what transformers refuses to build from the config: one line, as the in-memory load says it
+        with _parameters_on_meta(), hf_building(getattr(config, "_name_or_path", "") or cls.__name__):
             model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
     finally:
         torch.set_default_dtype(old)

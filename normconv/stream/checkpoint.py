@@ -26,7 +26,7 @@ from normconv.io import config_size, durable, hf_folder
 from normconv.io.archive import memory_bytes
 from normconv.io.hf_folder import safetensors_header, tensor_names
 from normconv.io.ledger import Ledger
-from normconv.io.load import hf_model_class, remote_code
+from normconv.io.load import hf_config, hf_model_class, remote_code
 from normconv.io.write import check_writable
 
 INDEX = hf_folder.SAFE_INDEX
@@ -251,20 +251,13 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite:
     check_writable(out, overwrite)
     ckpt = Checkpoint(src, weights)
     config_size.check_numbers(raw, str(src))  # a layer count or width no model has: never built on meta
-    try:
-        cls, config = model_class(src)
-    except NormconvError:
-        raise
-    except Exception as exc:
-        raise NormconvError(f"{src}/config.json is not a readable Hugging Face config ({exc})") from None
+    cls, config = model_class(src)
     return src, out, ckpt, cls, config, float_dtype(ckpt)
 
 
 def model_class(folder: Path):
     """The transformers class and config a Hugging Face folder names (never the folder's own code); no KV cache."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    config = hf_config(folder, str(folder))  # transformers' refusals in one line, as the in-memory load gives them
     cls = hf_model_class(config, str(folder))
     if hasattr(config, "use_cache"):
         config.use_cache = False  # torch.export cannot capture a KV cache object
