@@ -87,6 +87,11 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
             config.tie_word_embeddings = False
         _own_tensors(model, kept)
         notes.append(f"untied {' / '.join(untied[0])} (config.json: tie_word_embeddings = false)")
+    headless = embedding_a_head_would_tie(original)
+    if headless is not None and not untied and not torch.equal(new_state[headless], old_state[headless]):
+        for config in _configs(model):
+            config.tie_word_embeddings = False
+        notes.append(headless_untie_note(original, headless))
     if swapped:
         kinds = sorted(set(swapped.values()))
         notes.append(f"the folder keeps the module classes config.json names, each carrying the rewritten weights "
@@ -195,6 +200,28 @@ def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str, 
     if old.affine:
         target._parameters["weight"] = nn.Parameter(torch.ones(c, dtype=old.weight.dtype), old.weight.requires_grad)
         target._parameters["bias"] = nn.Parameter(shift.to(old.bias.dtype), old.bias.requires_grad)
+
+
+def embedding_a_head_would_tie(model: nn.Module) -> str | None:
+    """The state_dict name of ``model``'s input embedding where its config ties word embeddings but ``model`` has no
+    output embedding (a base model: GPT2Model, BertModel): a head class built from the same config.json (as
+    AutoModelForCausalLM builds one from it) ties its head to that tensor, which no proof on ``model`` covers. Where
+    the rewrite changes that tensor, the folder is written with tie_word_embeddings = false. None otherwise."""
+    if not any(getattr(c, "tie_word_embeddings", False) for c in _configs(model)):
+        return None
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except Exception:  # noqa: BLE001 - not a transformers model, or one without these
+        return None
+    weight = getattr(embedding, "weight", None)
+    if head is not None or not isinstance(weight, torch.Tensor):
+        return None
+    return next((k for k, p in model.named_parameters(remove_duplicate=False) if p is weight), None)
+
+
+def headless_untie_note(model: nn.Module, key: str) -> str:
+    return (f"config.json: tie_word_embeddings = false: {type(model).__name__} has no head, and a head class built "
+            f"from this folder would tie its head to the rewritten {key}, which the proof does not cover")
 
 
 def _untied(original: nn.Module, ties: list[list[str]],
@@ -330,4 +357,4 @@ def _round_trip(written: nn.Module, loaded: nn.Module, cls: type) -> None:
                         f"not invert), so no folder holds this model")
 
 
-__all__ = ["folder_form", "check", "users_settings"]
+__all__ = ["folder_form", "check", "users_settings", "embedding_a_head_would_tie", "headless_untie_note"]

@@ -385,7 +385,7 @@ def _load_hf(path: Path, spec: str, trust_remote_code: bool = False, ledger: Led
             weights.record(ledger)
     config = hf_config(path, spec, trust_remote_code)
     hf_folder.check_folder_files(path, list(getattr(type(config), "extra_files", ())))
-    cls = hf_model_class(config, spec)
+    cls = hf_model_class(config, spec, weights.weight_map if weights is not None else None)
     config_size.check_memory(raw, spec, cls, config)  # past memory: estimated, and where so, counted on meta
     use_cache = getattr(config, "use_cache", None)
     if hasattr(config, "use_cache"):
@@ -433,9 +433,13 @@ def hf_building(spec: str):
         raise NormconvError(f"cannot load the Hugging Face model in {spec} ({describe(exc)})") from None
 
 
-def hf_model_class(config: Any, spec: str) -> Any:
-    """The transformers model class a config's ``architectures`` names (transformers.AutoModel when it names none
-    transformers has); a name that is not a model class (a tokenizer, a config, a function) is refused."""
+def hf_model_class(config: Any, spec: str, keys: Any = None) -> Any:
+    """The transformers model class a config's ``architectures`` names, resolved as transformers resolves it: a
+    transformers class of that name, or the Auto class config.json's ``auto_map`` maps to it (the folder's own
+    code, where trusted). A name that is neither, or is not a model class (a tokenizer, a config, a function), is
+    refused: normconv never falls back to another class, whose head (or lack of one) the folder did not name.
+    With no ``architectures``: the class transformers' AutoModel builds from the config (the base model, no head),
+    unless the checkpoint's tensor names ``keys`` show a model with a head (the base model's prefix on them)."""
     import transformers
 
     archs = getattr(config, "architectures", None) or []
@@ -444,14 +448,61 @@ def hf_model_class(config: Any, spec: str) -> Any:
     for name in archs:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if cls is None:
-            continue
+            auto = _auto_map_class(config, name)
+            if auto is not None:
+                return auto
+            raise NormconvError(f"{spec}/config.json: architectures names {name!r}, which is not a transformers "
+                                f"model class (transformers has no class of that name); name the model's class "
+                                f"there{_examples(config)}")
         auto = getattr(transformers.models.auto.auto_factory, "_BaseAutoModelClass", ())
         if isinstance(cls, type) and (issubclass(cls, transformers.PreTrainedModel) or (auto and issubclass(cls, auto))):
             return cls
         what = f"defined in {getattr(cls, '__module__', '?')}"
         raise NormconvError(f"{spec}/config.json: architectures names {name}, which is not a transformers model class "
                             f"({what}); name the model's class there, or remove architectures")
-    return transformers.AutoModel
+    if getattr(config, "auto_map", None):
+        return transformers.AutoModel  # the folder's own code (trusted): its AutoModel entry
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        base = _get_model_class(config, transformers.AutoModel._model_mapping)
+    except Exception:  # noqa: BLE001 - no base model for this config: AutoModel says why, in one line
+        return transformers.AutoModel
+    prefix = getattr(base, "base_model_prefix", "") or ""
+    headed = sorted(k for k in (keys or ()) if prefix and k.startswith(f"{prefix}."))
+    if headed:
+        raise NormconvError(f"{spec}/config.json names no architectures, and its weights are a model with a head's "
+                            f"({headed[0]}: {base.__name__}, the model transformers' AutoModel builds, holds no "
+                            f"{prefix}.*), so which head the folder means is not said; name the model's class in "
+                            f"architectures{_examples(config)}")
+    return base
+
+
+def _auto_map_class(config: Any, name: str) -> Any:
+    """The Auto class whose ``auto_map`` entry is the class ``name`` (the folder's own code), or None."""
+    import transformers
+
+    auto_map = getattr(config, "auto_map", None)
+    for auto, ref in (auto_map.items() if isinstance(auto_map, dict) else ()):
+        refs = ref if isinstance(ref, (list, tuple)) else [ref]
+        if any(isinstance(r, str) and r.rsplit(".", 1)[-1] == name for r in refs) and auto.startswith("AutoModel"):
+            return getattr(transformers, auto, None)
+    return None
+
+
+def _examples(config: Any) -> str:
+    """' (e.g. GPT2LMHeadModel, GPT2Model)': the classes transformers has for the config's model type."""
+    import transformers
+
+    names: list[str] = []
+    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModel"):
+        try:
+            found = getattr(transformers, auto)._model_mapping[type(config)]
+        except Exception:  # noqa: BLE001 - no such task for this model type
+            continue
+        names += [c.__name__ for c in (found if isinstance(found, (list, tuple)) else [found])
+                  if c.__name__ not in names]
+    return f" (e.g. {', '.join(names[:3])})" if names else ""
 
 
 def remote_code(config_json: Path) -> str | None:

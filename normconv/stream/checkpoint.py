@@ -251,23 +251,24 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite:
     check_writable(out, overwrite)
     ckpt = Checkpoint(src, weights)
     config_size.check_numbers(raw, str(src))  # a layer count or width no model has: never built on meta
-    cls, config = model_class(src)
+    cls, config = model_class(src, ckpt.weight_map)
     return src, out, ckpt, cls, config, float_dtype(ckpt)
 
 
-def model_class(folder: Path):
-    """The transformers class and config a Hugging Face folder names (never the folder's own code); no KV cache."""
+def model_class(folder: Path, keys: Any = None):
+    """The transformers class and config a Hugging Face folder names (never the folder's own code; io.load's
+    resolution, ``keys``: the checkpoint's tensor names); no KV cache."""
     config = hf_config(folder, str(folder))  # transformers' refusals in one line, as the in-memory load gives them
-    cls = hf_model_class(config, str(folder))
+    cls = hf_model_class(config, str(folder), keys)
     if hasattr(config, "use_cache"):
         config.use_cache = False  # torch.export cannot capture a KV cache object
     return cls, config
 
 
 def copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, str], untied: bool,
-                notes: list[str]) -> None:
-    """The index, config.json (untied if needed) and the folder's other files as the in-memory folder writer copies
-    them (io.hf_folder.copy_side_files: tokenizer, generation config, ... as regular files; weight files of other
+                notes: list[str], cls: Any = None) -> None:
+    """The index, config.json (untied if needed; ``architectures`` naming ``cls``, the class the stream proved, as
+    save_pretrained names it) and the folder's other files as the in-memory folder writer copies them (io.hf_folder.copy_side_files: tokenizer, generation config, ... as regular files; weight files of other
     formats, which hold the original weights, and subfolders left out, said in ``notes``)."""
     if ckpt.index_metadata is not None:
         sizes = {s: _data_bytes(tmp / s) for s in set(weight_map.values())}
@@ -278,6 +279,8 @@ def copy_folder(src: Path, tmp: Path, ckpt: Checkpoint, weight_map: dict[str, st
     config = json.loads((src / "config.json").read_text())
     if untied:
         config["tie_word_embeddings"] = False
+    if isinstance(cls, type) and any(b.__name__ == "PreTrainedModel" for b in cls.__mro__):
+        config["architectures"] = [cls.__name__]
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     notes.extend(hf_folder.copy_side_files(src, tmp))  # the shards, the index and config.json are there already
 

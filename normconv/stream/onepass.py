@@ -424,7 +424,7 @@ def write_verified(src: Path, out: Path, ckpt: Checkpoint, cls, config, dtype: t
         layout = plan_layout(ckpt, copies, dtypes)  # dtypes: rewritten tensors written in another dtype
         ckpt.uncached = ckpt.larger_than_memory()  # read once: its pages would only be reclaimed inside the pass
         writer = PositionedWriter(tmp, layout, early=after_rewrite is None)  # a test's edit comes before any check
-        copy_folder(src, tmp, ckpt, layout.weight_map, untied, report.notes)
+        copy_folder(src, tmp, ckpt, layout.weight_map, untied, report.notes, cls)
         others = digests(tmp, set(layout.shards))
         # a half-precision checkpoint runs in float32 (its tensors cast as they are loaded), at its own dtype's
         # tolerance: the check then sees what the rewrite wrote (bf16-rounded centered weights), not bf16

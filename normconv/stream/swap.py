@@ -35,6 +35,7 @@ from normconv.quiet import phase
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
 from normconv.io.hf_inputs import hf_example_inputs
+from normconv.io.hf_output import embedding_a_head_would_tie, headless_untie_note
 from normconv.passes import swap_norm
 from normconv.report import Report
 from normconv.stream.blocks import build_on_meta
@@ -46,7 +47,8 @@ from normconv.stream.onepass import Produce, write_verified
 
 
 def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
-    """(analysis, edits, tied names), or NormconvError with the reason the swap cannot be exact."""
+    """(analysis, edits, tied names, headless: a base model's tied input embedding and its note, or None), or
+    NormconvError with the reason the swap cannot be exact."""
     meta = build_on_meta(cls, config, dtype)
     ckpt.rename_for(meta)
     inputs = hf_example_inputs(meta)
@@ -68,6 +70,10 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
                             f"(run without --stream, where the rewrite is proven for the other branch or refused)",
                             Code.REFUSED, pass_name=swap_norm.NAME)  # the code the in-memory refusal has
     aliases = tied_names(meta)
+    # a base model whose config ties word embeddings: a head class built from the written folder would tie its head
+    # to the centered embedding (io.hf_output: the folder is written untied where the embedding is centered)
+    headless = embedding_a_head_would_tie(meta)
+    headless = (headless, headless_untie_note(meta, headless)) if headless is not None else None
 
     seen: dict[str, torch.Tensor] = {}  # analyze and edits read the same few vectors (the norms' biases): once
 
@@ -95,7 +101,7 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
         raise NormconvError(f"{folder}: the stream has layer scales ({plan.scales[0].scale}, ...): --stream does not "
                             f"fold them yet; run normconv swap without --stream", Code.REFUSED,
                             pass_name=swap_norm.NAME)
-    return a, plan, aliases
+    return a, plan, aliases, headless
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -103,7 +109,8 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
 
 
 def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[str]], dtype: torch.dtype,
-             notes: list[str]) -> tuple[Produce, dict[str, list[str]], dict[str, torch.dtype], bool, int]:
+             notes: list[str], headless: tuple[str, str] | None = None
+             ) -> tuple[Produce, dict[str, list[str]], dict[str, torch.dtype], bool, int]:
     """How each tensor is rewritten (``produce``, by the model's name: a tied tensor's names may differ), the untied
     copies to write (stored key -> the other names of its tensor, each written as ``produce`` gives it for that
     name), the rewritten tensors written in the model's dtype ``dtype`` (output key -> dtype: those stored in a dtype
@@ -139,6 +146,9 @@ def _rewrite(ckpt: Checkpoint, plan: swap_norm.Edits, aliases: dict[str, list[st
             notes.append(f"untied {weight} from {', '.join(others)}: the embedding is centered"
                          + (f", {', '.join(kept)} {'keeps' if len(kept) == 1 else 'keep'} the original values"
                             if kept else "") + " (config.json: tie_word_embeddings = false)")
+    if headless is not None and not untied and centers(headless[0]) is not None:
+        untied = True  # config.json: tie_word_embeddings = false, as the in-memory folder writer leaves it
+        notes.append(headless[1])
     written = {ckpt.name[k]: k for k in ckpt.name} | {c: c for cs in copies.values() for c in cs}
     # a rewritten tensor stored in a dtype that cannot hold it is written in the model's dtype (from_pretrained
     # loads it in that dtype either way): rounded back into float16 / float8 it is no longer zero-mean
@@ -182,12 +192,13 @@ def swap(folder: str | os.PathLike, output: str | os.PathLike, *, atol: float | 
     """``normconv swap FOLDER --to rmsnorm --stream -o OUT``: see the module docstring. ``after_rewrite`` sees the
     temp folder once it is written, before its checksums are read back (tests use it to corrupt the output)."""
     src, out, ckpt, cls, config, dtype = open_folder(folder, output, overwrite)
-    analysis, plan, aliases = _plan(src, ckpt, cls, config, dtype)
+    analysis, plan, aliases, headless = _plan(src, ckpt, cls, config, dtype)
     report = Report(command="swap", model=str(src), sites=analysis.sites())
     report.extra.update({"to": "rmsnorm", "exact": True, "streamed": True, "swapped": len(analysis.plans),
                          "centered": len(plan.center)})
 
-    produce, copies, widen, untied, report.extra["folded"] = _rewrite(ckpt, plan, aliases, dtype, report.notes)
+    produce, copies, widen, untied, report.extra["folded"] = _rewrite(ckpt, plan, aliases, dtype, report.notes,
+                                                                      headless)
     write_verified(src, out, ckpt, cls, config, dtype, report, produce, copies, untied, _centered,
                    atol, rtol, keep_temp_on_failure, after_rewrite, dtypes=widen)
     report.notes.append("the output is the same architecture with rewritten weights: every LayerNorm reads a "
