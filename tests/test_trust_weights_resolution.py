@@ -28,7 +28,9 @@ def _layout(folder: Path, names: list[str], explicit: str | None = None) -> None
     config = {"model_type": "gpt2"} | ({"transformers_weights": explicit} if explicit else {})
     (folder / "config.json").write_text(json.dumps(config))
     for name in names:
-        if name.endswith(".index.json"):
+        if name.startswith("@"):  # a dangling link of that name (os.path.isfile: no file)
+            (folder / name[1:]).symlink_to("/nonexistent/" + name[1:])
+        elif name.endswith(".index.json"):
             shards = BIN_SHARDS if name.startswith("pytorch") else SHARDS
             (folder / name).write_text(json.dumps({"metadata": {}, "weight_map": {"a": shards[0], "b": shards[1]}}))
             for s in shards:
@@ -46,6 +48,8 @@ LAYOUTS = [
     (["model.safetensors.index.json", "pytorch_model.bin"], None),
     (["model.safetensors", "pytorch_model.bin.index.json"], None),
     (["model.safetensors.index.json", "pytorch_model.bin.index.json"], None),
+    (["@model.safetensors", "model.safetensors.index.json"], None),
+    (["@model.safetensors", "@model.safetensors.index.json", "pytorch_model.bin"], None),
     (["model.safetensors", "custom.safetensors"], "custom.safetensors"),
     (["model.safetensors", "custom.safetensors.index.json"], "custom.safetensors.index.json"),
 ]
@@ -125,3 +129,37 @@ def test_stream_says_what_from_pretrained_would_load_when_it_is_not_safetensors(
     _layout(folder, ["pytorch_model.bin"])
     with pytest.raises(NormconvError, match="no safetensors weights.*pytorch_model.bin"):
         Checkpoint(folder)
+
+
+def _dangling_single(folder: Path) -> None:
+    (folder / "model.safetensors").symlink_to("/nonexistent/model.safetensors")
+
+
+def _dot_slash_shards(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f"./{v}" for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("edit", [_dangling_single, _dot_slash_shards], ids=["dangling model.safetensors link",
+                                                                             "index naming ./shard"])
+def test_a_layout_from_pretrained_loads_is_read_in_memory_and_streamed(cli, tmp_path, edit):
+    """Where from_pretrained loads a folder (a dangling model.safetensors link it skips, an index naming its shards
+    ./x), normconv reads the same weights in memory and --stream: each output loads and computes the original's
+    logits at two shapes."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "m"
+    original = saved_folder(folder)
+    edit(folder)
+    AutoModelForCausalLM.from_pretrained(folder)  # transformers loads this layout
+    for mode in ([], ["--stream"]):
+        out = tmp_path / f"out{len(mode)}"
+        rc, _, err = cli("--quiet", "swap", folder, "--to", "rmsnorm", *mode, "-o", out)
+        assert rc == 0, err
+        back = AutoModelForCausalLM.from_pretrained(out).eval()
+        for i, shape in enumerate([(1, 7), (3, 13)]):
+            ids = torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(i))
+            with torch.no_grad():
+                a, b = original(ids).logits, back(ids).logits
+            assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (mode, shape)

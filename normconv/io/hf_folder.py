@@ -174,7 +174,9 @@ def chosen(folder: Path, config: dict[str, Any] | None = None) -> tuple[str, boo
                                 f"file nor a .safetensors.index.json")
         inside(folder, explicit, CONFIG)
         return explicit, explicit.endswith(".index.json")
-    present = [(name, sharded) for name, sharded in _ORDER if (folder / name).is_file() or (folder / name).is_symlink()]
+    # transformers tests each name with os.path.isfile: a link is followed (one leading outside the folder is then
+    # refused by ``inside``), a dangling link is no file and skipped, as transformers skips it
+    present = [(name, sharded) for name, sharded in _ORDER if os.path.isfile(folder / name)]
     for single, index in ((SAFE_SINGLE, SAFE_INDEX), (BIN_SINGLE, BIN_INDEX)):
         names = [n for n, _ in present]
         if single in names and index in names:
@@ -239,6 +241,13 @@ def _check_index(w: Weights, index_name: str) -> None:
                 raise NormconvError(f"{w.folder}/{shard} holds tensor {tensor}, but {index_name} {what}")
 
 
+def top_level(name: str) -> str | None:
+    """The file name a shard path names at the top of its folder (``./x`` and ``x`` alike: ``.`` and empty
+    segments change no POSIX path), or None where it names one in a subfolder."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    return parts[0] if len(parts) == 1 and not name.startswith("/") else None
+
+
 def check_folder_files(folder: Path, names: list[str]) -> None:
     """Every entry of ``names`` present in the folder resolves inside it (config.json, generation_config.json, a
     config class's extra weight files)."""
@@ -280,4 +289,4 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
                      f"not read)"] if outside else [])
 
 __all__ = ["Header", "Weights", "resolve", "chosen", "inside", "safetensors_header", "tensor_names", "check_folder_files",
-           "copy_side_files", "OTHER_WEIGHTS", "CONFIG", "SAFE_SINGLE", "SAFE_INDEX", "BIN_SINGLE", "BIN_INDEX"]
+           "copy_side_files", "top_level", "OTHER_WEIGHTS", "CONFIG", "SAFE_SINGLE", "SAFE_INDEX", "BIN_SINGLE", "BIN_INDEX"]

@@ -60,7 +60,7 @@ class Checkpoint:
             loads = f": from_pretrained would load {w.files[0].name if w.index is None else w.index.name}" if w else ""
             raise NormconvError(f"{folder} has no safetensors weights ({SINGLE} or {INDEX}){loads}; --stream reads "
                                 f"safetensors checkpoints only")
-        odd = next((s for s in w.headers if Path(s).name != s), None)
+        odd = next((s for s in w.headers if hf_folder.top_level(s) is None), None)
         if odd is not None:
             raise NormconvError(f"{folder}: the shard {odd} lies in a subfolder; --stream reads shards at the top of "
                                 f"the folder")
@@ -71,8 +71,9 @@ class Checkpoint:
                                 f"{', '.join(_DTYPES)})")
         self.index_name = w.index.name if w.index is not None else None
         self.index_metadata = dict(w.index_metadata or {}) if w.index is not None else None
-        self.weight_map: dict[str, str] = dict(w.weight_map)
-        self.shards: dict[str, hf_folder.Header] = dict(w.headers)  # shard -> header, in the index's order
+        # shards by their file names (an index's ./x is the file x: from_pretrained joins it to the folder)
+        self.weight_map: dict[str, str] = {k: hf_folder.top_level(v) for k, v in w.weight_map.items()}
+        self.shards: dict[str, hf_folder.Header] = {hf_folder.top_level(s): h for s, h in w.headers.items()}
         self.key = {k: k for k in self.weight_map}  # model's state_dict name -> checkpoint key
         self.name = dict(self.key)  # checkpoint key -> model's state_dict name
         self.uncached = False  # each tensor's pages dropped from the page cache once read (``larger_than_memory``)
@@ -238,7 +239,8 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite:
                             f"models from transformers' own classes only")
     raw = hf_folder._config(src)
     for entry in sorted(src.iterdir()):  # every file the stream reads or copies resolves inside the folder
-        hf_folder.inside(src, entry.name)
+        if entry.exists():  # a dangling link is nothing to read (from_pretrained skips it too) nor to copy
+            hf_folder.inside(src, entry.name)
     weights = hf_folder.resolve(src, raw)
     ledger = Ledger()
     ledger.record_folder(src, primary=True)
