@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Sequence
 
 import torch
@@ -69,6 +70,29 @@ class ConvertWhy(Why):
     NO_CHANNEL_DIM = "no-channel-dim"
     STATS_NOT_TENSOR = "stats-not-tensor"
     NOT_PER_CHANNEL = "not-per-channel"
+
+
+class InTraining(str, Enum):
+    """How a converted model computes otherwise in training mode (``model.train()``) than the original: the cause
+    the door's training check (engine.training) names where it measures a difference."""
+
+    FROZEN = "frozen-statistics"  # the new module keeps the running statistics; a BatchNorm trains on batch ones
+    LIVE = "batch-statistics"  # a live BatchNorm where a frozen one was: batch statistics, running ones updated
+    FIXED_AFFINE = "fixed-affine"  # x * s + t (or folded away): the eval-mode BatchNorm, in training mode too
+    SAMPLE = "sample-statistics"  # each sample's own statistics, in both modes
+
+
+_LIVE = ("normalizes by the batch's statistics and updates its running statistics (momentum) at every forward")
+_IN_TRAINING = {
+    "frozen-batchnorm": (InTraining.FROZEN, "a FrozenBatchNorm normalizes by its running statistics in training mode "
+                                            f"too and never updates them, where the BatchNorm it replaces {_LIVE}"),
+    "affine": (InTraining.FIXED_AFFINE, "x * s + t (and a BatchNorm folded into its neighbour) is the eval-mode "
+                                        f"BatchNorm in training mode too, where the BatchNorm it replaces {_LIVE}"),
+    "groupnorm": (InTraining.SAMPLE, "GroupNorm normalizes by each sample's group statistics in both modes, where "
+                                     f"the BatchNorm it replaces {_LIVE}"),
+    "instancenorm": (InTraining.SAMPLE, "InstanceNorm normalizes by each sample's channel statistics in both modes, "
+                                        f"where the BatchNorm it replaces {_LIVE}"),
+}
 
 
 _APPLIED = {"frozen-batchnorm": ConvertWhy.FROZEN, "batchnorm": ConvertWhy.BATCHNORM, "affine": ConvertWhy.AFFINE,
@@ -303,6 +327,9 @@ class ConvertBatchNorm(Pass):
     name = NAME
     check = Check.EXACT
     by_parts = True  # a module replaced where it is: its part's graph holds the whole decision
+    # a model converted for training: the door runs it in training mode too (engine.training), where every target
+    # but SyncBatchNorm -> BatchNorm computes otherwise; ``extra["training_differs"]`` names how
+    trains = True
 
     def __init__(self, to: str, groups: int | None = None, as_conv: bool = False):
         if to not in TARGETS:
@@ -315,6 +342,7 @@ class ConvertBatchNorm(Pass):
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
         decisions = analyze(cap, find_norms(cap), self.to, self.groups, self.as_conv)
         done = [d for d in decisions if d.applied]
+        in_training = _in_training(cap, done, self.to)
         for d in done:
             # the BatchNorm module  =>  its replacement (with the module's own children after it)
             if d.path == "":
@@ -329,8 +357,31 @@ class ConvertBatchNorm(Pass):
                  f"drift is measured, fine-tune (or recalibrate what stays a BatchNorm) if it matters",) \
             if approximate else ()
         return PassResult(model, bool(done), tuple(d.to_site() for d in decisions), notes,
-                          {"to": self.to, "converted": len(done)}, exact=not approximate)
+                          {"to": self.to, "converted": len(done),
+                           **({"training_differs": in_training} if in_training else {})}, exact=not approximate)
 
 
-__all__ = ["NAME", "TARGETS", "APPROXIMATE", "ConvertWhy", "ConvertBatchNorm", "analyze", "plan",
+def _in_training(cap: Captured, done: Sequence[Decision], to: str) -> dict[str, str] | None:
+    """How the converted sites compute otherwise in training mode ({"code", "why"}), None where they do not:
+    torch's BatchNorm from SyncBatchNorm / mmcv's modules trains as before."""
+    if to == "affine":  # swap --to affine folds first what a neighbour absorbs: those too keep the running ones
+        return {"code": _IN_TRAINING[to][0].value, "why": _IN_TRAINING[to][1]}
+    if not done:
+        return None
+    if to != "batchnorm":
+        code, why = _IN_TRAINING[to]
+        return {"code": code.value, "why": why}
+    # a live nn.BatchNormNd where the original module was a frozen one (its forward never takes batch statistics)
+    frozen = [d for d in done if not isinstance(cap.model if d.path == "" else cap.modules.get(d.path),
+                                                nn.modules.batchnorm._BatchNorm)]
+    if not frozen:
+        return None
+    named = ", ".join(f"{d.path or 'the model'} ({type(cap.model if d.path == '' else cap.modules[d.path]).__name__})"
+                      for d in frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+    return {"code": InTraining.LIVE.value,
+            "why": f"nn.BatchNorm in training mode {_LIVE}, where the frozen BatchNorm it replaces ({named}) "
+                   f"never does"}
+
+
+__all__ = ["NAME", "TARGETS", "APPROXIMATE", "ConvertWhy", "InTraining", "ConvertBatchNorm", "analyze", "plan",
            "plan_every_target", "default_groups"]

@@ -168,7 +168,8 @@ def test_training_mode_batchnorm_is_frozen_from_its_running_statistics():
     model = B.net(nn.BatchNorm2d).train()
     new, report = normconv.swap(model, X, to="frozen-batchnorm")
     assert report.passed and isinstance(new.bn1, FrozenBatchNorm)
-    assert model.training and new.bn1.training  # modes kept; the frozen module ignores its mode
+    # proven in eval mode only (a frozen module never takes batch statistics): written in eval mode
+    assert model.training and not new.training and report.extra["training_mode"]["code"] == "eval-only"
 
 
 def test_cli_writes_a_model_that_loads_with_torch_alone(cli, tmp_path):

@@ -6,6 +6,8 @@ frozen BatchNorm). Judged here by running the results in training mode, outside 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -124,3 +126,48 @@ def test_swap_with_dropout_on_the_stream_is_exact_in_eval_mode_only_and_says_so(
     new, report = normconv.swap(quiet, ids, "rmsnorm")
     assert report.extra["training_mode"]["code"] == "same" and not any("eval mode only" in n for n in report.notes)
     assert torch.allclose(_train_out(new, ids), _train_out(quiet, ids), atol=1e-5)
+
+
+class BNNet(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.c, self.n, self.o = nn.Conv2d(3, 8, 3, padding=1), norm(8), nn.Conv2d(8, 2, 1)
+        if isinstance(self.n, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                self.n.running_mean.normal_(0, .5), self.n.running_var.uniform_(.5, 2)
+                self.n.weight.normal_(1, .3), self.n.bias.normal_(0, .1)
+
+    def forward(self, x):
+        return self.o(torch.relu(self.n(self.c(x))))
+
+
+def test_batchnorm_swaps_are_checked_in_training_mode_and_say_how_it_differs():
+    """swap to a BatchNorm target said exact with no word on training mode, while e.g. a frozen BatchNorm made
+    nn.BatchNorm2d trains on batch statistics (0.96 of the scale off in training mode). Each swap is now run in
+    training mode too: the same there (SyncBatchNorm -> BatchNorm) or said eval-only with its cause."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    cases = [(FrozenBN, "batchnorm", "eval-only", ["batch-statistics"], "never does"),
+             (nn.BatchNorm2d, "frozen-batchnorm", "eval-only", ["frozen-statistics"], "never updates them"),
+             (nn.BatchNorm2d, "affine", "eval-only", ["fixed-affine"], "eval-mode BatchNorm"),
+             (nn.BatchNorm2d, "groupnorm", "approximate", ["sample-statistics"], "group statistics"),
+             (nn.SyncBatchNorm, "batchnorm", "same", None, None)]
+    for norm, to, code, causes, said in cases:
+        model = BNNet(norm).eval()
+        new, report = normconv.swap(model, x, to=to)
+        tm = report.extra["training_mode"]
+        assert tm["code"] == code and tm.get("causes") == causes, (to, tm)
+        # copies: a BatchNorm's training-mode forward updates its running statistics
+        ref, got = _train_out(copy.deepcopy(model), x), _train_out(copy.deepcopy(new), x)
+        differs = float((got - ref).abs().max())
+        if code == "same":
+            assert differs < 1e-6 and not any("training mode" in n for n in report.notes)
+            continue
+        assert differs > 1e-2 * float(ref.abs().max()) and abs(differs - tm["max_abs_error"]) < 1e-5
+        assert any(said in n and "training mode" in n for n in report.notes), report.notes
+        if code == "eval-only":
+            model.eval(), new.eval()
+            for shape in ((1, 3, 8, 8), (3, 3, 12, 10)):  # exact in eval mode, at two shapes
+                y = torch.randn(shape)
+                with torch.no_grad():
+                    assert torch.allclose(new(y), model(y), atol=1e-5)

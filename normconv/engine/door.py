@@ -136,8 +136,9 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     # a capture that decided a branch on a value or a size: proven for the other branches, accepted, or refused
     # (exit 2); a .pt2 may instead take the sizes proven only (its range clipped)
     clipped = judge_specialized(loaded.model, done, inputs, opts, report, command, clip=pt2)
-    if trained is not None and exact:  # the proof in training mode too, or said to hold in eval mode only
-        training.judge_training(trained, done, inputs, opts, report, in_eval=(reference, rewritten))
+    if trained is not None and referee is None:  # the proof in training mode too, or said to hold in eval mode only
+        # (an approximate rewrite: its training-mode drift measured)
+        training.judge_training(trained, done, inputs, opts, report, in_eval=(reference, rewritten), exact=exact)
     done.expected = [(inputs, reference)] + ([alt] if alt else [])
     if write:
         with bounded(clipped):

@@ -15,6 +15,12 @@ on, BatchNorm on batch statistics, every branch on ``self.training``) against th
                                          hand-written frozen BatchNorm made a live one, a traced graph that fixed
                                          ``self.training`` as it was while tracing (eval)
   the original fails in training mode    not checked, said (``not-checked``): BatchNorm on one value per channel
+  an approximate rewrite (a drift)       measured in training mode too (``approximate``): a drift check and a note;
+                                         its mode is kept (it was never exact, in either mode)
+
+A pass that knows how its rewrite computes otherwise in training mode says so in its result's
+``extra["training_differs"]`` ({"code", "why"}: a FrozenBatchNorm never takes batch statistics, ...): the note gives
+that why, and ``extra.training_mode.causes`` the codes.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class TrainingWhy(str, enum.Enum):
     SAME = "same"  # the rewrite computes what the original does in training mode too
     EVAL_ONLY = "eval-only"  # it differs in training mode: exact for inference only, written in eval mode
     NOT_CHECKED = "not-checked"  # the original does not run in training mode on the example
+    APPROXIMATE = "approximate"  # an approximate rewrite (a drift in eval mode): its training-mode drift measured
 
 
 LABEL = "training mode (model.train(), same random draws)"
@@ -59,11 +66,12 @@ class Failed:
 
 
 def judge_training(expected: Any, done: Run, inputs: Inputs, opts: Options, report: Report,
-                   in_eval: tuple[Any, Any] = (None, None)) -> None:
+                   in_eval: tuple[Any, Any] = (None, None), exact: bool = True) -> None:
     """Compare ``done.model`` in training mode with ``expected`` (``reference``) (module docstring); record the
     outcome in ``report.extra["training_mode"]``, and where it differs a drift check, a note and the rewrite set to
     eval mode. ``in_eval``: the original's and the rewrite's outputs in eval mode on the same inputs: where training
-    mode changes neither, the eval-mode proof (with its own rules: a half model judged against float32) stands."""
+    mode changes neither, the eval-mode proof (with its own rules: a half model judged against float32) stands.
+    ``exact=False``: an approximate rewrite, its training-mode distance measured and said (module docstring)."""
     if isinstance(expected, Failed):
         report.extra["training_mode"] = {"code": TrainingWhy.NOT_CHECKED.value, "why": expected.why}
         report.notes.append(f"not checked in training mode: the original does not run in it on the example "
@@ -75,22 +83,30 @@ def judge_training(expected: Any, done: Run, inputs: Inputs, opts: Options, repo
         v, error = None, describe(exc)
     else:
         v, error = compare(expected, got, opts.atol, opts.rtol, label=LABEL), None
-    if v is not None and (v.passed or (_same(expected, in_eval[0]) and _same(got, in_eval[1]))):
+    if exact and v is not None and (v.passed or (_same(expected, in_eval[0]) and _same(got, in_eval[1]))):
         report.extra["training_mode"] = {"code": TrainingWhy.SAME.value}
         return
     measured = f"it fails there: {error}" if v is None else f"max abs error {v.max_abs_error:.3g}" + (
         f", {v.max_scale_error:.2g} of the output's scale" if v.max_scale_error == v.max_scale_error else "")
-    report.extra["training_mode"] = {"code": TrainingWhy.EVAL_ONLY.value,
-                                     "max_abs_error": None if v is None else v.max_abs_error,
+    causes = [c for _, r in done.results if (c := r.extra.get("training_differs"))]
+    causes = [c for i, c in enumerate(causes) if c not in causes[:i]]  # once each (a pass run by parts)
+    why = "; ".join(c["why"] for c in causes) or ("dropout on a centered stream, a frozen BatchNorm made a live one, "
+                                                  "or a traced graph that fixed self.training")
+    code = TrainingWhy.EVAL_ONLY if exact else TrainingWhy.APPROXIMATE
+    report.extra["training_mode"] = {"code": code.value, "max_abs_error": None if v is None else v.max_abs_error,
+                                     **({"causes": [c["code"] for c in causes]} if causes else {}),
                                      **({"error": error} if error else {})}
     if v is not None:
         report.validation.append(dataclasses.replace(v, drift=True, label=f"{LABEL}: drift against the original"))
+    if not exact:
+        report.notes.append(f"in training mode (model.train()) too the rewrite computes otherwise than the original "
+                            f"({measured}): {why}")
+        return
     for m in done.model.modules():  # left in eval mode: the only mode the proof covers
         m.training = False
     report.notes.append(f"exact in eval mode only: in training mode (model.train()) the rewrite computes otherwise "
-                        f"than the original ({measured}; dropout on a centered stream, a frozen BatchNorm made a "
-                        f"live one, or a traced graph that fixed self.training); the result is set to eval mode, and "
-                        f"training it trains a different model")
+                        f"than the original ({measured}): {why}; the result is set to eval mode, and training it "
+                        f"trains a different model")
 
 
 def _same(a: Any, b: Any) -> bool:
