@@ -16,6 +16,8 @@ carrying the report). ``report.to_json()`` is what ``--json`` prints.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -130,7 +132,9 @@ def recalibrate(model: nn.Module, calibration: Any, *, batch_size: int = 32, exa
         batches = recalibrate_cmd.split_batches(as_inputs(calibration), batch_size)
     if not batches:
         raise NormconvError("recalibrate needs at least one calibration batch")
-    loaded = _loaded(model, example_inputs if example_inputs is not None else batches[0] if batches else None)
+    loaded = _loaded(model, example_inputs if example_inputs is not None else batches[0])
+    if example_inputs is None:  # the first batch, as the command takes it (its floats in the model's dtype)
+        loaded = dataclasses.replace(loaded, inputs=None)
     report, new = recalibrate_cmd.recalibrate(loaded, Options(atol=atol, rtol=rtol, method=method), batches)
     return new, report
 

@@ -182,3 +182,27 @@ def test_a_last_batch_of_one_sample_joins_the_one_before():
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).eval()
     new, report = normconv.recalibrate(model, torch.randn(33, 4), batch_size=32)
     assert report.passed
+
+
+def test_a_half_model_takes_float32_calibration_data(cli, tmp_path):
+    """A float16 model with float32 calibration data (as data almost always is) failed with torch's raw dtype error
+    (exit 2). The data's floats are now cast to the model's dtype, as a half model's example inputs are, and said."""
+    torch.manual_seed(0)
+    model = B.randomize(B.net(nn.BatchNorm2d)).eval().half()
+    data = torch.randn(12, 3, 8, 8) * 2 + 1  # float32
+    new, report = normconv.recalibrate(model, data, batch_size=4)
+    same, _ = normconv.recalibrate(model, data.half(), batch_size=4)  # the data cast by hand: the same statistics
+    assert report.passed and any("cast from float32 to float16" in n for n in report.notes), report.notes
+    assert all(t.dtype == torch.float16 for t in new.state_dict().values() if t.is_floating_point())
+    for k, v in same.state_dict().items():
+        assert torch.equal(new.state_dict()[k], v), k
+    assert not torch.equal(new.bn1.running_mean, model.bn1.running_mean)
+    src, calib, out = tmp_path / "m.pt", tmp_path / "calib.pt", tmp_path / "recal.pt"
+    torch.save(model, src)
+    torch.save(data, calib)
+    code, stdout, stderr = cli("recalibrate", src, "--trust-pickle", "--calibration", calib, "--batch-size", "4",
+                               "-i", "1,3,8,8:float16", "-o", out, "--json")
+    assert code == 0, stderr
+    written = torch.load(out, weights_only=False)
+    for k, v in same.state_dict().items():
+        assert torch.equal(written.state_dict()[k], v), k

@@ -52,6 +52,7 @@ def recalibrate(loaded: Loaded, opts: Options, batches: Sequence[Inputs]) -> tup
     """New running statistics from ``batches`` (each one forward's inputs), checked, then written."""
     if not batches:
         raise NormconvError("recalibrate needs at least one calibration batch")
+    batches, cast = _in_model_dtype(loaded.model, batches)
     try:  # the user's data, checked on the first batch before any work
         run(loaded.model, batches[0])
     except Exception as exc:
@@ -67,6 +68,8 @@ def recalibrate(loaded: Loaded, opts: Options, batches: Sequence[Inputs]) -> tup
     # a model normconv loaded itself would be past the rounding budget (the comparison then held trivially)
     loaded = dataclasses.replace(loaded, disposable=False)
     report, done = rewrite(loaded, [p], opts, command=recalibrate_pass.NAME, write=False)
+    if cast is not None:
+        report.notes.append(cast)
     names = sorted({n for r in done.of(p) for n in r.extra.get("statistics", [])})
     if not names:
         raise NormconvError("recalibrate: no BatchNorm module with running statistics to re-estimate" + (
@@ -88,6 +91,21 @@ def recalibrate(loaded: Loaded, opts: Options, batches: Sequence[Inputs]) -> tup
                                                                 "new statistics")
     write_model(loaded, done.model, opts, inputs, report, done)
     return report, done.model
+
+
+def _in_model_dtype(model: nn.Module, batches: Sequence[Inputs]) -> tuple[list[Inputs], str | None]:
+    """The batches' floating tensors in the model's floating dtype where it has one (a float16 model, float32 data:
+    calibration data is float32 almost always), as a half model's example inputs are; and the note saying so."""
+    dts = {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}
+    if len(dts) != 1:  # no floating weights, or mixed dtypes: the data is taken as given
+        return list(batches), None
+    dtype = dts.pop()
+    given = sorted({str(t.dtype).removeprefix("torch.") for b in batches for t in [*b.args, *b.kwargs.values()]
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype})
+    if not given:
+        return list(batches), None
+    return [b.to(dtype) for b in batches], (f"calibration data cast from {', '.join(given)} to "
+                                           f"{str(dtype).removeprefix('torch.')}, the model's dtype")
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
