@@ -146,3 +146,47 @@ def test_fold_through_exports_without_batchnorm(tmp_path):
 
     assert report.passed and "BatchNormalization" not in {n.op_type for n in onnx.load(str(tmp_path / "m.onnx"))
                                                           .graph.node}
+
+
+class _ReluBN(nn.Module):  # conv -> relu -> BN -> max pool; conv (reflect) -> relu -> BN -> mean -> linear
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.bn2 = nn.Conv2d(8, 16, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(self.bn1(F.relu(self.c1(x))), 2)
+        return self.fc(self.bn2(F.leaky_relu(self.c2(x), 0.1)).mean((2, 3)))
+
+
+def test_export_folds_through_what_fold_folds_through(tmp_path):
+    """export ran fold alone, not fold-through: the BNs fold removes stayed as BatchNormalization in the ONNX, with
+    a reason ('no foldable neighbour') fold contradicts. export now runs fold's passes: the same sites, the same
+    codes, and no BatchNormalization left."""
+    import onnx
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = B.randomize(_ReluBN()).eval()
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2):
+            bn.weight.abs_()  # positive scales pass the relu and the max pool
+    x = torch.randn(1, 3, 32, 32)
+    folded, fold_report = normconv.fold(model, x)
+    assert _no_bn(folded)
+    report = normconv.export(model, x, tmp_path / "m.onnx", baseline=False, repeats=0)
+    assert report.passed
+    assert _through(report) == _through(fold_report) == {"bn1": (True, ThroughWhy.FOLDED),
+                                                          "bn2": (True, ThroughWhy.FOLDED)}
+    plan = {s.target: s.code for s in report.sites if s.pass_name == "export"}
+    assert plan == {"bn1": "folded", "bn2": "folded"}, plan
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "m.onnx")).graph.node]
+    assert ops.count("BatchNormalization") == 0 and ops.count("Conv") == 2, ops
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    for shape in ((1, 3, 32, 32), (3, 3, 48, 40)):  # fresh inputs at two shapes
+        y = torch.randn(shape)
+        got = session.run(None, {session.get_inputs()[0].name: y.numpy()})[0]
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(got), model(y), atol=1e-5, rtol=1e-4)
+

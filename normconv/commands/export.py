@@ -18,7 +18,7 @@ import torch
 from normconv.quiet import phase
 from normconv.clone import clone_sharing_tensors, release
 from normconv.engine.door import looked, not_verified
-from normconv.engine.plans import float32_sites, plan_of
+from normconv.engine.plans import float32_sites, fold_plan, one_site_per_batchnorm, plan_of
 from normconv.engine.precision import (HALF_SLACK, cast_floats, cast_like, check_keep_fp32, dtype_label, half_dtype,
                                        rounding_limited, site_precisions, target_half, upcast, downcast)
 from normconv.engine.run import apply_passes
@@ -32,13 +32,11 @@ from normconv.io.write import check_output_path
 from normconv.nn.modules import Float32Norm
 from normconv.options import Options
 from normconv.passes import canonicalize as canonicalize_pass
-from normconv.passes import fold_batchnorm
-from normconv.passes import fold_weight_standardization as fold_ws
 from normconv.passes.base import replace_module
 from normconv.report import Report
 from normconv.verify import Inputs, compare, default_tolerance, run, with_selections
 
-from .fold import lifted
+from .fold import FOLDS, lifted
 
 
 def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int | None = None, *,
@@ -84,15 +82,14 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     def plan_sites(cap: Captured) -> None:
         norms.extend(find_norms(cap))
         canon = plan_of(cap, norms, canonicalize_pass.plan if canonicalize else None)
-        folds = plan_of(cap, norms, fold_batchnorm.plan if fold else None)
+        folds = plan_of(cap, norms, fold_plan if fold else None)  # fold's own plan: fold-through, then fold
         float32 = float32_sites(cap, norms) if half is None else frozenset()  # a half export keeps its casts
         report.sites.extend(onnx_export.plan(norms, target, opset, canon, folds, skip_fusion, cap.live, float32))
         if half is not None:
             report.sites.extend(site_precisions(cap, norms, half, keep_fp32, canon, folds, report, wide))
 
     # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
-    passes = [p for p, on in ((canonicalize_pass.CANONICALIZE, canonicalize), (fold_ws.FOLD_WS, fold),
-                              (fold_batchnorm.FOLD, fold)) if on]
+    passes = ([canonicalize_pass.CANONICALIZE] if canonicalize else []) + (list(FOLDS) if fold else [])  # fold's
     if fold:
         passes = lifted(loaded.model) + passes
     try:
@@ -109,6 +106,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
         for m in prepared.modules():
             m.training = False
     report.extra["passes"] = [p.name for p in passes]
+    pass_sites = one_site_per_batchnorm(pass_sites)  # one per BatchNorm, as fold reports them
     report.sites.extend(pass_sites)
     if passes:
         phase("verify", detail="torch, after the passes")

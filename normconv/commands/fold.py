@@ -12,6 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.engine.door import not_verified, rewrite, write_model
+from normconv.engine.plans import one_site_per_batchnorm
 from normconv.engine.precision import against_float32, half_dtype, headroom_extra, target_half, upcast
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import capture
@@ -22,6 +23,11 @@ from normconv.passes import fold_batchnorm, fold_through, lift_layers
 from normconv.passes import fold_weight_standardization as fold_ws
 from normconv.passes.base import Pass
 from normconv.report import Report
+
+
+# what fold runs, in order, and export with it (after canonicalize): fold-through first, as it takes only BNs with ops
+# between them and their layer; a BN it leaves, fold takes from the next capture
+FOLDS: tuple[Pass, ...] = (fold_ws.FOLD_WS, fold_through.FOLD_THROUGH, fold_batchnorm.FOLD)
 
 
 def refuse_training(loaded: Loaded, opts: Options, doing: str) -> None:
@@ -54,8 +60,7 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
     try:
         # fold-through first: it takes only BNs with ops between them and their layer, so a model where it has
         # nothing to do is folded from the same capture (one capture, five forwards in all)
-        report, done = rewrite(loaded, lifted(loaded.model) + [fold_ws.FOLD_WS, fold_through.FOLD_THROUGH,
-                                                               fold_batchnorm.FOLD], opts,
+        report, done = rewrite(loaded, lifted(loaded.model) + list(FOLDS), opts,
                                command=fold_batchnorm.NAME, judge=model32 is None, write=model32 is None)
         if model32 is not None:
             report.validation = against_float32(report.validation, model32, done.model, done.expected, half,
@@ -86,24 +91,6 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
     return report, model
 
 
-def one_site_per_batchnorm(sites: list) -> list:
-    """One site per BatchNorm: fold-through's where it folded one (fold then never sees it), else fold's; where both
-    left it, fold's reason says why fold-through could not pass the ops around it either."""
-    through = {s.target: s for s in sites if s.pass_name == fold_through.NAME}
-    out = []
-    for s in sites:
-        if s.pass_name == fold_through.NAME:
-            if s.applied:
-                out.append(s)
-            continue
-        t = through.get(s.target)
-        if s.pass_name == fold_batchnorm.NAME and not s.applied and t is not None and not t.applied and \
-                t.code == fold_through.ThroughWhy.NOTHING:
-            s = dataclasses.replace(s, reason=f"{s.reason}; fold-through: {t.reason}")
-        out.append(s)
-    return out
-
-
 def _fold_headroom(loaded: Loaded, half: torch.dtype, method: str) -> tuple[list, dict[str, str]]:
     """Each site's headroom in ``half``, measured on the float32 model, and BatchNorm -> the layer it folds into."""
     from normconv.graph.headroom import measure
@@ -121,4 +108,4 @@ def lifted(model: nn.Module) -> list[Pass]:
     return [lift_layers.LIFT] if isinstance(model, fx.GraphModule) else []
 
 
-__all__ = ["refuse_training", "fold", "lifted", "one_site_per_batchnorm"]
+__all__ = ["FOLDS", "refuse_training", "fold", "lifted", "one_site_per_batchnorm"]

@@ -6,6 +6,7 @@ runs on a part captured alone). A new pass that plans per norm site adds one row
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import torch
@@ -26,6 +27,32 @@ def plan_of(cap: Captured, norms: Sequence[NormSite], planner: Planner | None) -
     return {p.target: (p.applied, p.reason) for p in planner(cap, norms)}
 
 
+def one_site_per_batchnorm(sites: list[Site]) -> list[Site]:
+    """One site per BatchNorm: fold-through's where it folded one (fold then never sees it), else fold's; where both
+    left it, fold's reason says why fold-through could not pass the ops around it either."""
+    through = {s.target: s for s in sites if s.pass_name == fold_through.NAME}
+    out = []
+    for s in sites:
+        if s.pass_name == fold_through.NAME:
+            if s.applied:
+                out.append(s)
+            continue
+        t = through.get(s.target)
+        if s.pass_name == fold_batchnorm.NAME and t is not None and t.applied:
+            continue  # planned on one capture: the BN fold-through takes is gone before fold runs
+        if s.pass_name == fold_batchnorm.NAME and not s.applied and t is not None and \
+                t.code == fold_through.ThroughWhy.NOTHING:
+            s = dataclasses.replace(s, reason=f"{s.reason}; fold-through: {t.reason}")
+        out.append(s)
+    return out
+
+
+def fold_plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
+    """What ``fold`` (fold-through, then fold) does at each BatchNorm, one site each, planned on one capture: the
+    plan export's sites say, as fold's report does."""
+    return one_site_per_batchnorm(fold_through.plan(cap, norms) + fold_batchnorm.plan(cap, norms))
+
+
 def float32_sites(cap: Captured, norms: Sequence[NormSite]) -> frozenset[str]:
     """The sites whose input and output are float32 in this graph (their upcasts are no-op casts)."""
     def dtype(name: str):
@@ -39,7 +66,7 @@ def _export_plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     from normconv.onnx import export as onnx_export
 
     return onnx_export.plan(norms, canon=plan_of(cap, norms, canonicalize.plan),
-                            folds=plan_of(cap, norms, fold_batchnorm.plan), live=cap.live,
+                            folds=plan_of(cap, norms, fold_plan), live=cap.live,
                             float32=float32_sites(cap, norms))
 
 
@@ -77,4 +104,4 @@ def whole_only() -> list[str]:
     return [name for name, _, parts in PLANNERS if not parts]
 
 
-__all__ = ["PLANNERS", "plans", "plan_of", "float32_sites", "whole_only"]
+__all__ = ["PLANNERS", "plans", "plan_of", "fold_plan", "one_site_per_batchnorm", "float32_sites", "whole_only"]

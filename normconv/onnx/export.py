@@ -90,7 +90,8 @@ def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = D
             continue
         if s.kind == "batchnorm" and folds.get(s.target, (False, ""))[0]:
             # conv -> bn  =>  folded into the conv / linear, no norm op left
-            reason, code = "folded into its neighbour (fold pass)", ExportWhy.FOLDED
+            # (fold-through: through the ops between them; a shift no layer takes stays a per-channel add)
+            reason, code = f"folded by fold: {folds[s.target][1]}", ExportWhy.FOLDED
         elif s.kind == "batchnorm":
             # bn without a foldable neighbour  =>  one BatchNormalization (the exporter may still fuse Conv+BN)
             reason = f"one {op}" + (f" ({folds[s.target][1]})" if s.target in folds else "")
