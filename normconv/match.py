@@ -98,6 +98,8 @@ RESAMPLE = frozenset({"interpolate", "upsample", "upsample_linear1d", "upsample_
                       "upsample_trilinear3d", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
                       "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
                       "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"})
+# F.interpolate's modes whose weights over one channel's inputs sum to one: a per-channel s * x + t passes through
+RESAMPLE_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear", "area")
 TEMPLATE = frozenset({"expand_as", "view_as", "reshape_as", "type_as"})  # the second operand gives a shape / dtype only
 LIKE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like"})  # the operand gives a shape / dtype only
 

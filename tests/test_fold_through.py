@@ -190,3 +190,31 @@ def test_export_folds_through_what_fold_folds_through(tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(torch.from_numpy(got), model(y), atol=1e-5, rtol=1e-4)
 
+
+class _Resampled(nn.Module):  # conv -> relu -> BN -> interpolate -> 1x1 conv
+    def __init__(self, mode, align_corners):
+        super().__init__()
+        self.c0, self.bn, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+        self.mode, self.align = mode, align_corners
+
+    def forward(self, x):
+        return self.c2(F.interpolate(self.bn(torch.relu(self.c0(x))), scale_factor=2, mode=self.mode,
+                                     align_corners=self.align))
+
+
+@pytest.mark.parametrize("mode, align", [("bilinear", False), ("bilinear", True), ("nearest", None)])
+def test_a_shift_passes_an_interpolation(mode, align):
+    """The shift left behind the scale stayed in front of an interpolate ('does not pass a per-channel shift'),
+    though each output of a bilinear / nearest interpolation is a combination of one channel's inputs with weights
+    summing to one: it passes, into the 1x1 conv's bias, and the BN is gone."""
+    torch.manual_seed(0)
+    model = B.randomize(_Resampled(mode, align)).eval()
+    with torch.no_grad():
+        model.bn.weight.abs_()
+    new, report = normconv.fold(model, torch.randn(1, 3, 8, 8))
+    assert _through(report) == {"bn": (True, ThroughWhy.FOLDED)}, report.sites
+    assert isinstance(new.bn, nn.Identity) and not any(isinstance(m, ChannelAffine) for m in new.modules())
+    for shape in ((1, 3, 8, 8), (3, 3, 12, 10)):  # fresh inputs at two shapes
+        y = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)

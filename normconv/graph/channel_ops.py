@@ -8,6 +8,8 @@ op(s * x + t) = s * op(x) + t, for the scale and the shift apart. Both graph dia
   zero padding (F.pad constant 0, ZeroPad)   any s passes (s * 0 = 0); t does not (the pad would have to be t)
   reflect / replicate / circular padding     both pass (they copy values)
   dropout in eval, identity, copies          both pass
+  interpolate / upsample (nearest, linear,   both pass: each output is a combination of one channel's inputs whose
+  bilinear, bicubic, trilinear, area)        weights sum to one, align_corners either way (a constant stays itself)
 An op that pads or pools the channel dim, returns indices, or pads with another constant is none of these (None).
 """
 
@@ -20,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from normconv.graph.capture import Captured
-from normconv.match import COPY, arg, call_name, dims_of, scalar
+from normconv.match import COPY, RESAMPLE, RESAMPLE_MODES, arg, call_name, dims_of, scalar
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Passes:
 
 
 _HOMOGENEOUS = Passes("activation", False, True, False)
+_RESAMPLED = Passes("interpolation", True, True, True)
 _BOTH = Passes("pass-through", True, True, True)
 _ACTIVATIONS = ("relu", "relu_", "leaky_relu", "leaky_relu_", "prelu", "_prelu_kernel")
 _MAX = ("max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
@@ -70,6 +73,9 @@ def channel_op(cap: Captured, node: fx.Node) -> Passes | None:
         return Passes("spatial mean", True, True, True)
     if name in _COPY_PADS:
         return Passes("copying pad", True, True, True)
+    if name in RESAMPLE:  # aten's upsample ops name their mode; F.interpolate takes it as an argument
+        mode = arg(node, 3, "mode", "nearest") if name in ("interpolate", "upsample") else "named"
+        return _RESAMPLED if mode == "named" or mode in RESAMPLE_MODES else None
     if name in ("pad", "constant_pad_nd"):
         rank, pad = len(cap.shape(node.args[0]) or ()), arg(node, 1, "pad")
         if not isinstance(pad, (list, tuple)) or not rank or len(pad) // 2 > rank - 2:
@@ -105,6 +111,8 @@ def _module(m: nn.Module | None, rank: int) -> Passes | None:
                       nn.ReplicationPad2d, nn.ReplicationPad3d, nn.CircularPad1d, nn.CircularPad2d,
                       nn.CircularPad3d)):
         return Passes("copying pad", True, True, True)
+    if isinstance(m, nn.Upsample):  # UpsamplingNearest2d / UpsamplingBilinear2d too
+        return _RESAMPLED if m.mode in RESAMPLE_MODES else None
     if isinstance(m, (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)):  # ZeroPad*d are ConstantPad(0)
         return Passes("zero pad", True, True, False) if m.value == 0 else None
     return None

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from normconv.graph.capture import Captured
-from normconv.match import EXPAND, PAD, PICK, RESAMPLE, SWAP, TRANSPARENT, VIEW, call_name, permute_dims
+from normconv.match import EXPAND, PAD, PICK, RESAMPLE, RESAMPLE_MODES, SWAP, TRANSPARENT, VIEW, call_name, permute_dims
 
 Shape = tuple[int, ...]
 # (cap, node, output hidden axis, input shape, output shape) -> the input's hidden axis, or None: not followed
@@ -65,7 +65,7 @@ def _expand(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int 
     return j if j >= 0 and a[j] == b[axis] else None
 
 
-_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear", "area")
+_MODES = RESAMPLE_MODES
 
 
 def _resample(cap: Captured, node: fx.Node, axis: int, a: Shape, b: Shape) -> int | None:
