@@ -7,6 +7,7 @@
   layer -> reshapes / permutes -> bn: exact when the layer's channel axis lands on the BN's dim 1, followed op by
                            op: a permutation moves it, a row-major reshape keeps axis a of size C iff the sizes
                            before it multiply to the same number (LeViT: (N, L, C) -flatten(0, 1)-> (N*L, C))
+  layer -> bn1 -> bn2:     bn2 (s2, t2) joins bn1's backward fold: (s1 s2, t1 s2 + t2) into the layer, both removed
   ConvTranspose weight is (in, out/groups, k...): output channel o of group g is W[g*ipg:(g+1)*ipg, o - g*opg].
 All arithmetic in float64, cast back to the weight dtype; in float16 / bfloat16 a fold whose weights or bias would pass
 half the dtype's max (its products would overflow) is not made, and that BN stays. BN modules become nn.Identity (the
@@ -20,6 +21,7 @@ A BN with no foldable neighbour is left as it is: its eval kernel is one fused p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ class FoldWhy(Why):
     ``Layers.check`` under the same values, and the neighbours')."""
 
     BACKWARD = "fold-backward"  # layer -> bn: W' = W s, b' = b s + t
+    CHAINED = "fold-backward-after-bn"  # layer -> bn1 -> bn2: bn2's affine joins bn1's backward fold
     FORWARD = "fold-forward"  # bn -> layer: W' = W s, b' = b + W t
     KEEPS_SHIFT = "fold-scale-keep-shift"  # bias-free ConvTranspose -> bn: s into W, t as a ChannelShift
     NO_NEIGHBOUR = "no-foldable-neighbour"  # neither neighbour takes the fold (each direction's guard says why)
@@ -95,6 +98,7 @@ class Decision:
     folded: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     # a BN computed inside a module whose forward is the BN and its own children: that module, replaced by them
     form: ModuleForm | None = field(default=None, repr=False, compare=False)
+    layer_of: str | None = None  # CHAINED: the BN before it, whose fold into ``layer`` carries its affine too
 
     def to_site(self) -> Site:
         return (apply if self.applied else skip)(NAME, self.site, self.reason, self.code)
@@ -117,9 +121,42 @@ def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     return [d.to_site() for d in analyze(cap, norms)]
 
 
-def analyze(cap: Captured, norms: Sequence[NormSite]) -> list[Decision]:
+def analyze(cap: Captured, norms: Sequence[NormSite], chain: bool = True) -> list[Decision]:
+    """Each BatchNorm site's decision; ``chain=False``: a BN after a BN is left (``_after_batchnorm``), each fold
+    carries its own BN's affine alone (``--stream`` rewrites each BN's tensors apart)."""
     ctx = Layers(cap)
-    return [_decide(ctx, s) for s in batchnorm_sites(norms)]
+    out: list[Decision] = []
+    for site in batchnorm_sites(norms):  # in graph order: a chain's first BN is decided before the next
+        d = _decide(ctx, site)
+        out.append(d if d.applied or not chain else _after_batchnorm(ctx, site, out) or d)
+    return out
+
+
+def _after_batchnorm(ctx: Layers, site: NormSite, decided: list[Decision]) -> Decision | None:
+    """layer -> bn1 -> bn2, bn1 folding backward and read by bn2 alone (through pass-through ops): bn2's affine
+    joins bn1's fold, s2 (s1 y + t1) + t2 = (s1 s2) y + (t1 s2 + t2) (bn1's decision in ``decided`` takes the
+    product); bn2's own decision, or None where the chain does not hold."""
+    cap = ctx.cap
+    node = cap.nodes[site.input]
+    while is_pass_through(cap, node) and isinstance(node.args[0], fx.Node) and len(cap.users(node)) == 1:
+        node = node.args[0]
+    i = next((i for i, d in enumerate(decided) if d.site.node == node.name), None)
+    if i is None or decided[i].code not in (FoldWhy.BACKWARD, FoldWhy.CHAINED) or len(cap.users(node)) != 1:
+        return None
+    while decided[i].code is FoldWhy.CHAINED:  # the chain's first BN holds the product
+        i = next(j for j, d in enumerate(decided) if d.site.target == decided[i].layer_of)
+    first = decided[i]
+    try:
+        s2, t2 = channel_affine(cap, site)
+        (s1, t1), path = first.affine, first.layer
+        s, t = s1 * s2, t1 * s2 + t2
+        folded = _in_range(cap.modules.get(path), path, s, t, "backward")
+    except (Refusal, _Skip):
+        return None
+    decided[i] = dataclasses.replace(first, affine=(s, t), folded=folded)
+    return Decision(site, True, f"fold into {path} (backward) with {first.site.target} before it: "
+                                f"s2 (s1 y + t1) + t2", "backward", path, None, FoldWhy.CHAINED,
+                    form=replaceable(cap, site), layer_of=first.site.target)
 
 
 def _decide(ctx: Layers, site: NormSite) -> Decision:
@@ -328,6 +365,8 @@ class FoldBatchNorm(Pass):
         done = [d for d in decisions if d.applied]
         shifts: dict[str, nn.Module] = {}
         for d in done:
+            if d.code is FoldWhy.CHAINED:  # its affine is in the fold of the BN before it: only removed
+                continue
             s, t = d.affine  # computed once, by the analysis that decided the fold
             layer = cap.modules[d.layer]
             if _keeps_shift(layer, d.site, d.direction):

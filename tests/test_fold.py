@@ -493,3 +493,28 @@ def test_a_pruned_layer_is_left_with_its_reason_and_lazy_modules_are_refused_in_
     with pytest.raises(NormconvError, match=r"^0 \(LazyConv2d\) is an uninitialized lazy module"):
         fold(lazy, x)
     assert isinstance(lazy[0], nn.LazyConv2d)  # not initialized behind the user's back
+
+
+class _Chain(nn.Module):  # conv -> BN -> BN -> BN -> relu -> 1x1 conv
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, bias=False)
+        self.bn, self.bnb, self.bnc = nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.BatchNorm2d(4, affine=False)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bnc(self.bnb(self.bn(self.c(x))))))
+
+
+def test_a_batchnorm_after_a_batchnorm_folds_with_it():
+    """conv -> BN -> BN: the second BN was refused ('norm sits between c and the BN'), though it is one more
+    per-channel affine on the conv's output. Its affine now joins the first BN's fold (a third one's too)."""
+    model = randomize_bn(_Chain()).eval()
+    new, report = checked_fold(model, torch.randn(1, 3, 16, 16))
+    codes = {s.target: s.code for s in report.sites}
+    assert codes == {"bn": "fold-backward", "bnb": "fold-backward-after-bn", "bnc": "fold-backward-after-bn"}, codes
+    assert bn_modules(new) == 0
+    for shape in ((1, 3, 16, 16), (3, 3, 21, 13)):  # fresh inputs at two shapes
+        y = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)

@@ -77,7 +77,7 @@ def _plan(src: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     if missing:
         raise NormconvError(f"{src}: the checkpoint has no tensor {missing[0]}")
     streamed, sites = [], []
-    for d in fold_batchnorm.analyze(cap, find_norms(cap)):
+    for d in fold_batchnorm.analyze(cap, find_norms(cap), chain=False):  # each BN's tensors rewritten apart
         ok = d.applied and d.direction == "backward" and d.site.source == "module" and \
             not getattr(cap.modules[d.layer], "parametrizations", None)
         # the shift t goes to the layer's bias, or stays in the BN's: with neither it has nowhere to go
