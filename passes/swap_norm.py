@@ -42,6 +42,7 @@ from normconv.graph.residual import (Consumer, Edits, Refused, Replaced, Residua
                                      hidden, inner_norms, kept_norm_module, moved_dims, norm_module, param_readers,
                                      streams, walks)
 from normconv.graph.residual import edits as _edits
+from normconv.kinds.layernorm import trailing_scale
 from normconv.graph.residual import add_, bias_delta, center_  # noqa: F401  (normconv.stream applies them too)
 from normconv.report import PassResult, Site, Why
 
@@ -390,6 +391,8 @@ class SwapPass(Pass):
         old = cap.modules[p.module]
         weight = getattr(old, "weight", None)
         dtype = weight.dtype if weight is not None else cap.dtype(cap.nodes[p.site.input])
+        if weight is not None and p.site.weight_offset:  # the scale is w + c (LayerNorm1P's weight + 1)
+            weight = trailing_scale(p.site, weight, dtype)
         shape = tuple(old.normalized_shape)
         if self.to == "rmsnorm":
             # LN(g, b, eps) on a zero-mean stream  =>  RMSNorm(g, eps)   (b already folded)

@@ -34,7 +34,8 @@ from normconv import kinds
 from normconv.graph.capture import Captured
 from normconv.graph.handwritten import (NoMatch, aliases_of, handwritten_site, other_operand, param_through_views,
                                         root)
-from normconv.match import TRANSPARENT
+from normconv.graph.offset_weight import offset_weight
+from normconv.match import TRANSPARENT, arg
 from normconv.graph.site import NormSite, WeightStandardization
 
 KINDS = kinds.NAMES
@@ -177,9 +178,15 @@ def _native_site(cap: Captured, node: fx.Node, kind: kinds.NormKind) -> NormSite
                         **kind.from_module(mod, owner, cap.dtype(x) or torch.float32))
     # F.layer_norm / aten.native_layer_norm ...  =>  its fields read off the call; a call that was the whole forward
     # of a native norm module in the model that was exported (a .pt2) is named after that module
+    fields, nodes = kind.from_call(cap, node, x), (node.name,)
+    # a scale computed as a parameter plus a number (LayerNorm1P's weight + 1)  =>  that weight, with its offset
+    offset = offset_weight(cap, arg(node, 2, "weight")) if kind.name in ("layernorm", "rmsnorm") and \
+        fields.get("weight") is None else None
+    if offset is not None:
+        fields = dict(fields, weight=offset[0], weight_offset=offset[1])
+        nodes = offset[2] + nodes
     return NormSite(target=owner if _exported_norm_module(node, kind) else node.name, kind=kind.name, source="functional", node=node.name, input=x.name, owner=owner,
-                    module_type=type(mod).__name__ if mod is not None and owner else None, nodes=(node.name,),
-                    **kind.from_call(cap, node, x))
+                    module_type=type(mod).__name__ if mod is not None and owner else None, nodes=nodes, **fields)
 
 
 
