@@ -131,6 +131,7 @@ def bias_consumers(cap: Captured, module: str | None, node: str, readers: dict[i
     consumers: list[Consumer] = []
     stack = [cap.nodes[node]]
     seen: set[str] = set()
+    bias_adds: set[str] = set()  # the adds of a reader's own bias after its matmul: that bias's own readers
     while stack:
         v = stack.pop()
         for u in cap.users(v):
@@ -145,6 +146,10 @@ def bias_consumers(cap: Captured, module: str | None, node: str, readers: dict[i
                 consumers.append(mha)
                 continue
             lin = linear_of(cap, u) if cap.op(u) in ("linear", "matmul") else None
+            added = _own_bias_add(cap, u, lin[4]) if lin is not None and lin[2] is None else None
+            if added is not None:  # x @ W.T + self.bias (FalconLinear): that bias takes W b
+                lin = (*lin[:2], f"{lin[4]}.bias", *lin[3:])
+                bias_adds.add(added.name)
             if lin is None or lin[0] is not v or lin[1] is None:
                 if cap.op(u) in ("add", "layer_norm", "rms_norm"):  # BLOOM's embedding LayerNorm
                     return [], Refused(W.WRITES_STREAM, f"the norm writes the residual stream (read by "
@@ -154,7 +159,7 @@ def bias_consumers(cap: Captured, module: str | None, node: str, readers: dict[i
                                                  f"bias")
             consumers.append(Consumer(u.name, own_name(cap, lin[4], lin[1]), own_name(cap, lin[4], lin[2]),
                                       lin[3], lin[4]))
-    mine = {c.node for c in consumers}
+    mine = {c.node for c in consumers} | bias_adds
     for c in consumers:
         if c.bias is not None:
             # the bias is edited: nothing else may read it (the weight is only read, ties are harmless)
@@ -178,3 +183,16 @@ def bias_consumers(cap: Captured, module: str | None, node: str, readers: dict[i
                                                 f"{cap.describe(cap.nodes[foreign[0]])}, so the norm's bias cannot be "
                                                 f"folded into it")
     return consumers, None
+
+
+def _own_bias_add(cap: Captured, u: fx.Node, module: str) -> fx.Node | None:
+    """The one user of the matmul ``u`` (x @ W.T of the nn.Linear subclass ``module``) when it adds that module's own
+    bias parameter to it, as FalconLinear does (x @ W.T + self.bias); else None."""
+    bias = getattr(cap.modules.get(module), "bias", None)
+    users = cap.users(u)
+    if not isinstance(bias, torch.Tensor) or len(users) != 1 or cap.op(users[0]) != "add" or \
+            users[0].kwargs.get("alpha", 1) != 1 or cap.owner(users[0]) != module:
+        return None
+    other = [a for a in users[0].args[:2] if a is not u]
+    name = cap.param_name(other[0]) if len(other) == 1 and len(users[0].args) == 2 else None
+    return users[0] if name is not None and cap.tensor(name) is bias else None
