@@ -442,6 +442,10 @@ class DeepNormPass(Pass):
     def plan(self, cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
         return sites_of(self._analyze(cap, norms), self.beta_mode)
 
+    def refusal(self, cap: Captured, norms: Sequence[NormSite]) -> str | None:
+        """Why DeepNorm does not apply to the captured model at all (pre-LN, no post-LN residual), or None."""
+        return self._analyze(cap, norms).refusal
+
     def __call__(self, model: nn.Module, cap: Captured) -> PassResult:
         why = already_applied(model)
         if why:

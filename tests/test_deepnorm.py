@@ -986,3 +986,14 @@ def test_a_branch_added_after_a_transpose_is_refused_in_words(shape):
              if p["pass"] == dn.NAME}
     assert codes["0.ln1"] == codes["1.ln1"] == dn.DeepNormWhy.RESHAPED.value
     assert codes["0.ln2"] == codes["1.ln2"] == dn.DeepNormWhy.RESHAPED.value  # the FFN's reshape outside its linear
+
+
+def test_a_pre_ln_folder_out_is_refused_as_pre_ln_first(cli, hf_folders, tmp_path):
+    """-o FOLDER of a model DeepNorm does not apply to: the pre-LN refusal, not the advice to write a .pt (which
+    would then be refused as pre-LN)."""
+    code, _, stderr = cli("deepnorm", hf_folders["gpt2"], "-o", tmp_path / "dn")
+    assert code == 2 and "pre-LN model" in stderr and "Hugging Face folder" not in stderr, stderr
+    assert not (tmp_path / "dn").exists()
+    # a post-LN model: the folder itself is refused, naming the .pt to write
+    code, _, stderr = cli("deepnorm", hf_folders["bert"], "-o", tmp_path / "dn")
+    assert code == 2 and "as a Hugging Face folder" in stderr and "dn.pt" in stderr, stderr
