@@ -1,5 +1,5 @@
 """One code per cause, with and without --stream: a refusal a pass makes (no LayerNorm to swap, a post-LN model,
-BatchNorms the stream cannot fold) has --json code ``refused`` both ways (--stream said ``bad-input``), and fold
+LED's too, which the meta device cannot capture, BatchNorms the stream cannot fold) has --json code ``refused`` both ways (--stream said ``bad-input``), and fold
 --stream of a model without BatchNorm does what the in-memory fold does: exit 0, the model written unchanged and
 verified (it was refused with bad-input)."""
 
@@ -43,10 +43,22 @@ def _run(cli, *args):
     return code, json.loads(stdout), stderr
 
 
-@pytest.mark.parametrize("family, says", [("t5", "has no layernorm to swap"), ("bert", "post-LN")])
+def _led():
+    """Post-LN, and its forward branches on the input's values (global attention): the meta device cannot capture
+    it, so --stream plans it as in memory (it failed with cannot-capture)."""
+    from transformers import LEDConfig, LEDForConditionalGeneration
+
+    return LEDForConditionalGeneration(LEDConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=64, attention_window=[4, 4]))
+
+
+@pytest.mark.parametrize("family, says", [("t5", "has no layernorm to swap"), ("bert", "post-LN"),
+                                          ("led", "post-LN")])
 def test_a_swap_refusal_has_one_code_with_and_without_stream(tmp_path, cli, family, says):
     src = tmp_path / "in"
-    _save({"t5": _t5, "bert": _bert}[family], src)
+    _save({"t5": _t5, "bert": _bert, "led": _led}[family], src)
     codes = []
     for stream in ([], ["--stream"]):
         code, report, stderr = _run(cli, "swap", src, "--to", "rmsnorm", "-o", tmp_path / f"out{len(stream)}",

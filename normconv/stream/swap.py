@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from normconv.errors import CaptureError, Code, NormconvError
 from normconv.quiet import phase
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
+from normconv.io.archive import memory_bytes
 from normconv.io.hf_inputs import hf_example_inputs
 from normconv.io.hf_output import embedding_a_head_would_tie, headless_untie_note
 from normconv.passes import swap_norm
@@ -63,6 +65,8 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
         try:
             cap = capture(meta.to("meta"), inputs.to("meta"), "torch.export")
         except CaptureError:
+            fresh = build_on_meta(cls, config, dtype)  # the buffers of ``meta`` are on meta now
+            _refused_as_in_memory(fresh, inputs, _reader(folder, ckpt, tied_names(fresh)))
             raise first from None
     if cap.specialized:  # one branch of a forward that branches on values: the stream cannot prove the others
         raise NormconvError(f"{folder}: the capture specialized a branch on tensor values at "
@@ -74,8 +78,21 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     # to the centered embedding (io.hf_output: the folder is written untied where the embedding is centered)
     headless = embedding_a_head_would_tie(meta)
     headless = (headless, headless_untie_note(meta, headless)) if headless is not None else None
+    read = _reader(folder, ckpt, aliases)
+    a = _analyzed(cap, meta, read)
+    plan = swap_norm.edits(cap, a, read=read)
+    # a layer scale folded into its writer edits two tensors at once: not streamed yet (the in-memory swap does it)
+    if plan.scales:
+        raise NormconvError(f"{folder}: the stream has layer scales ({plan.scales[0].scale}, ...): --stream does not "
+                            f"fold them yet; run normconv swap without --stream", Code.REFUSED,
+                            pass_name=swap_norm.NAME)
+    return a, plan, aliases, headless
 
-    seen: dict[str, torch.Tensor] = {}  # analyze and edits read the same few vectors (the norms' biases): once
+
+def _reader(folder: Path, ckpt: Checkpoint, aliases: dict[str, list[str]]) -> Callable[[str], torch.Tensor]:
+    """The checkpoint's tensor of a model name, each read once (analyze and edits read the same few vectors, the
+    norms' biases)."""
+    seen: dict[str, torch.Tensor] = {}
 
     def read(name: str) -> torch.Tensor:
         stored = stored_key(ckpt, aliases, name)
@@ -85,23 +102,48 @@ def _plan(folder: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
             seen[stored] = ckpt.get(stored)
         return seen[stored].clone()
 
+    return read
+
+
+def _analyzed(cap, model: nn.Module, read: Callable[[str], torch.Tensor]) -> swap_norm.Analysis:
+    """The swap's analysis of the capture, or its refusal (Code.REFUSED, as the in-memory swap refuses)."""
     # the folder keeps the architecture: a norm's bias that would need a bias added to a linear stays on the norm
     # and each norm's class (a hand-written norm that is its module's forward: that module, only its writers change)
     a = swap_norm.analyze(cap, find_norms(cap), "rmsnorm", read=read, add_bias=False, keeps_class=True)
     if not a.plans:
-        raise NormconvError(f"swap: {type(meta).__name__} has no layernorm to swap to rmsnorm", Code.REFUSED,
+        raise NormconvError(f"swap: {type(model).__name__} has no layernorm to swap to rmsnorm", Code.REFUSED,
                             pass_name=swap_norm.NAME)
     why = swap_norm.refusal(a)
     if why:
         raise NormconvError(f"{why} (--stream rewrites exact swaps only; normconv inspect lists every site)",
                             Code.REFUSED, pass_name=swap_norm.NAME)
-    plan = swap_norm.edits(cap, a, read=read)
-    # a layer scale folded into its writer edits two tensors at once: not streamed yet (the in-memory swap does it)
-    if plan.scales:
-        raise NormconvError(f"{folder}: the stream has layer scales ({plan.scales[0].scale}, ...): --stream does not "
-                            f"fold them yet; run normconv swap without --stream", Code.REFUSED,
-                            pass_name=swap_norm.NAME)
-    return a, plan, aliases, headless
+    return a
+
+
+def _refused_as_in_memory(meta: nn.Module, inputs, read: Callable[[str], torch.Tensor]) -> None:
+    """A model the meta device cannot capture (a forward that branches on values, LED's global attention) is
+    captured as the in-memory swap captures it, where its parameters fit in half this machine's memory: built with
+    small random parameters (no weight is read; the analysis reads the norms' biases from the checkpoint) and
+    planned by the same analysis, so a swap that cannot be exact is refused as in memory (post-LN, ...), not as a
+    failed capture. Returns when it is not refused there (the caller raises the meta capture's error)."""
+    size = sum(p.numel() * p.element_size() for p in meta.parameters())
+    memory = memory_bytes()
+    if not memory or size > memory // 2:
+        return
+    made: dict[int, nn.Parameter] = {}  # a tied parameter stays one tensor
+    g = torch.Generator().manual_seed(0)
+    for mod in meta.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta and id(p) not in made:
+                made[id(p)] = nn.Parameter((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype),
+                                           requires_grad=False)
+            if p is not None and id(p) in made:
+                mod._parameters[name] = made[id(p)]
+    try:
+        cap = capture(meta, inputs)
+    except CaptureError:
+        return
+    _analyzed(cap, meta, read)
 
 
 # ---------------------------------------------------------------------------------------------------------
