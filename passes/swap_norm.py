@@ -157,19 +157,24 @@ def analyze(cap: Captured, norms: Sequence[NormSite], to: str = "rmsnorm",
             for p in group:
                 if p.exact:
                     p.exact, p.code = False, SwapWhy.SHARED_MODULE
-                    p.reason = f"the same module is also called at {bad.site.node}: {bad.reason}"
+                    p.reason = f"{_elsewhere(len(group))}: {bad.reason}"
     # ... and with one bias: one call with no linear to take it  =>  an add after the RMSNorm at every call
     for group in by_module.values():
         kept = next((p for p in group if p.keep_bias), None)
         for p in group if kept is not None else ():
             if not p.keep_bias:
                 p.keep_bias = True
-                p.beta_problem = Refused(kept.beta_problem.code, f"the same module is also called at "
-                                                                 f"{kept.site.node}: {kept.beta_problem}")
+                p.beta_problem = Refused(kept.beta_problem.code, f"{_elsewhere(len(group))}: "
+                                                                 f"{kept.beta_problem}")
                 if p.code is SwapWhy.EXACT_RMSNORM:
                     _bias_kept(p, found)
     order = {id(s): k for k, s in enumerate(norms)}
     return Analysis(to, sorted(plans + left, key=lambda p: order[id(p.site)]), found)
+
+
+def _elsewhere(calls: int) -> str:
+    """Where the reason of a module's other call comes from, in words (not a graph node's name)."""
+    return f"the same module is called at {calls} places, and at another of them"
 
 
 def _left(site: NormSite, via: list[str]) -> SitePlan:

@@ -25,7 +25,7 @@ from normconv.graph.capture import Captured
 from normconv.match import CAT, SWAP, VIEW, call_name
 
 from .axes import last, prod, source
-from .walk import live_users
+from .walk import in_words, live_users
 from .why import Refused, ResidualWhy as W
 
 # Swin's patch merging: centering each part shifts the joined row by a vector that is not constant along it
@@ -116,11 +116,16 @@ def writer(cap: Captured, leaf: Any, axis: int | None = None, read=None) -> Writ
     if name in CAT:
         return Refused(W.HIDDEN_CAT, HIDDEN_CAT.format(where=cap.describe(leaf)))
     if name in VIEW | SWAP | {"permute"} and isinstance(leaf.args[0], fx.Node):
-        # MobileViT's patch unfolding: (B, C, H, W) -> (B*C*h, p, w, p): the hidden axis is merged with others
-        return Refused(W.MERGED, f"the stream comes from {cap.describe(leaf)}, a {name} "
-                                 f"{tuple(cap.shape(leaf.args[0]) or ())} -> {tuple(cap.shape(leaf) or ())} whose "
-                                 f"input holds the hidden axis merged with other axes (patch unfolding): swap follows "
-                                 f"only views that keep the hidden axis whole, so it cannot reach the writers")
+        # MobileViT's patch unfolding: (B, C, H, W) -> (B*C*h, p, w, p): the hidden axis is merged with others;
+        # a split into heads (B, S, H*d) -> (B, S, H, d): a per-head norm's input is no stream of hidden features
+        before, after = tuple(cap.shape(leaf.args[0]) or ()), tuple(cap.shape(leaf) or ())
+        heads = len(after) == len(before) + 1 and len(before) >= 1 and before[:-1] == after[:-2] and \
+            before[-1] == after[-2] * after[-1]
+        how = "splits the hidden axis into heads" if heads else \
+            "reads the hidden axis merged with other axes (patch unfolding)"
+        return Refused(W.MERGED, f"the stream comes from {in_words(cap, leaf)}, a {name} {before} -> {after} that "
+                                 f"{how}: swap follows only views that keep the hidden axis whole, so it cannot "
+                                 f"reach the writers")
     what = op or name or leaf.op
     if name in ("getitem", "getattr") and len(leaf.args) == 2 and isinstance(leaf.args[0], fx.Node) \
             and isinstance(leaf.args[1], (int, str)):
