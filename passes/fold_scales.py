@@ -27,6 +27,7 @@ from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.residual import (Reader, Refused, ResidualWhy, check_weights, inner_norms, norm_module,
                                      norm_readers, own_module_attr, param_readers, untie)
+from normconv.nn.modules import NormWrapper
 from normconv.nn.rmsnorm import make_rmsnorm
 from normconv.report import PassResult, Site, Why
 
@@ -155,7 +156,8 @@ class FoldScales(Pass):
             kept = (FoldScalesWhy.WEIGHT_FREE, FoldScalesWhy.NOT_ON_STREAM)
             bad = next((p for p in plans if not p.ok and p.code not in kept), None)
             if bad is not None:
-                raise NormconvError(f"fold-scales: {bad.site.target}: {bad.problem}", Code.REFUSED, pass_name=NAME)
+                raise NormconvError(f"fold-scales: {_named(cap, bad.site.target)}: {bad.problem}", Code.REFUSED,
+                                    pass_name=NAME)
         modified = False
         notes: list[str] = []
         with torch.no_grad():
@@ -182,6 +184,14 @@ class FoldScales(Pass):
                                                              norm.weight.dtype))
                 modified = True
         return PassResult(model, modified, tuple(sites(plans)), tuple(notes), {"plans": tuple(plans)})
+
+
+
+def _named(cap: Captured, target: str) -> str:
+    """The model's module a site is: a norm inside one of normconv's wrappers (the RMSNorm a swap put in place of a
+    LayerNorm whose bias stays after it, ``BiasAfterNorm``) is named by the wrapper, the model's own path."""
+    parent, _, child = target.rpartition(".")
+    return parent if child == "norm" and isinstance(cap.modules.get(parent), NormWrapper) else target
 
 
 __all__ = ["FoldScales", "FoldScalesWhy", "ScalePlan", "analyze", "plan", "sites", "NAME"]

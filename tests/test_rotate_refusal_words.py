@@ -73,3 +73,31 @@ def test_a_non_linear_reader_is_named_by_its_op_and_module():
     torch.manual_seed(0)
     err = _refusal(_Gated().eval(), Inputs((torch.randint(0, 20, (2, 5)),)))
     assert "block.norm: tanh in block reads the norm output and is not a linear layer" in err.message
+
+
+class _CatReader(nn.Module):
+    """A pre-LN block whose norm output is read through a cat: the swap keeps the norm's bias as an add after the
+    RMSNorm (normconv's BiasAfterNorm), and the scale cannot fold through that add."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed, self.ln, self.fc = nn.Embedding(30, d), nn.LayerNorm(d), nn.Linear(2 * d, d)
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, 5)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        n = self.ln(h)
+        h = h + self.fc(torch.cat([n, n.flip(1)], -1))
+        return self.head(self.ln_f(h))
+
+
+def test_a_norm_whose_bias_stays_after_it_is_named_by_the_model_s_module():
+    """It was named by the RMSNorm inside normconv's wrapper ('ln.norm'), a module the model does not have."""
+    torch.manual_seed(0)
+    model = _CatReader().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    err = _refusal(model, Inputs((torch.randint(0, 30, (2, 5)),), {}))
+    assert err.message.startswith("fold-scales: ln: "), err.message
+    assert "ln.norm" not in err.message
