@@ -273,7 +273,18 @@ def refusal(a: Analysis) -> str | None:
     more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
     total = sum(not p.left for p in a.plans)
     return (f"swap: {len(refused)} of {total} {SOURCE_KIND[a.to]} sites cannot be swapped exactly; "
-            f"{p.site.target or 'the module itself'}: {p.reason.removesuffix(_ONLY_APPROXIMATE)}{more}")
+            f"{_where(p)}: {p.reason.removesuffix(_ONLY_APPROXIMATE)}{more}")
+
+
+def _where(p: SitePlan) -> str:
+    """The site in the model's terms: its module, or the module whose forward computes a functional / hand-written
+    norm (its target is then a graph node's name, ``layer_norm_3``)."""
+    site = p.site
+    if p.module:
+        return p.module
+    if site.source != "module" and site.owner and site.target != site.owner:
+        return f"the {site.kind} in {site.owner}"
+    return site.target or "the module itself"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -46,3 +46,32 @@ def test_a_split_into_heads_is_named_as_such():
     q = next(p for p in a.plans if p.site.target == "model.layers.0.self_attn.q_norm")
     assert "splits the hidden axis into heads" in q.reason and "patch unfolding" not in q.reason, q.reason
     assert "in model.layers.0.self_attn" in q.reason
+
+
+class _Inline(torch.nn.Module):
+    """A norm written as one F.layer_norm call among other work, in a module of its own."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, 1e-5) * 2
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed, self.ln, self.fc = torch.nn.Embedding(30, d), _Inline(d), torch.nn.Linear(d, d)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return h + self.fc(self.ln(h))
+
+
+def test_a_functional_norm_is_named_by_the_module_computing_it():
+    """It was named by its graph node (``layer_norm: functional norm written inline in ln``)."""
+    with pytest.raises(NormconvError) as exc:
+        normconv.swap(_Model().eval(), torch.randint(0, 30, (2, 5)), canonicalize=False)
+    assert "; the layernorm in ln: " in exc.value.message, exc.value.message
+    assert not re.search(r"\blayer_norm\b", exc.value.message), exc.value.message
