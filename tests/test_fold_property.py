@@ -56,7 +56,8 @@ def _forward_ok(m: nn.Module) -> bool:
 
 
 def expected_folds(stack: Stack) -> int:
-    """The oracle: how many BNs of a stack fold, from the list structure alone."""
+    """The oracle: how many BNs of a stack fold, from the list structure alone: a BN right after a layer (or after
+    BNs right after one) folds backward; else one right before a layer that takes a fold forward."""
     items = list(zip(stack.layers, stack.residual))
     count = 0
     for i, (m, res) in enumerate(items):
@@ -65,7 +66,10 @@ def expected_folds(stack: Stack) -> int:
             continue
         if _kind(m) != "bn":
             continue
-        before = items[i - 1] if i > 0 else None
+        j = i - 1
+        while j >= 0 and not items[j][1] and _kind(items[j][0]) == "bn":  # a BN after BNs joins their backward fold
+            j -= 1
+        before = items[j] if j >= 0 else None
         after = items[i + 1] if i + 1 < len(items) else None
         if before is not None and not before[1] and _kind(before[0]) in ("layer", "convT"):
             count += 1
