@@ -114,7 +114,9 @@ def test_image_height_and_width_are_dynamic_and_named(cli, tmp_path):
     out = tmp_path / "resnet.onnx"
     rep = _json(cli, "export", "zoo:resnet", "-o", out, "--repeats", "0")
     assert [i.shape for i in _ort(out).get_inputs()] == [["batch", 3, "height", "width"]]
-    assert {d["name"] for d in rep["extra"]["dynamic_dims"]} == {"batch", "height", "width"}
+    assert {d["name"] for d in rep["extra"]["dynamic_dims"] if "pinned" not in d} == {"batch", "height", "width"}
+    assert [(d["inputs"], d["code"]) for d in rep["extra"]["dynamic_dims"] if "pinned" in d] == \
+        [(["x[1]"], "one-size-only")]  # the channels: static, as the model takes 3 only
 
 
 def test_plain_column_only_with_baseline(cli, tmp_path):
@@ -147,7 +149,7 @@ def test_pt2_output_is_dynamic_and_static_pins_it(cli, tmp_path):
 def test_dynamic_pt2_in_stays_dynamic_out(cli, tmp_path):
     _json(cli, "fold", "zoo:resnet", "-o", tmp_path / "a.pt2")
     rep = _json(cli, "canonicalize", tmp_path / "a.pt2", "-o", tmp_path / "b.pt2")
-    assert {d["name"] for d in rep["extra"]["dynamic_dims"]} == {"batch", "height", "width"}
+    assert {d["name"] for d in rep["extra"]["dynamic_dims"] if "pinned" not in d} == {"batch", "height", "width"}
     out = torch.export.load(str(tmp_path / "b.pt2")).module()(torch.randn(1, 3, 64, 48))
     assert out.shape[0] == 1
 

@@ -75,6 +75,8 @@ def test_a_height_that_holds_for_some_strides_only_is_pinned_and_the_file_runs_a
     report = normconv.export(m, (torch.randn(1, 3, 64, 64),), str(path))
     dims = {d["name"]: d for d in json.loads(json.dumps(report.extra["dynamic_dims"], default=str))}
     assert "65" in dims["height"]["pinned"] and "65" in dims["width"]["pinned"]
+    assert dims["height"]["code"] == "pinned-by-check"
+    assert any(n.startswith("dimension height (x[2]) pinned to the example's 64") for n in report.notes)
     declared = [d.dim_param or d.dim_value for d in onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim]
     assert declared[1:] == [3, 64, 64] and isinstance(declared[0], str)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

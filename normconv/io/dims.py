@@ -15,6 +15,10 @@ like its inputs, and checked at a second size each.
             first of each the original model accepts), every input that carries it resized together: the written
             model must equal the original there too. A Dim whose check fails is pinned (static) and the model
             written again; the report lists each Dim with its range and the sizes checked.
+  fixed     every other dimension of the example's tensor inputs is static in the written file: torch.export
+            specialized it (a Python branch, loop or reshape on that size: HF Mamba's scan, LongT5's blocks) or the
+            model takes one size only (an image's channels); each is listed with its code, said in a note where the
+            original runs at another size (``fixed``)
 """
 
 from __future__ import annotations
@@ -28,7 +32,16 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from normconv.report import Why
 from normconv.verify import Inputs
+
+
+class DimWhy(Why):
+    """Why an input dimension of the written file is static."""
+
+    PINNED = "pinned-by-check"  # free in the export, it failed its check at another size: exported again without it
+    SPECIALIZED = "specialized-by-export"  # torch.export held it to the example's size; the original runs at others
+    ONE_SIZE = "one-size-only"  # the original model runs at no other size of it (an image's channels)
 
 
 @dataclass
@@ -44,13 +57,23 @@ class Dim:
     name: str = ""
     checked: list[int] = field(default_factory=list)
     pinned: str = ""  # why the dimension was made static after all ('' while dynamic)
+    code: DimWhy | None = None  # the rule that made it static (None while dynamic)
 
     def to_json(self) -> dict[str, Any]:
         out = {"name": self.name, "inputs": [f"{i}[{a}]" for i, a in self.places], "example": self.size,
                "min": self.low, "max": self.high, "checked": list(self.checked)}
         if self.pinned:
             out["pinned"] = self.pinned
+            out["code"] = str(self.code or DimWhy.PINNED)
         return out
+
+    def note(self) -> str:
+        """The report's line for a dimension the file holds to the example's size."""
+        where = f"dimension {self.name} ({', '.join(f'{i}[{a}]' for i, a in self.places)})"
+        if self.code is DimWhy.SPECIALIZED:
+            return (f"{where} is static at the example's {self.size}: {self.pinned}; the file runs at {self.size} "
+                    f"only (export with an example of the size it will run at)")
+        return f"{where} pinned to the example's {self.size}: with it free, {self.pinned}"
 
 
 def input_names(model: nn.Module, inputs: Inputs) -> list[str] | None:
@@ -274,6 +297,52 @@ def name_dims(dims: list[Dim], shapes: dict[str, tuple[int, bool]], chosen: dict
     return out
 
 
+def fixed(program: Any, model: nn.Module, inputs: Inputs, dims: list[Dim], original: nn.Module,
+          pinned: set[tuple[str, int]] | frozenset = frozenset(), chosen: dict[str, str] | None = None) -> list[Dim]:
+    """The dimensions of the example's tensor inputs that a dynamic export (``program``, whose free ``dims`` were
+    found) holds to the example's size though normconv did not pin them (``pinned``): torch.export specialized
+    them (a Python branch, loop or reshape on that size), or held their symbol to one value. Each is named like a
+    free one and tried in ``runs`` (the original model) at the first of ``candidates``' first probe: where it runs,
+    code SPECIALIZED (the file lost a dimension the model has), else ONE_SIZE. [] where the inputs have no names or
+    do not line up with the program's (nested inputs: static by design)."""
+    from normconv.verify import run
+
+    names = input_names(model, inputs)
+    if names is None or len(names) != len(program.graph_signature.user_inputs):
+        return []
+    free = {p for d in dims for p in d.places} | set(pinned)
+    held = [Dim([], [(n, a)], int(x.shape[a])) for n, x in _named(inputs, names).items()
+            if isinstance(x, torch.Tensor) for a in range(x.dim()) if (n, a) not in free]
+    out = name_dims(held, input_shapes(model, inputs), chosen)
+    for d in out:
+        d.low = d.high = d.size
+        d.checked = [d.size]
+        other = next((s for s in candidates(d.size)[0] if _runs(lambda alt: run(original, alt), resized(model, inputs, d.places, s))), None)
+        if other is None:
+            d.code, d.pinned = DimWhy.ONE_SIZE, "the original model runs at no other size of it"
+        else:
+            d.code = DimWhy.SPECIALIZED
+            d.pinned = (f"torch.export specialized it to that size (the model's forward, traced, holds for it only: "
+                        f"a Python branch, loop or reshape on it), where the original also runs at {d.name} = {other}")
+    return out
+
+
+def fixed_notes(dims: list[Dim]) -> list[str]:
+    """The report's lines for ``fixed``'s dimensions: one per dimension torch.export specialized, one for those the
+    model takes at one size only."""
+    one = [f"{i}[{a}] = {d.size}" for d in dims if d.code is DimWhy.ONE_SIZE for i, a in d.places]
+    return [d.note() for d in dims if d.code is DimWhy.SPECIALIZED] + \
+        ([f"static, as the original model runs at no other size of them: {', '.join(one)}"] if one else [])
+
+
+def _runs(runs: Callable[[Inputs], Any], alt: Inputs) -> bool:
+    try:
+        runs(alt)
+    except Exception:  # noqa: BLE001 - the original does not run at that size
+        return False
+    return True
+
+
 def example_size(model: nn.Module, inputs: Inputs, d: Dim) -> int:
     """The example's own size of ``d`` (its first place): what a pinned dimension is pinned to, where the program
     that found it was traced at a widened batch."""
@@ -352,5 +421,5 @@ def _probe(d: Dim, sizes: list[int], model: nn.Module, inputs: Inputs, reference
         return
 
 
-__all__ = ["Dim", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened", "batch_ones", "kept_free", "example_size",
+__all__ = ["Dim", "DimWhy", "fixed", "fixed_notes", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened", "batch_ones", "kept_free", "example_size",
            "input_names", "candidates", "cycled"]

@@ -359,6 +359,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     info = {} if info is None else info
     inputs = _tensor_kwargs_only(model, inputs)
     pinned: set[tuple[str, int]] = set()
+    lost: list = []  # the dimensions pinned by their checks, round by round
     while True:
         shapes = None if static else io_dims.export_shapes(model, inputs, pinned)
         try:
@@ -379,10 +380,11 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
         if not failed:
             break
         pinned |= {p for d in failed for p in d.places}
-        info.setdefault("notes", []).extend(f"dimension {d.name} pinned to the example's "
-                                            f"{d.size}: with it free, {d.pinned}"
-                                            for d in failed)
-    info["dynamic_dims"] = [d.to_json() for d in dims]
+        lost += failed
+        info.setdefault("notes", []).extend(d.note() for d in failed)
+    held = [] if shapes is None else io_dims.fixed(ep, model, inputs, dims, model, pinned)  # specialized by the trace
+    info.setdefault("notes", []).extend(io_dims.fixed_notes(held))
+    info["dynamic_dims"] = [d.to_json() for d in lost + dims + held]
     if _plain_outputs(ep):
         info.setdefault("notes", []).append(
             f"the .pt2 returns its outputs as a dict ({', '.join(ep.call_spec.out_spec.context)}): the model's "

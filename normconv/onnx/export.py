@@ -236,8 +236,9 @@ def fused_norms(model) -> dict[str, int]:
     return out
 
 
-def _dynamic_axes(model) -> dict[str, list[str]]:
-    return {v.name: [str(d) for d in v.shape] for v in model.graph.inputs
+def _dynamic_axes(model) -> dict[str, dict[int, str]]:
+    """input -> {axis: name} of its dynamic axes (torch.onnx's ``dynamic_axes`` form); a static axis is not one."""
+    return {v.name: {a: str(d) for a, d in enumerate(v.shape) if not isinstance(d, int)} for v in model.graph.inputs
             if v.shape is not None and any(not isinstance(d, int) for d in v.shape)}
 
 
@@ -414,6 +415,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                            repeats=repeats, skip_fusion=skip_fusion, exported=exported, dim_names=dim_names,
                            fuse_inline=fuse_inline, truth=truth, pinned=pinned | pins)
         again.extra["dynamic_dims"] = [d.to_json() for d in dims if d.pinned] + again.extra.get("dynamic_dims", [])
+        again.notes.extend(d.note() for d in dims if d.pinned)  # the notes as they came in were restored
         return again
 
     remove_stale_temps(out)
@@ -476,7 +478,10 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         result.cpu_session = None
         if pins:  # a dimension the file does not really take at another size: pinned, exported again
             return _export_again(pins)
-        extra["dynamic_dims"] = [d.to_json() for d in dims]
+        ep = getattr(program, "exported_program", None) if dynamic and not fell_back else None
+        held_dims = io_dims.fixed(ep, prepared, inputs, dims, truth or prepared, pinned, dim_names) if ep else []
+        report.notes.extend(io_dims.fixed_notes(held_dims))
+        extra["dynamic_dims"] = [d.to_json() for d in dims + held_dims]
         from normconv.io.write import publish
 
         written = [f for f in tmpdir.iterdir() if f.is_file() and f.name != "baseline.onnx"]
@@ -532,11 +537,7 @@ def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, in
                            lambda a, b, label: compare(a, b, atol, rtol,
                                                        label=f"onnxruntime cpu, second shape ({label})"))
     report.validation.extend(v for _, v in checks if v.passed)
-    pinned = [d for d in dims if d.pinned]
-    for d in pinned:
-        report.notes.append(f"dimension {d.name} ({', '.join(f'{i}[{a}]' for i, a in d.places)}) pinned to "
-                            f"the example's {d.size}: with it free, {d.pinned}")
-    return frozenset(p for d in pinned for p in d.places)
+    return frozenset(p for d in dims if d.pinned for p in d.places)  # said in the notes of the file exported again
 
 
 def _traced_differs(exported: Any, inputs, reference: Any) -> str:
