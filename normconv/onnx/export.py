@@ -333,7 +333,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     from normconv.onnx.passes.rewrite import RulesPass
     from normconv.onnx.rules import inline_rules, skipnorm
     from normconv.onnx.rules.base import SiteLog
-    from normconv.onnx.validate import validate as ort_validate
+    from normconv.onnx.validate import refuse_random, validate as ort_validate
 
     from normconv.io import dims as io_dims
 
@@ -440,6 +440,8 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
             raise VerificationError(f"export: onnx.checker rejects the exported model ({extra['checker']}); "
                                     f"nothing written", report)
 
+        if validate:  # a forward that draws random values: nothing to compare
+            refuse_random(after, prepared, NAME)
         if baseline:
             _baseline(original, inputs, opset, dynamic, tmpdir, validate, repeats, report)
         phase("validate", detail="onnxruntime " + ", ".join(validate))

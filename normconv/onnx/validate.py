@@ -188,6 +188,34 @@ def latency_ms(sess, feed: dict, repeats: int = 10, warmup: int = 2, budget_s: f
     return float(np.median(times) * 1e3)
 
 
+# ONNX ops that draw random numbers: a file holding one computes other outputs at every run (and onnxruntime has no
+# kernel for some at recent opsets), so it cannot be compared with torch's
+RANDOM_OPS = ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli", "Multinomial")
+
+
+def refuse_random(ops: dict[str, int], model: torch.nn.Module, pass_name: str = "export") -> None:
+    """NormconvError (Code.REFUSED) where the exported graph (``ops``: op type -> count) draws random numbers: the
+    model's forward does (MAE's random masking), so its outputs differ run to run and validation has nothing to
+    compare. Says how to make the forward deterministic: an input that takes the draw's place where forward has one
+    (``noise``), else --validate none."""
+    from normconv.errors import Code, NormconvError
+
+    drawn = [op for op in RANDOM_OPS if ops.get(op)]
+    if not drawn:
+        return
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    given = next((p for p in ("noise", "random_noise", "generator") if p in params), None)
+    how = (f"give forward's `{given}` as an input (-i {given}:...) so that nothing is drawn, " if given else
+           "give the inputs or config that make the forward deterministic, ")
+    raise NormconvError(f"cannot validate the export of {type(model).__name__}: its forward draws random values "
+                        f"({', '.join(drawn)}), so its outputs differ run to run and the file cannot be compared with "
+                        f"torch", Code.REFUSED, hint=f"{how}or pass --validate none to write it unvalidated",
+                        pass_name=pass_name)
+
+
 def validate(path: str, model: torch.nn.Module, inputs: Inputs, reference: Any, providers: list[str],
              atol: float | None, rtol: float | None, repeats: int = 10) -> OrtResult:
     """Run ``path`` on each provider at both optimization levels and compare with ``reference``."""
