@@ -105,3 +105,26 @@ def test_nemotron_folder_swaps_exactly_and_loads(cli, tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert float(loaded.get_input_embeddings().weight.double().mean(-1).abs().max()) < 1e-6  # a writer, centred
     _close(model, loaded)
+
+
+class SharedOffsetWeight(nn.Module):
+    """The scale ``w + 1`` is also read by another op: the add is not the norm's alone, so it is no part of the site."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.weight = nn.Embedding(50, 16), nn.Parameter(torch.randn(16) * 0.1)
+        self.bias, self.head = nn.Parameter(torch.randn(16) * 0.1), nn.Linear(16, 4)
+
+    def forward(self, ids):
+        scale = self.weight + 1
+        h = F.layer_norm(self.emb(ids), (16,), scale, self.bias, 1e-5)
+        return self.head(h) + scale.sum()
+
+
+def test_an_offset_scale_read_elsewhere_is_not_taken_into_the_site():
+    model = SharedOffsetWeight().eval()
+    cap = capture(model, Inputs((torch.randint(0, 50, (2, 7)),)), "torch.export")
+    (site,) = find_norms(cap)
+    adds = [n for n in cap.nodes.values() if cap.op(n) == "add" and len(cap.users(n)) > 1]
+    assert adds and not set(a.name for a in adds) & set(site.nodes)  # the shared w + 1 stays outside the norm
+    assert site.weight_offset == 0.0

@@ -34,7 +34,7 @@ def offset_weight(cap: Captured, value: Any) -> tuple[str, float, tuple[str, ...
         name = param_through_views(cap, param, views)
         if name is not None:
             # the add and the views read only for it: nothing else uses them
-            if any(len(cap.users(cap.nodes[n])) != 1 for n in views):
+            if any(len(cap.users(cap.nodes[n])) != 1 for n in views | {value.name}):
                 return None
             return name, c, tuple(sorted(views | {value.name}, key=cap.order.__getitem__))
     return None
