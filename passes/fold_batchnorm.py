@@ -135,13 +135,15 @@ def analyze(cap: Captured, norms: Sequence[NormSite], chain: bool = True) -> lis
 def _after_batchnorm(ctx: Layers, site: NormSite, decided: list[Decision]) -> Decision | None:
     """layer -> bn1 -> bn2, bn1 folding backward and read by bn2 alone (through pass-through ops): bn2's affine
     joins bn1's fold, s2 (s1 y + t1) + t2 = (s1 s2) y + (t1 s2 + t2) (bn1's decision in ``decided`` takes the
-    product); bn2's own decision, or None where the chain does not hold."""
+    product; where bn1 keeps its shift as a ChannelShift, the shift kept is the product's); bn2's own decision, or
+    None where the chain does not hold."""
     cap = ctx.cap
     node = cap.nodes[site.input]
     while is_pass_through(cap, node) and isinstance(node.args[0], fx.Node) and len(cap.users(node)) == 1:
         node = node.args[0]
     i = next((i for i, d in enumerate(decided) if d.site.node == node.name), None)
-    if i is None or decided[i].code not in (FoldWhy.BACKWARD, FoldWhy.CHAINED) or len(cap.users(node)) != 1:
+    if i is None or decided[i].code not in (FoldWhy.BACKWARD, FoldWhy.KEEPS_SHIFT, FoldWhy.CHAINED) or \
+            len(cap.users(node)) != 1:
         return None
     while decided[i].code is FoldWhy.CHAINED:  # the chain's first BN holds the product
         i = next(j for j, d in enumerate(decided) if d.site.target == decided[i].layer_of)

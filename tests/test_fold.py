@@ -518,3 +518,19 @@ def test_a_batchnorm_after_a_batchnorm_folds_with_it():
         y = torch.randn(shape)
         with torch.no_grad():
             torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)
+
+
+def test_a_batchnorm_after_one_that_keeps_its_shift_folds_with_it():
+    """ConvTranspose without a bias -> BN -> BN: the first BN's scale goes into the weight and its shift stays as a
+    ChannelShift (a bias-free ConvTranspose is kept so); the second BN's affine joins that fold, the shift kept
+    being the product's, and no BatchNorm is left."""
+    model = randomize_bn(nn.Sequential(nn.ConvTranspose1d(2, 3, 3, bias=False), nn.BatchNorm1d(3),
+                                       nn.BatchNorm1d(3, affine=False))).eval()
+    new, report = checked_fold(model, torch.randn(2, 2, 6))
+    codes = {s.target: s.code for s in report.sites}
+    assert codes == {"1": "fold-scale-keep-shift", "2": "fold-backward-after-bn"}, codes
+    assert bn_modules(new) == 0
+    for shape in ((2, 2, 6), (3, 2, 11)):
+        y = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)
