@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import normconv
+from tests.test_swap_offset_weight import _moved  # parameters moved off their init, seeded
 
 
 class MatmulLinear(nn.Linear):
@@ -31,14 +32,6 @@ class Model(nn.Module):
         h = self.embed(ids)
         h = h + self.proj(F.gelu(self.fc(self.ln(h))))
         return self.out(h)
-
-
-def _moved(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return model.eval()
 
 
 def test_the_bias_of_a_matmul_linear_takes_the_norm_s_bias():
