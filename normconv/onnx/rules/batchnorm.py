@@ -12,7 +12,9 @@
 Guards (as the torch fold's): the BN in inference mode with constant statistics, one value per channel (opset 7's
 spatial=0 writes them per element, (C, H, W): they fold only where they are equal along H, W); the conv's output
 read by the BN alone (and the BN's by the conv alone, before it); weights and bias constants read by nothing else
-(an initializer, a Constant, or a constant computed from them: rules/base.const). An initializer the file also lists
+(an initializer, a Constant, or a constant computed from them: rules/base.const), or a weight read by twins alone
+(the same op and attributes, each followed by a BN of the same scale s: one W·s made for all of them). Inside an
+ONNX function the folded weights are Constant nodes (a function holds no initializers). An initializer the file also lists
 as a graph input (IR version >= 4) is a default a caller may override: never baked into a fold. A BN with no
 foldable neighbour stays one BatchNormalization, listed with why.
 """
@@ -138,9 +140,33 @@ OVERRIDABLE = "{name} is an initializer the file also lists as a graph input: a 
               "which a fold would bake in (--constant-initializers reads them as constants)"
 
 
-def _init(op, array: np.ndarray, like: np.ndarray, name: str):
-    """A new initializer holding ``array`` in ``like``'s dtype (the constant it replaces)."""
-    return op.initializer(ir.tensor(np.ascontiguousarray(array.astype(like.dtype)), name=name), name=name)
+def _init(op, array: np.ndarray, like: np.ndarray, name: str, in_function: bool = False):
+    """A new initializer holding ``array`` in ``like``'s dtype (the constant it replaces); inside an ONNX function,
+    which holds no initializers (onnxscript drops a rewrite that adds one there), a Constant node."""
+    tensor = ir.tensor(np.ascontiguousarray(array.astype(like.dtype)), name=name)
+    return op.Constant(value=tensor) if in_function else op.initializer(tensor, name=name)
+
+
+def _twins(w: ir.Value, inner: ir.Node, s: np.ndarray) -> bool:
+    """Every node reading the weight ``w`` is an ``inner`` (its op, its attributes) reading it as its weight, whose
+    output only a BN reads, that BN's scale ``s``: each fold of ``w`` is the same W·s, one tensor for all (a module
+    called twice, an inlined function's calls), and ``w`` itself is read by none once they fold."""
+    for use in w.uses():
+        n = use.node
+        if n.op_type != inner.op_type or n.domain != inner.domain or use.idx != 1 or \
+                {k: a.value for k, a in n.attributes.items()} != {k: a.value for k, a in inner.attributes.items()}:
+            return False
+        out = n.outputs[0]
+        readers = out.uses()
+        if out.is_graph_output() or len(readers) != 1 or readers[0].node.op_type != "BatchNormalization" or \
+                readers[0].idx != 0 or attr(readers[0].node, "training_mode", 0):
+            return False
+        bn = readers[0].node
+        stats = _stats(bn)
+        st = _affine(bn, stats) if stats is not None else None
+        if st is None or not np.array_equal(st[0], s):
+            return False
+    return True
 
 
 class FoldForward(NormRule):
@@ -181,6 +207,10 @@ class FoldForward(NormRule):
         own = inner.inputs[2] if len(inner.inputs) > 2 and inner.op_type != "MatMul" else None
         added = (prod.inputs[1] if prod.inputs[0] is mm else prod.inputs[0]) if mm is not None else None
         w_c, own_c, added_c = _own(w, inner), _own(own, inner), _own(added, prod)
+        # W read by its twins alone (same op, same BN scale)  =>  one folded W·s for all of them
+        self._shared = w_c is None and mm is None and not w.is_graph_input() and const(w) is not None and \
+            _twins(w, inner, st[0])
+        w_c = const(w) if self._shared else w_c
         if w_c is None or any(v is not None and c is None for v, c in ((own, own_c), (added, added_c))):
             fed = _overridable(w, own, added)
             if fed is not None:
@@ -210,14 +240,21 @@ class FoldForward(NormRule):
         if past is not None:
             return self.refuse(context, past[0], past[1], w, at=bn)
         self._new = (inner, weight, b, w_c)  # the fold's values: the ones the range check read
+        self._in_function = isinstance(context.graph_or_function, ir.Function)
         return MatchResult()
 
     def rewrite(self, op, x, w, z, **_):
         inner, weight, b, like = self._new
         p = self.options["producer"].removesuffix("Add") if self.options["producer"] != "MatMulAdd" else "MatMulAdd"
-        self.done(self._bn, FoldWhy.FOLDED, f"folded into {inner.op_type} {name_of(inner)} (float64)")
+        shared = self._shared and not self._in_function
+        self.done(self._bn, FoldWhy.FOLDED, f"folded into {inner.op_type} {name_of(inner)} (float64)"
+                  + (f"; its weight {w.name}, which its twins read, folded once for all" if shared else ""))
         wname, bname = f"{w.name}_bnfold", f"{w.name}_bnfold_bias"
-        new_w, new_b = _init(op, weight, like, wname), _init(op, b, like, bname)
+        made = getattr(self, "_made", {}) if shared else {}  # the twins' one folded weight, by the weight it replaces
+        new_w = made[w] if w in made else _init(op, weight, like, wname, self._in_function)
+        if shared:
+            self._made = {**made, w: new_w}
+        new_b = _init(op, b, like, bname, self._in_function)
         attrs = {k: a.value for k, a in inner.attributes.items() if k != "beta"}
         if p in ("MatMul", "MatMulAdd"):
             return op.Add(op.MatMul(x, new_w), new_b)
@@ -267,6 +304,7 @@ class FoldBackward(NormRule):
         if past is not None:
             return self.refuse(context, past[0], past[1], w, at=bn)
         self._conv, self._consts = conv, (w_c, weight, b)  # the fold's values: the ones the range check read
+        self._in_function = isinstance(context.graph_or_function, ir.Function)
         return MatchResult()
 
     def rewrite(self, op, x, w, **_):
@@ -274,8 +312,8 @@ class FoldBackward(NormRule):
         like, weight, b = self._consts
         self.done(bn, FoldWhy.FOLDED_INTO_NEXT, f"folded into the next Conv {name_of(conv)} (no padding; float64)")
         attrs = {k: a.value for k, a in conv.attributes.items()}
-        return op.Conv(x, _init(op, weight, like, f"{w.name}_bnfold"), _init(op, b, like, f"{w.name}_bnfold_bias"),
-                       **attrs)
+        return op.Conv(x, _init(op, weight, like, f"{w.name}_bnfold", self._in_function),
+                       _init(op, b, like, f"{w.name}_bnfold_bias", self._in_function), **attrs)
 
 
 def rules(log: SiteLog) -> list:
