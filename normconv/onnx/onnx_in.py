@@ -31,6 +31,7 @@ from normconv.onnx.passes.convert import ConvertOpset
 from normconv.onnx.passes.function_types import TypeFunctionBodies
 from normconv.onnx.passes.dangling import RegisterDangling
 from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
+from normconv.onnx.passes.inline import inline_functions, with_callers
 from normconv.onnx.passes.ir3 import InitializerInputs, list_initializers, unlisted
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
@@ -163,6 +164,33 @@ def _rewrite(model: ir.Model, jobs: tuple[str, ...], target: str) -> tuple[ir.Mo
     return model, log, lower.made
 
 
+def _inline_hidden(src: Source, jobs: tuple[str, ...], target: str) -> tuple[Source, list[str]]:
+    """``src`` with the local functions inlined whose boundary hid a norm from the rules (passes/inline.py), and
+    their names; ``src`` itself where no site inside a function was refused, or the inlined plan does no more: the
+    plans compared by the sites they apply (a fused LayerNorm that needs opset 17 counted as applied)."""
+    if not src.proto.functions:
+        return src, []
+    _, log, _ = _rewrite(to_ir(src.proto), jobs, target)
+    applied = {t for t, rows in log.rows.items() if any(s.applied for _, s in rows)}
+    held = {fn for t, fn in log.within.items() if t not in applied}
+    if not held:
+        return src, []
+    ids = with_callers(src.proto, held)
+    try:
+        proto = inline_functions(src.proto, only=ids)
+    except NormconvError:  # the inliner refuses: the functions stay, their sites' refusals say why
+        return src, []
+    _, inlined, _ = _rewrite(to_ir(proto), jobs, target)
+    if _gain(inlined) <= _gain(log):
+        return src, []
+    return Source(src.path, proto, src.external), sorted(f"{d}.{n}" if d else n for d, n in ids)
+
+
+def _gain(log: SiteLog) -> int:
+    """The sites a plan applies, and the LayerNorms it fuses once the file is at opset 17."""
+    return sum(1 for _, s in log.sites() if s.applied or s.code == LayerNormWhy.OPSET_BELOW)
+
+
 def _needs_opset(src: Source, jobs: tuple[str, ...], target: str) -> tuple[int, str]:
     """The opset the fused ops need, and which op needs it: 17 where a LayerNorm was refused only for the file's
     opset; ``FUNCTION_OPSET`` where a placeholder stays a function op (normconv.RMSNorm below 23, normconv.GroupNorm
@@ -201,11 +229,13 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
         raise NormconvError(f"--opset {opset} is below the file's opset {src.opset}: normconv converts up, not down")
     if opset is not None and opset != src.opset and opset not in OPSETS:  # the file's own opset: nothing converted
         raise NormconvError(f"unsupported --opset {opset}: normconv exports opsets {OPSETS[0]} to {OPSETS[-1]}")
+    given = src
+    src, inlined_hidden = _inline_hidden(src, jobs, target)
     needed, needs = _needs_opset(src, jobs, target)
     want = max(opset or 0, needed)
     model = to_ir(src.proto)
     report = Report(command, str(src.path))
-    report.before = op_counts(model)
+    report.before = op_counts(model if src is given else ir.serde.deserialize_model(given.proto))  # the file's
     converted = 0
     inlined: list[str] = []
     if want > src.opset:
@@ -225,6 +255,11 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
             + (f", its local function(s) {', '.join(inlined)} inlined first (the converter converts the graph, not "
                f"function bodies)" if inlined else "") + "; the converted file is validated against the input before "
             "fusing")
+    if inlined_hidden:
+        report.notes.append(f"{'would inline' if command == 'inspect' else 'inlined'} the local function(s) "
+                            f"{', '.join(inlined_hidden)}: their norms, typed by no one call or fed their parameters "
+                            f"by the call, are fused or folded only in the caller's graph")
+        report.extra["inlined_functions"] = inlined_hidden
     for kind, site in log.sites():
         report.sites.append(site)
     report.after = op_counts(model)

@@ -13,46 +13,13 @@
 from __future__ import annotations
 
 import onnx
-import onnx.inliner
 import onnx_ir as ir
 
 from normconv.errors import Code, NormconvError
 
+from .inline import function_names, inline_functions
+
 NAME = "convert-opset"  # the pass_name of its refusals (Code.REFUSED)
-
-
-def function_names(proto: onnx.ModelProto) -> list[str]:
-    """The model-local functions, as domain.name."""
-    return sorted(f"{f.domain}.{f.name}" if f.domain else f.name for f in proto.functions)
-
-
-def inline_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """``proto`` with its local functions inlined and the opset imports only they used dropped; or one line naming
-    the functions that cannot be inlined."""
-    if not proto.functions:
-        return proto
-    names = function_names(proto)
-    try:
-        inlined = onnx.inliner.inline_local_functions(proto, convert_version=True)
-    except Exception as exc:  # noqa: BLE001 - the inliner's message names the op
-        why = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise NormconvError(f"cannot convert the file's opset: its local function(s) {', '.join(names)} cannot be "
-                            f"inlined first (onnx.inliner: {why})", Code.REFUSED,
-                            hint="pass --opset with the file's own opset to keep its norms as written",
-                            pass_name=NAME) from None
-    used = {n.domain for n in _all_nodes(inlined.graph)}
-    kept = [o for o in inlined.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
-    del inlined.opset_import[:]
-    inlined.opset_import.extend(kept)
-    return inlined
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                yield from _all_nodes(g)
 
 
 class ConvertOpset(ir.passes.FunctionalPass):
@@ -70,7 +37,12 @@ class ConvertOpset(ir.passes.FunctionalPass):
             return ir.passes.PassResult(model, False)
         proto = ir.serde.serialize_model(model)
         self.inlined = function_names(proto)
-        proto = inline_functions(proto)
+        try:
+            proto = inline_functions(proto)
+        except NormconvError as exc:
+            raise NormconvError(f"cannot convert the file's opset: {exc.message} first", Code.REFUSED,
+                                hint="pass --opset with the file's own opset to keep its norms as written",
+                                pass_name=NAME) from None
         try:
             converted = onnx.version_converter.convert_version(proto, self.opset)
         except Exception as exc:  # noqa: BLE001 - the converter's own message names the op
