@@ -264,6 +264,10 @@ def plan(src: Source, command: str, target: str = "onnx", opset: int | None = No
         report.sites.append(site)
     report.after = op_counts(model)
     applied = collections.Counter(k for k, s in log.sites() if s.applied)
+    had, left = report.before.get("BatchNormalization", 0), report.after.get("BatchNormalization", 0)
+    if not (inlined_hidden or converted) and left != had - applied.get("batchnorm", 0):
+        # a fold said done that the graph does not show (a rewrite its rewriter dropped): never a false claim
+        raise RuntimeError(f"{applied.get('batchnorm', 0)} BatchNorm(s) logged folded, {left} left of {had}")
     report.extra.update({"target": target, "opset_in": src.opset, "opset": model.opset_imports.get("", src.opset),
                          "converted_from": converted or None, "folded_batchnorm": applied.get("batchnorm", 0),
                          "fused": {k: v for k, v in applied.items() if k != "batchnorm"}, "lowered": lowered,
