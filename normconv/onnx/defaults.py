@@ -14,5 +14,8 @@ TARGETS = ("onnx", "ort")
 # (RMSNormalization); onnxruntime's own ops (SimplifiedLayerNormalization in the default domain, which the checker
 # rejects; Skip*LayerNormalization) stay one flag away: --target ort
 DEFAULT_TARGET = "onnx"
+# ONNX ops that draw random numbers (each takes an optional float ``seed``): a file holding one computes other outputs
+# at every run unless they are seeded
+RANDOM_OPS = ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli", "Multinomial")
 
-__all__ = ["OPSETS", "DEFAULT_OPSET", "TARGETS", "DEFAULT_TARGET"]
+__all__ = ["OPSETS", "DEFAULT_OPSET", "TARGETS", "DEFAULT_TARGET", "RANDOM_OPS"]

@@ -283,15 +283,19 @@ def plan_sizes(path: str, specs: list[Spec]) -> Plan:
 SQUASHING = {"Sigmoid": 0.25, "Softmax": 0.5, "Tanh": 1.0}  # op -> Lipschitz constant in the max norm
 
 
-def _squashed(path_in: str, path_out: str) -> tuple[Any, Any, dict[str, tuple[str, str]]]:
-    """Both files, each with the inputs of the squashing ops that make graph outputs added as outputs, and
-    {output: (op, its input)}; the paths themselves (nothing added) where there are none, or a file keeps its
-    weights outside (its bytes would not find them)."""
+def _squashed(path_in: str, path_out: str) -> tuple[Any, Any, dict[str, tuple[str, str]], int]:
+    """Both files as compared: each with the inputs of the squashing ops that make graph outputs added as outputs,
+    and {output: (op, its input)}; each unseeded random op seeded (``_seed``), and how many; the paths themselves
+    (nothing changed) where there is neither, or a file keeps its weights outside (its bytes would not find them)."""
     import onnx
 
     models = [onnx.load(p, load_external_data=False) for p in (path_in, path_out)]
     if any(init.data_location == onnx.TensorProto.EXTERNAL for m in models for init in m.graph.initializer):
-        return path_in, path_out, {}
+        if not _seed(onnx.ModelProto.FromString(models[0].SerializeToString())):
+            return path_in, path_out, {}, 0
+        models = [onnx.load(p) for p in (path_in, path_out)]  # random ops to seed: the bytes with their weights in
+        if max(sum(len(t.raw_data) for t in m.graph.initializer) for m in models) > 2 ** 31 - 2 ** 26:
+            return path_in, path_out, {}, 0  # past protobuf's 2 GB: no bytes to hand onnxruntime
     made = [{o: n for n in m.graph.node for o in n.output} for m in models]
     found = {}
     for out in models[0].graph.output:
@@ -299,12 +303,40 @@ def _squashed(path_in: str, path_out: str) -> tuple[Any, Any, dict[str, tuple[st
         if node is not None and node.op_type in SQUASHING and node.input and \
                 (node.input[0] in made[1] or any(i.name == node.input[0] for i in models[1].graph.input)):
             found[out.name] = (node.op_type, node.input[0])
-    if not found:
-        return path_in, path_out, {}
+    seeded = _seed(models[0])
+    _seed(models[1])
+    if not found and not seeded:
+        return path_in, path_out, {}, 0
     for m in models:
         for op, x in found.values():
             m.graph.output.append(onnx.ValueInfoProto(name=x))
-    return models[0].SerializeToString(), models[1].SerializeToString(), found
+    return models[0].SerializeToString(), models[1].SerializeToString(), found, seeded
+
+
+def _seed(model) -> int:
+    """Every random op without a ``seed`` (RANDOM_OPS) given one from its first output's name, in the main graph,
+    subgraphs and functions alike; the count. Both files seeded so draw the same numbers where a rewrite left the op
+    and its input's shape as they were (the rewrites never touch a random op), and the comparison judges the rest;
+    the file written keeps its ops unseeded, as the input has them."""
+    import zlib
+
+    import onnx
+
+    from normconv.onnx.defaults import RANDOM_OPS
+
+    def nodes(graph_nodes):
+        for n in graph_nodes:
+            yield n
+            for a in n.attribute:
+                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    yield from nodes(g.node)
+
+    count = 0
+    for n in [*nodes(model.graph.node), *(x for f in model.functions for x in nodes(f.node))]:
+        if n.op_type in RANDOM_OPS and n.domain in ("", "ai.onnx") and not any(a.name == "seed" for a in n.attribute):
+            n.attribute.append(onnx.helper.make_attribute("seed", float(zlib.crc32(n.output[0].encode()) % 65536)))
+            count += 1
+    return count
 
 
 def compare_files(path_in: str, path_out: str, plan: Plan, atol: float | None, rtol: float | None,
@@ -317,7 +349,7 @@ def compare_files(path_in: str, path_out: str, plan: Plan, atol: float | None, r
 
     from normconv.verify import Squashed, compare
 
-    src_in, src_out, through = _squashed(path_in, path_out)
+    src_in, src_out, through, seeded = _squashed(path_in, path_out)
     ref_sess = session(src_in, "disabled")
     names = [o.name for o in ref_sess.get_outputs()][:len(ref_sess.get_outputs()) - len(through)]
     outs = {level: session(src_out, level) for level in levels}
@@ -336,7 +368,8 @@ def compare_files(path_in: str, path_out: str, plan: Plan, atol: float | None, r
             b = {k: torch.from_numpy(np.asarray(got[k])) for k in names}
             sq = {k: Squashed(op, SQUASHING[op], torch.from_numpy(np.asarray(ref[x])), torch.from_numpy(np.asarray(got[x])))
                   for k, (op, x) in through.items()}
-            label = f"onnxruntime cpu, optimizations {level}, inputs {shown}"
+            label = f"onnxruntime cpu, optimizations {level}, inputs {shown}" + (
+                f", its {seeded} random op(s) seeded alike in both files" if seeded else "")
             v = compare(a, b, atol, rtol, label=label, squashed=sq)
             if not v.passed and level != "disabled":  # is it onnxruntime's optimizer changing the file itself?
                 sess_in = ins.setdefault(level, session(src_in, level))

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from normconv.onnx.defaults import RANDOM_OPS
 from normconv.report import Validation
 from normconv.verify import Inputs, compare, output_leaves
 
@@ -188,11 +189,10 @@ def latency_ms(sess, feed: dict, repeats: int = 10, warmup: int = 2, budget_s: f
     return float(np.median(times) * 1e3)
 
 
-# ONNX ops that draw random numbers: a file holding one computes other outputs at every run (and onnxruntime has no
-# kernel for some at recent opsets), so it cannot be compared with torch's
-RANDOM_OPS = ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli", "Multinomial")
 
 
+# a torch model's forward drawing random numbers: its export cannot be compared with torch's (torch and onnxruntime
+# draw differently; onnxruntime has no kernel for some at recent opsets)
 def refuse_random(ops: dict[str, int], model: torch.nn.Module, pass_name: str = "export") -> None:
     """NormconvError (Code.REFUSED) where the exported graph (``ops``: op type -> count) draws random numbers: the
     model's forward does (MAE's random masking), so its outputs differ run to run and validation has nothing to
