@@ -374,6 +374,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
         dims = [] if shapes is None else io_dims.name_dims(io_dims.found(ep, io_dims.input_names(model, inputs)),
                                                            io_dims.input_shapes(model, inputs))
         program = ep.module()
+        _same_program(model, program, inputs, path)
         io_dims.check(dims, model, inputs, lambda alt: run(model, alt), lambda alt: run(program, alt),
                       lambda a, b, label: compare(a, b, label=label))
         failed = [d for d in dims if d.pinned]
@@ -402,6 +403,19 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     follow_umask(path)
 
 
+def _same_program(model: nn.Module, program: nn.Module, inputs: Inputs, path: str) -> None:
+    """The program computes what ``model`` does at the example inputs (the dims' checks judge other sizes only),
+    else VerificationError: a .pt2 that took another path than the model (a branch on the grad mode, a value the
+    trace fixed) is never written."""
+    from normconv.errors import VerificationError
+    from normconv.verify import compare
+
+    v = compare(run(model, inputs), run(program, inputs), label="the .pt2 program at the example inputs")
+    if not v.passed:
+        raise VerificationError(f"cannot write {path}: the torch.export program differs from the model at the "
+                                f"example inputs ({v.worst}; {v.criterion}); write a .pt (torch.load) instead")
+
+
 def _pinned_all(info: dict, why: str) -> bool:
     """Say in ``info`` that torch.export could not keep the dimensions free (``why``) and every one is pinned."""
     info.setdefault("notes", []).append(f"{why}: every dimension pinned to the example's size")
@@ -420,7 +434,9 @@ def export_program(model: nn.Module, inputs: Inputs, shapes: dict | None,
         try:
             fresh = io_dims.unmarked(example)  # a failed dynamic export leaves its marks on the tensors given
             # a failing export logs the whole graph; its dynamic-shape reasoning can run for ever (time-limited)
-            with interrupt_kept(), quiet(("torch",), stderr=True), \
+            # traced without autograd, as every check runs the model (``verify.run``): a forward that branches on
+            # torch.is_grad_enabled() (d2l's hand-written BatchNorm) is written taking the branch the checks proved
+            with interrupt_kept(), quiet(("torch",), stderr=True), torch.no_grad(), \
                     time_limit(DYNAMIC_EXPORT_S if shapes is not None else None):
                 ep = torch.export.export(model, tuple(fresh.args), dict(fresh.kwargs), dynamic_shapes=shapes,
                                          strict=False)
