@@ -161,3 +161,41 @@ def test_a_batchnorm_folded_inside_a_function_called_once_is_gone_from_the_file(
     assert [f.name for f in written.functions] == ["Block"]  # the function kept: nothing needed inlining
     assert "BatchNormalization" not in [n.op_type for f in written.functions for n in f.node]
     _same_in_ort(src, dst, [(1, C, 5, 6), (2, C, 8, 3)])
+
+
+def test_a_function_whose_inlining_only_repeats_its_folds_stays_a_function(cli, tmp_path):
+    """my.Block(x, eps): a BatchNorm on a conv whose constants the body holds (folded inside the function), then a
+    LayerNorm whose epsilon the graph's caller feeds (not a constant wherever it stands); called twice. Inlined, the
+    plan folds the same BatchNorm twice and still refuses the LayerNorms: no more than before (the fold counted once
+    per run of the body), so the function stays."""
+    rng = np.random.default_rng(2)
+    consts = {"w": rng.standard_normal((D, D, 1)), "gamma": rng.uniform(0.5, 2, D), "beta": rng.standard_normal(D),
+              "mean": rng.standard_normal(D), "rv": rng.uniform(0.5, 2, D), "g": rng.standard_normal(8)}
+    body = [h.make_node("Constant", [], [k], value=nh.from_array(v.astype("f4"), k)) for k, v in consts.items()]
+    body += [h.make_node("Conv", ["x0", "w"], ["z"], kernel_shape=[1]),
+             h.make_node("BatchNormalization", ["z", "gamma", "beta", "mean", "rv"], ["x"], epsilon=1e-5)]
+    body += _ln_body(17)
+    fn = h.make_function("my", "Block", ["x0", "eps"], ["y"], body, [h.make_opsetid("", 17)])
+    vi = lambda n: h.make_tensor_value_info(n, T.FLOAT, ["N", D, 8])
+    g = h.make_graph([h.make_node("Block", ["x", "e"], ["a"], domain="my"),
+                      h.make_node("Block", ["a", "e"], ["y"], domain="my")],
+                     "g", [vi("x"), h.make_tensor_value_info("e", T.FLOAT, [])], [vi("y")])
+    src, dst = tmp_path / "f.onnx", tmp_path / "out.onnx"
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("my", 1)], functions=[fn]),
+              str(src))
+    code, out, err = cli("fold", src, "-o", dst, "--json")
+    assert code == 0, err
+    r = _report(out)
+    assert "inlined_functions" not in r["extra"] and r["extra"]["folded_batchnorm"] == 1
+    code, out, err = cli("export", src, "-o", tmp_path / "e.onnx", "--json")
+    assert code == 0, err
+    r = _report(out)
+    assert "inlined_functions" not in r["extra"]
+    assert [s["applied"] for s in r["sites"] if s["pass"] == "fuse"] == [False]  # refused inlined or not
+    written = onnx.load(str(dst))
+    assert [f.name for f in written.functions] == ["Block"]
+    sess = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (src, dst)]
+    for n in (1, 3):
+        feed = {"x": rng.standard_normal((n, D, 8)).astype(np.float32), "e": np.array(1e-5, np.float32)}
+        want = sess[0].run(None, feed)[0]
+        np.testing.assert_allclose(sess[1].run(None, feed)[0], want, rtol=0, atol=1e-5 * float(np.abs(want).max()))

@@ -31,7 +31,7 @@ from normconv.onnx.passes.convert import ConvertOpset
 from normconv.onnx.passes.function_types import TypeFunctionBodies
 from normconv.onnx.passes.dangling import RegisterDangling
 from normconv.onnx.passes.half import KEEP as HALF_KEEP, HalfPrecision
-from normconv.onnx.passes.inline import inline_functions, with_callers
+from normconv.onnx.passes.inline import call_counts, inline_functions, with_callers
 from normconv.onnx.passes.ir3 import InitializerInputs, list_initializers, unlisted
 from normconv.onnx.passes.lower import LowerNorms
 from normconv.onnx.passes.rewrite import RulesPass
@@ -167,12 +167,14 @@ def _rewrite(model: ir.Model, jobs: tuple[str, ...], target: str) -> tuple[ir.Mo
 def _inline_hidden(src: Source, jobs: tuple[str, ...], target: str) -> tuple[Source, list[str]]:
     """``src`` with the local functions inlined whose boundary hid a norm from the rules (passes/inline.py), and
     their names; ``src`` itself where no site inside a function was refused, or the inlined plan does no more: the
-    plans compared by the sites they apply (a fused LayerNorm that needs opset 17 counted as applied)."""
+    plans compared by the sites they apply, a site in a function counted once per run of its body (a fused
+    LayerNorm that needs opset 17 counted as applied)."""
     if not src.proto.functions:
         return src, []
-    _, log, _ = _rewrite(to_ir(src.proto), jobs, target)
-    applied = {t for t, rows in log.rows.items() if any(s.applied for _, s in rows)}
-    held = {fn for t, fn in log.within.items() if t not in applied}
+    model, log, _ = _rewrite(to_ir(src.proto), jobs, target)
+    fn_of = {id(f.graph): (f.domain, f.name) for f in model.functions.values()}
+    within = {t: fn_of[id(g)] for t, g in log.graph_of.items() if id(g) in fn_of}
+    held = {within[s.target] for _, s in log.sites() if not s.applied and s.target in within}
     if not held:
         return src, []
     ids = with_callers(src.proto, held)
@@ -181,14 +183,16 @@ def _inline_hidden(src: Source, jobs: tuple[str, ...], target: str) -> tuple[Sou
     except NormconvError:  # the inliner refuses: the functions stay, their sites' refusals say why
         return src, []
     _, inlined, _ = _rewrite(to_ir(proto), jobs, target)
-    if _gain(inlined) <= _gain(log):
+    runs = call_counts(src.proto)
+    if _gain(inlined) <= _gain(log, lambda t: runs.get(within[t], 1) if t in within else 1):
         return src, []
     return Source(src.path, proto, src.external), sorted(f"{d}.{n}" if d else n for d, n in ids)
 
 
-def _gain(log: SiteLog) -> int:
-    """The sites a plan applies, and the LayerNorms it fuses once the file is at opset 17."""
-    return sum(1 for _, s in log.sites() if s.applied or s.code == LayerNormWhy.OPSET_BELOW)
+def _gain(log: SiteLog, weight=lambda target: 1) -> int:
+    """The sites a plan applies, and the LayerNorms it fuses once the file is at opset 17 (``weight``: how many
+    times a site's graph runs)."""
+    return sum(weight(s.target) for _, s in log.sites() if s.applied or s.code == LayerNormWhy.OPSET_BELOW)
 
 
 def _needs_opset(src: Source, jobs: tuple[str, ...], target: str) -> tuple[int, str]:

@@ -39,6 +39,22 @@ def with_callers(proto: onnx.ModelProto, ids: Collection[tuple[str, str]]) -> se
         out |= more
 
 
+def call_counts(proto: onnx.ModelProto) -> dict[tuple[str, str], int]:
+    """How many times each local function's body runs once every call is inlined: its calls in the main graph, plus
+    its calls in each function's body times that function's own count."""
+    calls = {(f.domain, f.name): [(n.domain, n.op_type) for n in _body_nodes(f)] for f in proto.functions}
+    direct = [(n.domain, n.op_type) for n in _all_nodes(proto.graph)]
+    counts: dict[tuple[str, str], int] = {}
+
+    def count(fn: tuple[str, str], seen: frozenset = frozenset()) -> int:
+        if fn not in counts:
+            counts[fn] = direct.count(fn) + sum(body.count(fn) * count(g, seen | {fn}) for g, body in calls.items()
+                                                if g not in seen | {fn})
+        return counts[fn]
+
+    return {fn: count(fn) for fn in calls}
+
+
 def inline_functions(proto: onnx.ModelProto, only: Collection[tuple[str, str]] | None = None) -> onnx.ModelProto:
     """``proto`` with its local functions inlined (``only``: these (domain, name), none else) and the opset imports
     only they used dropped; or one line naming the functions that cannot be inlined."""

@@ -240,7 +240,7 @@ class SiteLog:
 
     rows: dict[str, list[tuple[str, Site]]] = field(default_factory=dict)
     facts: dict[str, dict] = field(default_factory=dict)  # what a rule read at a site it fused (eps, shape), by target
-    within: dict[str, tuple[str, str]] = field(default_factory=dict)  # a refused site's local function (domain, name)
+    graph_of: dict[str, ir.Graph] = field(default_factory=dict)  # the graph each site lies in (a function's too)
 
     def add(self, kind: str, site: Site, **facts) -> None:
         self.rows.setdefault(site.target, []).append((kind, site))
@@ -268,15 +268,15 @@ class NormRule(pattern.RewriteRuleClassBase):
 
     def refuse(self, context, code: Why, reason: str, *sources, at: ir.Node | None = None) -> MatchResult:
         """Fail the match with ``reason`` and log the site (``at``, else the match's last node) with ``code``."""
-        target = name_of(at or context.root)
-        self.log.add(self.kind, Site(self.pass_name, target, False, reason, code))
-        if isinstance(context.graph_or_function, ir.Function):  # where inlining may lift the refusal (onnx_in)
-            self.log.within[target] = (context.graph_or_function.domain, context.graph_or_function.name)
+        node = at or context.root
+        self.log.add(self.kind, Site(self.pass_name, name_of(node), False, reason, code))
+        self.log.graph_of[name_of(node)] = node.graph
         return MatchResult().fail(reason, list(sources))
 
     def done(self, anchor: ir.Node, code: Why, reason: str, **facts) -> None:
         """Log the site fused at ``anchor``; ``facts``: what the rule read there, for inspect (``onnx.sites``)."""
         self.log.add(self.kind, Site(self.pass_name, name_of(anchor), True, reason, code), **facts)
+        self.log.graph_of[name_of(anchor)] = anchor.graph
 
 
 def untyped(context) -> str:
