@@ -72,6 +72,12 @@ def test_bad_inputs_exit_2_in_one_line(cli, tmp_path):
     assert code == 2 and "inspect, fold and export read ONNX files" in err
     code, _, err = cli("export", src, "-o", tmp_path / "o.onnx", "--dtype", "bfloat16")
     assert code == 2 and "normconv writes float16" in err
+    twice = onnx.load(src)  # a value two nodes define: protobuf reads it, ONNX's rules forbid it (was exit 3)
+    first = twice.graph.node[0].output[0]
+    twice.graph.node.append(onnx.helper.make_node("Identity", [twice.graph.input[0].name], [first]))
+    onnx.save(twice, str(tmp_path / "twice.onnx"))
+    code, _, err = cli("inspect", tmp_path / "twice.onnx")
+    assert code == 2 and err.count("\n") == 1 and "not a valid ONNX model" in err
 
 
 def test_an_input_without_a_shape_asks_for_it_in_one_line(cli, tmp_path, capfd):

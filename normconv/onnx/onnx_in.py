@@ -108,7 +108,12 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:  # noqa: BLE001 - past 2 GB or an op onnx does not know: rules see the declared shapes
         pass
-    return _typed_functions(ir.serde.deserialize_model(proto))
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except ir.serde.SerdeError as exc:  # a graph ONNX's rules forbid (a name defined twice): the file's own fault
+        cause = exc.__cause__ or exc
+        raise NormconvError(f"the file is not a valid ONNX model ({str(cause).splitlines()[0][:200]})") from None
+    return _typed_functions(model)
 
 
 def _typed_functions(model: ir.Model) -> ir.Model:
