@@ -4,8 +4,10 @@ folded through the ops around it, as far as they let its scale and its shift pas
   BN(y) = s * y + t per channel,  s = gamma / sqrt(var + eps),  t = beta - mean * s
   backward: layer -> ops -> BN  where every op passes a positive scale (relu, leaky_relu, prelu, max / avg pools:
             f(a x) = a f(x) for a > 0):  a = |s| folds into the layer (W' = W a, b' = b a), leaving sign(s) behind;
-            a = s itself when every op is linear (avg pools); the shift t folds back too (b' += t) when every op
-            passes a shift (pools without counted zero padding), else it stays.
+            a = s itself when every op is linear (avg pools); the shift folds back too when every op passes a
+            shift (pools without counted zero padding), else it stays: s y + t = sigma (a y + sigma t) with
+            sigma = s / a = +-1, so b' += sigma t (a max pool passes |s| and t, never the sign: the sign
+            stays after the pool and multiplies what passed it).
   forward:  what is left, sigma * y + t (sigma = sign(s), or s when nothing went back), passes forward through ops
             that let it (pools, reflect / replicate padding, dropout, then reshapes / permutes followed channel by
             channel) into the next conv / linear (W' = W sigma, b' = b + W t): a conv only when nothing on the way,
@@ -79,7 +81,7 @@ class Back:
     layer: str  # the conv / linear before the BN
     ops: tuple[str, ...]  # the ops between, for people
     scale: torch.Tensor = field(repr=False)  # what folds into the layer's output channels (|s| or s)
-    shift: torch.Tensor = field(repr=False)  # what folds into its bias (t when every op passes it, else zeros)
+    shift: torch.Tensor = field(repr=False)  # what folds into its bias (sign(s) t when every op passes it, else 0)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def _decide(cap: Captured, layers: Layers, site: NormSite) -> Decision:
         if stop.code is ThroughWhy.DIRECT:
             return Decision(site, False, str(stop), ThroughWhy.DIRECT)
     sigma = torch.where(back.scale != 0, s / back.scale, torch.ones_like(s)) if back else s
-    rest_t = t - back.shift if back else t
+    # the sign left behind multiplies the shift that went back: sigma (a y + b) + rest = s y + t
+    rest_t = t - sigma * back.shift if back else t
     d = Decision(site, True, "", ThroughWhy.FOLDED, sigma, rest_t, back)
     if back is not None and bool((sigma == 1).all()) and not bool(rest_t.any()):
         d.reason = f"folded into {back.layer} through {', '.join(back.ops)} (scale and shift): the BatchNorm is gone"
@@ -141,15 +144,21 @@ def _decide(cap: Captured, layers: Layers, site: NormSite) -> Decision:
         if back is None:  # BN -> nothing it passes -> a layer, and no layer behind either
             return Decision(site, False, f"{why_not_back}; forward: {stop}", ThroughWhy.NOTHING
                             if stop.code is not ThroughWhy.DIRECT else ThroughWhy.DIRECT)
-        left = "a per-channel add" if bool((sigma == 1).all()) else "a per-channel sign and add"
+        left = f"a per-channel {_rest(sigma, rest_t).replace('shift', 'add')}"
         d.code, d.reason = stop.code, (f"scale folded into {back.layer} through {', '.join(back.ops)}; the rest "
                                        f"stays as {left} (ChannelAffine): {stop}")
         return d
     f = d.forward
     d.reason = (f"scale folded into {back.layer} through {', '.join(back.ops)}, " if back else "") + \
-        f"{'shift' if back else 'scale and shift'} into {f.layer}" + \
+        f"{_rest(sigma, rest_t) if back else 'scale and shift'} into {f.layer}" + \
         (f" through {', '.join(f.ops)}" if f.ops else "") + ": the BatchNorm is gone"
     return d
+
+
+def _rest(sigma: torch.Tensor, t: torch.Tensor) -> str:
+    """What is left of the BN once its scale went back, for people: its sign, its shift, or both."""
+    parts = (["sign"] if bool((sigma != 1).any()) else []) + (["shift"] if bool(t.any()) else [])
+    return " and ".join(parts) or "nothing"
 
 
 def _backward(cap: Captured, layers: Layers, site: NormSite, s: torch.Tensor, t: torch.Tensor) -> Back:
@@ -184,7 +193,9 @@ def _backward(cap: Captured, layers: Layers, site: NormSite, s: torch.Tensor, t:
                                         f"output channels")
     # every op linear  =>  s itself; every op positively homogeneous  =>  |s|, its sign left behind
     scale = s if all(p.any_scale for p in passes) else s.abs()
-    return Back(path, tuple(ops[::-1]), scale, t if all(p.shift for p in passes) else torch.zeros_like(t))
+    # a shift that passes back goes under the sign left behind: s y + t = sigma (|s| y + sigma t), sigma = +-1
+    sigma = torch.where(scale != 0, s / scale, torch.ones_like(s))
+    return Back(path, tuple(ops[::-1]), scale, sigma * t if all(p.shift for p in passes) else torch.zeros_like(t))
 
 
 def _forward(cap: Captured, layers: Layers, site: NormSite, sigma: torch.Tensor, t: torch.Tensor,

@@ -218,3 +218,79 @@ def test_a_shift_passes_an_interpolation(mode, align):
         y = torch.randn(shape)
         with torch.no_grad():
             torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)
+
+
+def _mixed_sign(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random statistics, and gammas of both signs (every third one negative, the others positive)."""
+    B.randomize(model, seed).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.abs_().add_(0.1)
+                m.weight[::3] *= -1
+                m.bias.mul_(5)  # a shift well above the conv's output: a wrong sign on it shows
+    return model
+
+
+@pytest.mark.parametrize("pool, onnx", [
+    (nn.MaxPool2d(3, 2, 1), True), (nn.MaxPool2d(2), True), (nn.MaxPool2d(2, ceil_mode=True), True),
+    (nn.AdaptiveMaxPool2d(1), True),
+    (nn.AdaptiveMaxPool2d((5, 7)), False),  # torch.onnx exports a global adaptive max pool only
+], ids=lambda p: repr(p).replace(" ", ""))
+def test_negative_gamma_behind_a_max_pool_folds_exactly(pool, onnx, tmp_path):
+    """conv -> max pool -> BN (gammas of both signs) -> conv. A max pool passes |s| and the shift back, never the
+    sign: s y + t = sign(s) (|s| y + sign(s) t). The shift went back unsigned, so every negative channel came out
+    with the wrong sign on its shift and verification refused the fold (exit 1). Now |s| and sign(s) t go into the
+    conv before, the sign into the conv after, the BN is gone, fold and export equal the original at fresh shapes."""
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = _mixed_sign(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), pool, nn.BatchNorm2d(8),
+                                      nn.Conv2d(8, 4, 3, padding=1)))
+    assert bool((model[2].weight < 0).any()) and bool((model[2].weight > 0).any())
+    x = torch.randn(1, 3, 32, 32)
+    new, report = normconv.fold(model, x)
+    assert report.passed and _through(report) == {"2": (True, ThroughWhy.FOLDED)}, report.sites
+    assert _no_bn(new) and isinstance(new[2], nn.Identity)
+    shapes = ((1, 3, 32, 32), (3, 3, 24, 40), (2, 3, 17, 29))  # fresh inputs, odd sizes too
+    with torch.no_grad():
+        for shape in shapes:
+            y = torch.randn(shape)
+            torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)
+    if not onnx:
+        return
+    exported = normconv.export(model, x, tmp_path / "m.onnx", baseline=False, repeats=0)
+    assert exported.passed and _through(exported) == {"2": (True, ThroughWhy.FOLDED)}
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    for shape in shapes[:2]:
+        y = torch.randn(shape)
+        got = session.run(None, {session.get_inputs()[0].name: y.numpy()})[0]
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(got), model(y), atol=1e-5, rtol=1e-4)
+
+
+class _PoolBNOut(nn.Module):  # conv -> F.max_pool -> BN (-> relu -> conv): the sign stays where nothing takes it
+    def __init__(self, tail: bool):
+        super().__init__()
+        self.c1, self.bn = nn.Conv1d(3, 6, 3), nn.BatchNorm1d(6)
+        self.tail = nn.Sequential(nn.ReLU(), nn.Conv1d(6, 2, 1)) if tail else nn.Identity()
+
+    def forward(self, x):
+        return self.tail(self.bn(F.max_pool1d(self.c1(x), 3, 2, 1)))
+
+
+@pytest.mark.parametrize("tail, code", [(False, ThroughWhy.SHIFT_NO_LAYER), (True, ThroughWhy.SHIFT_OP)])
+def test_negative_gamma_behind_a_max_pool_leaves_its_sign(tail, code):
+    """The same through a functional max pool, where the sign cannot go forward (the model's output; a relu): the
+    scale and the signed shift fold back, the BN becomes a per-channel sign (ChannelAffine, no add), exact."""
+    torch.manual_seed(0)
+    model = _mixed_sign(_PoolBNOut(tail))
+    new, report = normconv.fold(model, torch.randn(2, 3, 20))
+    assert report.passed and _through(report) == {"bn": (True, code)}, report.sites
+    left = new.bn
+    assert isinstance(left, ChannelAffine) and left.bias is None
+    assert left.weight.tolist() == [-1.0 if i % 3 == 0 else 1.0 for i in range(6)]
+    with torch.no_grad():
+        for shape in ((2, 3, 20), (5, 3, 33)):
+            y = torch.randn(shape)
+            torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)
