@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from normconv.engine import training
 from normconv.engine.door import not_verified, rewrite, write_model
 from normconv.engine.plans import one_site_per_batchnorm
 from normconv.engine.precision import against_float32, half_dtype, headroom_extra, target_half, upcast
@@ -30,24 +31,34 @@ from normconv.report import Report
 FOLDS: tuple[Pass, ...] = (fold_ws.FOLD_WS, fold_through.FOLD_THROUGH, fold_batchnorm.FOLD)
 
 
-def refuse_training(loaded: Loaded, opts: Options, doing: str) -> None:
-    """A model in training mode, unless ``opts.eval_mode``: refused in one line (an inference rewrite of BatchNorm,
-    ``doing``, would change what it computes in training mode, where BatchNorm uses batch statistics)."""
-    training = [p for p, m in loaded.model.named_modules() if m.training]
-    # training mode  =>  BatchNorm uses batch statistics: the rewrite would change the model
-    if training and not opts.eval_mode:
-        where = "the model" if training[0] == "" else training[0]
-        raise NormconvError(f"{loaded.spec} is in training mode ({where}): BatchNorm uses batch statistics there, "
+def refuse_training(loaded: Loaded, opts: Options, doing: str) -> list[str]:
+    """A model with a module in training mode whose flag changes what it computes (``engine.training.flag_reader``:
+    a BatchNorm on batch statistics, live dropout, a forward that reads self.training), unless ``opts.eval_mode``:
+    refused in one line naming it (an inference rewrite, ``doing``, proves the eval-mode model). Returns the paths of
+    the modules in training mode whose flag changes nothing (a Conv2d left so by timm's reparameterize_model)."""
+    live, idle = training.live_in_training(loaded.model)
+    # a module whose training flag changes what it computes, in training mode  =>  the rewrite would change the model
+    if live and not opts.eval_mode:
+        path, module, reader = live[0]
+        where = "the model" if path == "" else path
+        why = ("BatchNorm uses batch statistics there" if isinstance(module, nn.modules.batchnorm._BatchNorm) else
+               "dropout is live there" if isinstance(module, nn.modules.dropout._DropoutNd) else
+               reader)
+        more = f", {len(live) - 1} more such" if len(live) > 1 else ""
+        raise NormconvError(f"{loaded.spec} is in training mode ({where}, {type(module).__name__}{more}): {why}, "
                             f"so {doing} would change it; call .eval() first or pass --eval")
+    return idle
 
 
 def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
     """BatchNorm folded into its neighbouring conv / linear, verified, then written. ``opts.dtype`` (float16 /
     bfloat16): the model is folded in it; a half fold (that, or a half model) reports each site's headroom measured
     in float32 and the folded weights' largest value in the dtype."""
-    refuse_training(loaded, opts, "folding")
+    idle = [] if opts.eval_mode else refuse_training(loaded, opts, "folding")
     half = target_half(opts.dtype, loaded.model)
     rooms, layers = _fold_headroom(loaded, half, opts.method) if half is not None and not opts.eval_mode else ([], {})
+    if idle:  # modules in training mode whose flag changes nothing: written as proven, eval
+        opts = dataclasses.replace(opts, eval_mode=True)
     measured_on = loaded.require_inputs().to(torch.float32).describe() + " (float32)"
     # a half fold is judged as the README says: a check it misses against the half model as given passes where the
     # float32 model (kept beside it) shows the plain cast's own rounding explains it (precision.against_float32)
@@ -85,6 +96,10 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
                                                                                 None), torch.Tensor):
                 check_folded_weight(h, layer, model.get_submodule(layer).weight)
         report.extra["headroom"] = headroom_extra(rooms, half, measured_on)
+    if idle:
+        report.notes.append(f"{len(idle)} module(s) in training mode whose flag changes nothing they compute "
+                            f"({', '.join(p or 'the model' for p in idle[:3])}{', ...' if len(idle) > 3 else ''}): "
+                            f"the result is written in eval mode, the mode the check covers")
     if not any(s.applied for s in report.sites):
         report.notes.append("no BatchNorm was folded; the model is unchanged" if report.sites
                             else "the model has no BatchNorm; it is unchanged")

@@ -18,6 +18,13 @@ on, BatchNorm on batch statistics, every branch on ``self.training``) against th
   an approximate rewrite (a drift)       measured in training mode too (``approximate``): a drift check and a note;
                                          its mode is kept (it was never exact, in either mode)
 
+Which modules' training flag changes what they compute (``flag_reader``): those whose own code (any method of their
+class below nn.Module, but train / eval / __init__ and the repr) or forward hooks read ``training``: BatchNorm kinds,
+InstanceNorm, dropout, RReLU, MultiheadAttention, RNNs, timm's DropPath and BatchNormAct2d, a user's ``if
+self.training``. A Conv2d, a Linear, a ReLU read none: a model whose only training-mode modules are such is, for every
+forward, its eval-mode self (timm's ``reparameterize_model`` leaves its new ``reparam_conv`` layers so). A scripted
+module's code cannot be read: its flag is taken to matter.
+
 A pass that knows how its rewrite computes otherwise in training mode says so in its result's
 ``extra["training_differs"]`` ({"code", "why"}: a FrozenBatchNorm never takes batch statistics, ...): the note gives
 that why, and ``extra.training_mode.causes`` the codes.
@@ -27,11 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 from typing import Any
+
+import torch
+import torch.fx as fx
 
 import torch.nn as nn
 
 from normconv.errors import describe
+from normconv.io.load import training_ops
 from normconv.options import Options
 from normconv.report import Report
 from normconv.verify import Inputs, compare, output_leaves, run, same_bits
@@ -109,10 +121,63 @@ def judge_training(expected: Any, done: Run, inputs: Inputs, opts: Options, repo
                         f"trains a different model")
 
 
+_NOT_COMPUTING = frozenset({"train", "eval", "__init__", "extra_repr", "__repr__", "__setstate__", "__getstate__"})
+
+
+def flag_reader(module: nn.Module) -> str | None:
+    """Why ``module``'s training flag matters, for people (``Class.method`` reads it, a hook does, a scripted module,
+    a captured graph that holds training-mode ops), or None: then its flag changes nothing it computes (module
+    docstring)."""
+    if isinstance(module, torch.jit.ScriptModule):  # compiled: no Python code to read
+        return f"{type(module).__name__} is scripted: its code cannot be read"
+    if isinstance(module, fx.GraphModule):  # generated code; a capture fixed the mode (a .pt2's flags say which)
+        found = training_ops(module)
+        if found:
+            return f"its graph was captured in training mode ({found[0]})"
+    for cls in type(module).__mro__:
+        if cls is nn.Module or not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            continue
+        for name, value in vars(cls).items():
+            if name not in _NOT_COMPUTING and _reads_training(value):
+                return f"{cls.__name__}.{name} reads self.training"
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return next((f"a forward hook ({getattr(h, '__qualname__', h)}) reads its training flag" for h in hooks
+                 if _reads_training(h)), None)
+
+
+def _reads_training(value: Any) -> bool:
+    """A function (method, static / class method, property) whose code names ``training``, nested code included."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    code = getattr(value, "__code__", None)
+    return isinstance(code, types.CodeType) and _names_training(code)
+
+
+def _names_training(code: types.CodeType) -> bool:
+    return "training" in code.co_names or "training" in code.co_consts or \
+        any(_names_training(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def live_in_training(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str]], list[str]]:
+    """The modules in training mode, split: those whose flag changes what they compute (path, module, what reads
+    it), and the paths of those whose flag changes nothing."""
+    live, idle = [], []
+    for path, m in model.named_modules():
+        if m.training:
+            reader = flag_reader(m)
+            if reader is None:
+                idle.append(path)
+            else:
+                live.append((path, m, reader))
+    return live, idle
+
+
 def _same(a: Any, b: Any) -> bool:
     """Two outputs equal leaf for leaf, bit for bit (NaN where NaN): training mode changed nothing."""
     x, y = output_leaves(a), output_leaves(b) if b is not None else None
     return y is not None and len(x) == len(y) and all(same_bits(s, t) for (_, s), (_, t) in zip(x, y))
 
 
-__all__ = ["LABEL", "Failed", "TrainingWhy", "judge_training", "reference"]
+__all__ = ["LABEL", "Failed", "TrainingWhy", "flag_reader", "judge_training", "live_in_training", "reference"]

@@ -212,9 +212,9 @@ def _load_pt2(path: Path, spec: str, trust_pickle: bool = False) -> Loaded:
         raise NormconvError(f"{spec} is not a readable torch.export program ({describe(exc)})") from None
     model = ep.module()
     # train or eval is what the program computes, read from its graph; never .eval() on an exported module
-    training_ops = _training_ops(ep)
+    found = training_ops(ep)
     for m in model.modules():
-        m.training = bool(training_ops)
+        m.training = bool(found)
     inputs = None
     if ep.example_inputs is not None:
         args, kwargs = ep.example_inputs
@@ -226,8 +226,9 @@ def _load_pt2(path: Path, spec: str, trust_pickle: bool = False) -> Loaded:
 _TRAINING_OPS = ("_native_batch_norm_legit_functional", "_native_batch_norm_legit.default")
 
 
-def _training_ops(ep: Any) -> list[str]:
-    """Ops of an exported graph that only a training-mode export contains."""
+def training_ops(ep: Any) -> list[str]:
+    """Ops of an exported graph (an ExportedProgram, or a GraphModule: anything with a ``graph``) that only a
+    training-mode export contains."""
     found = []
     for node in ep.graph.nodes:
         if node.op != "call_function":
