@@ -31,7 +31,7 @@ import torch.nn as nn
 from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, as_module, batchnorm_sites, channel_affine,
                                       fold_backward, fold_forward)
 from normconv.graph.capture import Captured
-from normconv.graph.channel_ops import Passes, channel_op, value_in, value_out
+from normconv.graph.channel_ops import channel_op, value_in, value_out
 from normconv.graph.detect import NormSite, find_norms
 from normconv.match import COPY, PERMUTE, VIEW, call_name, permutation
 from normconv.nn.modules import ChannelAffine
@@ -177,14 +177,15 @@ def _backward(cap: Captured, layers: Layers, site: NormSite, s: torch.Tensor, t:
     if cap.op(node) not in LAYER_OPS:
         raise _Stop(ThroughWhy.NOTHING, f"{cap.describe(node)} before it is no conv / linear reached through ops "
                                         f"that pass a positive scale")
-    if not ops:
-        raise _Stop(ThroughWhy.DIRECT, f"{cap.describe(node)} feeds the BN directly: fold's own rule")
-    if len(cap.users(node)) != 1:
+    if len(cap.users(node)) != 1:  # (a layer feeding the BN directly too: then the forward direction may)
         raise _Stop(ThroughWhy.NOTHING, f"{cap.describe(node)} output is also read elsewhere")
     try:
         path, mod = layers.check(node, cap.describe(node))
     except Refusal as why:
         raise _Stop(ThroughWhy.NOTHING, str(why)) from None
+    # a layer that feeds the BN directly and can take it  =>  fold's own rule
+    if not ops:
+        raise _Stop(ThroughWhy.DIRECT, f"{cap.describe(node)} feeds the BN directly: fold's own rule")
     out = mod.out_features if isinstance(mod, nn.Linear) else mod.out_channels
     rank = len(cap.shape(cap.nodes[site.input]) or ())
     if out != len(s) or (isinstance(mod, nn.Linear) and rank != 2) or \

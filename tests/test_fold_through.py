@@ -294,3 +294,44 @@ def test_negative_gamma_behind_a_max_pool_leaves_its_sign(tail, code):
         for shape in ((2, 3, 20), (5, 3, 33)):
             y = torch.randn(shape)
             torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)
+
+
+class _SharedConvPool(nn.Module):  # conv (also read by a skip) -> BN -> pool -> 1x1 conv, as timm coatnet's pre_norm
+    def __init__(self, pool):
+        super().__init__()
+        self.c0, self.bn, self.pool, self.c1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), pool, nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        y = self.c0(x)
+        return self.c1(self.pool(self.bn(y))) + self.pool(y)
+
+
+@pytest.mark.parametrize("pool, folded", [(nn.AvgPool2d(2, 2), True), (nn.AvgPool2d(3, 1, padding=1), False)])
+def test_a_bn_whose_conv_is_shared_folds_forward_through_a_pool(pool, folded, tmp_path):
+    """The conv before the BN also feeds a skip, so nothing folds backward; fold-through stopped there ('feeds the
+    BN directly: fold's own rule') though fold's rule could not take it either, and never tried forward. A pool
+    without counted padding is linear and passes scale and shift: now both go into the 1x1 conv after it, the BN is
+    gone. Counted zero padding does not pass the shift: the BN stays, said."""
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = _mixed_sign(_SharedConvPool(pool))
+    x = torch.randn(1, 3, 16, 16)
+    new, report = normconv.fold(model, x)
+    assert report.passed
+    if not folded:
+        assert isinstance(new.bn, nn.BatchNorm2d) and not any(s.applied for s in report.sites)
+        return
+    assert _through(report) == {"bn": (True, ThroughWhy.FOLDED)} and isinstance(new.bn, nn.Identity), report.sites
+    shapes = ((1, 3, 16, 16), (3, 3, 22, 13))  # fresh inputs at two shapes
+    with torch.no_grad():
+        for shape in shapes:
+            y = torch.randn(shape)
+            torch.testing.assert_close(new(y), model(y), atol=1e-5, rtol=1e-4)
+    assert normconv.export(model, x, tmp_path / "m.onnx", baseline=False, repeats=0).passed
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    for shape in shapes:
+        y = torch.randn(shape)
+        got = session.run(None, {session.get_inputs()[0].name: y.numpy()})[0]
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(got), model(y), atol=1e-5, rtol=1e-4)
