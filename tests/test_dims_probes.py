@@ -110,3 +110,45 @@ def test_a_height_every_size_takes_stays_free_checked_at_two_more_sizes(tmp_path
             ref = m(x).numpy()
         got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
         np.testing.assert_allclose(got, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+
+
+class GridPosNet(nn.Module):
+    """A stride-2 stem then a learned positional tensor of the example's grid (timm's LeViT: attention biases fixed
+    to the resolution): the model runs at 63 and 64 (both give a 32 grid) and at no size that changes the grid."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU())
+        self.pos, self.head = nn.Parameter(torch.randn(1, 8, 32, 32)), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(self.stem(x) + self.pos)
+
+
+def test_a_height_checked_only_one_below_on_the_same_grid_is_pinned_not_declared_free(tmp_path):
+    # before: 65 failed in the original, 63 (the same 32 grid) passed, the second probe found no size the model
+    # takes, and height / width were declared free (min 1, max None, checked [64, 63]); onnxruntime failed at 96, 48
+    m = _net(GridPosNet)
+    path = tmp_path / "g.onnx"
+    report = normconv.export(m, (torch.randn(1, 3, 64, 64),), str(path), baseline=False)
+    dims = {d["name"]: d for d in report.extra["dynamic_dims"]}
+    for name in ("height", "width"):
+        assert dims[name]["code"] == "pinned-by-check" and dims[name]["checked"] == [64, 63]
+        assert "nothing proves it free" in dims[name]["pinned"]
+    assert "pinned" not in dims["batch"]
+    assert any(n.startswith("dimension height (x[2]) pinned to the example's 64") for n in report.notes)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    declared = sess.get_inputs()[0].shape
+    assert declared[1:] == [3, 64, 64] and isinstance(declared[0], str)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = m(x).numpy()
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+
+
+def test_only_a_size_off_the_example_grid_proves_a_dimension_free():
+    from normconv.io.dims import grid_moving
+
+    assert not grid_moving(64, 63) and not grid_moving(64, 65)  # stride 2, kernel 3, padding 1: 63 -> 32; pool: 65
+    assert grid_moving(64, 96) and grid_moving(64, 32) and grid_moving(1, 2) and grid_moving(2, 1)

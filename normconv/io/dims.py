@@ -14,7 +14,9 @@ like its inputs, and checked at a second size each.
   checked   each Dim at two more sizes (``candidates``: the example's size + 1 or - 1, then + half or - half, the
             first of each the original model accepts), every input that carries it resized together: the written
             model must equal the original there too. A Dim whose check fails is pinned (static) and the model
-            written again; the report lists each Dim with its range and the sizes checked.
+            written again; so is one the original takes only at sizes within one of the example's (``grid_moving``:
+            63 maps to 64's own grid through a stride-2 stem, so a check there proves nothing; timm's LeViT runs
+            at 49..64 only). The report lists each Dim with its range and the sizes checked.
   fixed     every other dimension of the example's tensor inputs is static in the written file: torch.export
             specialized it (a Python branch, loop or reshape on that size: HF Mamba's scan, LongT5's blocks) or the
             model takes one size only (an image's channels); each is listed with its code, said in a note where the
@@ -388,7 +390,21 @@ def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable
                 _probe(d, probe, model, inputs, reference, candidate, compare, checks)
         if len(d.checked) == 1 and not d.pinned:
             d.pinned = "the original model runs at no other size of it"
+        elif not d.pinned and not any(grid_moving(d.size, s) for s in d.checked[1:]):
+            tried = [s for probe in candidates(d.size) for s in probe if s not in d.checked]
+            d.pinned = (f"the original model runs only at {', '.join(map(str, d.checked[1:]))} besides it, within "
+                        f"one of the example's, which a strided layer can map to the example's own grid (63 and "
+                        f"64 both give 32 at stride 2), and at none of {', '.join(map(str, dict.fromkeys(tried)))}, "
+                        f"which change it: nothing proves it free")
     return checks
+
+
+def grid_moving(n: int, m: int) -> bool:
+    """A check at size ``m`` proves something for a dimension of example size ``n``: ``m`` is no near size (n - 1,
+    n + 1) that a strided layer can map to ``n``'s own grid (a stride-2 conv, kernel 3, padding 1: 63 and 64 give
+    32; a stride-2 pool: 65 and 64 give 32), or it is a doubling or halving of ``n`` (batch 1 and 2), which changes
+    the grid at every stride."""
+    return abs(m - n) > 1 or m in (2 * n, n // 2)
 
 
 def _probe(d: Dim, sizes: list[int], model: nn.Module, inputs: Inputs, reference: Callable[[Inputs], Any],
@@ -422,4 +438,4 @@ def _probe(d: Dim, sizes: list[int], model: nn.Module, inputs: Inputs, reference
 
 
 __all__ = ["Dim", "DimWhy", "fixed", "fixed_notes", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened", "batch_ones", "kept_free", "example_size",
-           "input_names", "candidates", "cycled"]
+           "input_names", "candidates", "cycled", "grid_moving"]
