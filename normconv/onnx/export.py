@@ -336,6 +336,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     from normconv.onnx.validate import refuse_random, validate as ort_validate
 
     from normconv.io import dims as io_dims
+    from normconv.onnx.dim_check import check_dims
 
     extra = report.extra
     entry = (list(report.sites), list(report.notes), list(report.validation), dict(extra))  # for a re-export
@@ -475,7 +476,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
                 f"nothing written", report)
         if validate and not result.runs:
             report.notes.append("no onnxruntime validation ran")
-        pins = _check_dims(str(tmp), dims, prepared, truth or prepared, inputs, reference, atol, rtol, report,
+        pins = check_dims(str(tmp), dims, prepared, truth or prepared, inputs, reference, atol, rtol, report,
                            validate, sess=result.cpu_session)
         result.cpu_session = None
         if pins:  # a dimension the file does not really take at another size: pinned, exported again
@@ -510,36 +511,6 @@ def _no_kernel(exc: BaseException) -> bool:
     from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
 
     return isinstance(exc, NoKernel)
-
-
-def _check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, inputs, reference: Any, atol, rtol,
-                report: Report, validate: Sequence[str] = ("cpu",), sess: Any = None) -> frozenset:
-    """Each dynamic dimension checked in onnxruntime (CPU, default optimizations) at a second size against
-    ``truth`` at that size; the checks join the report's validation. Returns the places of the dimensions that
-    failed (to be pinned), empty when every one held. Without the CPU provider among ``validate`` (--validate
-    none / cuda) the dimensions are kept unchecked, and the report says so. ``sess``: validation's CPU session at
-    the default level on ``path``, reused (else one is made)."""
-    from normconv.io import dims as io_dims
-    from normconv.onnx.validate import _like, available, feeds, run_quietly, session
-    from normconv.verify import compare, run
-
-    if not dims:
-        return frozenset()
-    why = "not validated on onnxruntime's CPU provider" if "cpu" not in validate else available("cpu")
-    if why is not None:
-        report.notes.append(f"dynamic dimensions {', '.join(d.name for d in dims)} not checked at a second size "
-                            f"({why}); --static pins them")
-        return frozenset()
-    sess = sess if sess is not None else session(path, "CPUExecutionProvider", "default")
-
-    def candidate(alt):  # onnxruntime's outputs in the structure of torch's
-        return _like(reference, run_quietly(sess, feeds(sess, prepared, alt)))  # a refusal pins, said in the notes
-
-    checks = io_dims.check(dims, prepared, inputs, lambda alt: run(truth, alt), candidate,
-                           lambda a, b, label: compare(a, b, atol, rtol,
-                                                       label=f"onnxruntime cpu, second shape ({label})"))
-    report.validation.extend(v for _, v in checks if v.passed)
-    return frozenset(p for d in dims if d.pinned for p in d.places)  # said in the notes of the file exported again
 
 
 def _traced_differs(exported: Any, inputs, reference: Any) -> str:
