@@ -44,6 +44,7 @@ class DimWhy(Why):
     PINNED = "pinned-by-check"  # free in the export, it failed its check at another size: exported again without it
     SPECIALIZED = "specialized-by-export"  # torch.export held it to the example's size; the original runs at others
     ONE_SIZE = "one-size-only"  # the original model runs at no other size of it (an image's channels)
+    REFUSED = "refused-by-export"  # torch.export refuses it dynamic (a guard it cannot solve); the original runs at more
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Dim:
     def note(self) -> str:
         """The report's line for a dimension the file holds to the example's size."""
         where = f"dimension {self.name} ({', '.join(f'{i}[{a}]' for i, a in self.places)})"
-        if self.code is DimWhy.SPECIALIZED:
+        if self.code in (DimWhy.SPECIALIZED, DimWhy.REFUSED):
             return (f"{where} is static at the example's {self.size}: {self.pinned}; the file runs at {self.size} "
                     f"only (export with an example of the size it will run at)")
         return f"{where} pinned to the example's {self.size}: with it free, {self.pinned}"
@@ -191,6 +192,17 @@ def widened(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | fro
     return resized(model, inputs, ones, 2) if ones else None
 
 
+def free_places(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | frozenset = frozenset()
+                ) -> list[tuple[str, int]]:
+    """The (input, axis) places ``export_shapes`` leaves to torch.export (every axis of a top-level tensor input but
+    the ``pinned``): what a dynamic export that fails gives up, the batches (axis 0) last of all."""
+    names = input_names(model, inputs)
+    if names is None:
+        return []
+    return [(n, a) for n, x in _named(inputs, names).items() if isinstance(x, torch.Tensor)
+            for a in range(x.dim()) if (n, a) not in pinned]
+
+
 def batch_ones(model: nn.Module, inputs: Inputs, pinned: set[tuple[str, int]] | frozenset = frozenset()
                ) -> list[tuple[str, int]]:
     """The (input, 0) places ``widened`` traces at 2: a tensor input's batch of 1 that is not pinned."""
@@ -300,13 +312,16 @@ def name_dims(dims: list[Dim], shapes: dict[str, tuple[int, bool]], chosen: dict
 
 
 def fixed(program: Any, model: nn.Module, inputs: Inputs, dims: list[Dim], original: nn.Module,
-          pinned: set[tuple[str, int]] | frozenset = frozenset(), chosen: dict[str, str] | None = None) -> list[Dim]:
+          pinned: set[tuple[str, int]] | frozenset = frozenset(), chosen: dict[str, str] | None = None,
+          refused: dict[tuple[str, int], str] | None = None) -> list[Dim]:
     """The dimensions of the example's tensor inputs that a dynamic export (``program``, whose free ``dims`` were
     found) holds to the example's size though normconv did not pin them (``pinned``): torch.export specialized
     them (a Python branch, loop or reshape on that size), or held their symbol to one value. Each is named like a
     free one and tried in ``runs`` (the original model) at the first of ``candidates``' first probe: where it runs,
-    code SPECIALIZED (the file lost a dimension the model has), else ONE_SIZE. [] where the inputs have no names or
-    do not line up with the program's (nested inputs: static by design)."""
+    code SPECIALIZED (the file lost a dimension the model has), else ONE_SIZE; REFUSED instead of SPECIALIZED where
+    the dimension is one of ``refused``'s places (place -> why: torch.export refused it dynamic, so it was exported
+    static). [] where the inputs have no names or do not line up with the program's (nested inputs: static by
+    design)."""
     from normconv.verify import run
 
     names = input_names(model, inputs)
@@ -320,8 +335,12 @@ def fixed(program: Any, model: nn.Module, inputs: Inputs, dims: list[Dim], origi
         d.low = d.high = d.size
         d.checked = [d.size]
         other = next((s for s in candidates(d.size)[0] if _runs(lambda alt: run(original, alt), resized(model, inputs, d.places, s))), None)
+        why = next((refused[p] for p in d.places if p in (refused or {})), None)
         if other is None:
             d.code, d.pinned = DimWhy.ONE_SIZE, "the original model runs at no other size of it"
+        elif why is not None:
+            d.code = DimWhy.REFUSED
+            d.pinned = f"torch.export refuses it dynamic ({why}), where the original also runs at {d.name} = {other}"
         else:
             d.code = DimWhy.SPECIALIZED
             d.pinned = (f"torch.export specialized it to that size (the model's forward, traced, holds for it only: "
@@ -333,7 +352,7 @@ def fixed_notes(dims: list[Dim]) -> list[str]:
     """The report's lines for ``fixed``'s dimensions: one per dimension torch.export specialized, one for those the
     model takes at one size only."""
     one = [f"{i}[{a}] = {d.size}" for d in dims if d.code is DimWhy.ONE_SIZE for i, a in d.places]
-    return [d.note() for d in dims if d.code is DimWhy.SPECIALIZED] + \
+    return [d.note() for d in dims if d.code in (DimWhy.SPECIALIZED, DimWhy.REFUSED)] + \
         ([f"static, as the original model runs at no other size of them: {', '.join(one)}"] if one else [])
 
 
@@ -438,4 +457,4 @@ def _probe(d: Dim, sizes: list[int], model: nn.Module, inputs: Inputs, reference
 
 
 __all__ = ["Dim", "DimWhy", "fixed", "fixed_notes", "export_shapes", "found", "held", "check", "name_dims", "input_shapes", "dim_name", "resized", "widened", "batch_ones", "kept_free", "example_size",
-           "input_names", "candidates", "cycled", "grid_moving"]
+           "input_names", "candidates", "cycled", "grid_moving", "free_places"]

@@ -153,15 +153,16 @@ def _one_line(exc: BaseException) -> str:
 
 
 def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynamic: bool, exported: Any = None,
-                 pinned: frozenset = frozenset(), notes: list[str] | None = None):
+                 pinned: frozenset = frozenset(), notes: list[str] | None = None, refused: dict | None = None):
     """torch.onnx.export (dynamo) without a file; NormconvError with one line if the model does not export.
 
     ``dynamic``: every input dimension the model lets vary stays symbolic (``io.dims``: Dim.AUTO on each, an example
     batch of 1 exported at 2), except the ``pinned`` (input, axis) places. ``exported``: a static torch.export
     ExportedProgram of ``model`` on ``inputs`` already made (normconv's capture): a static export starts from it
     instead of running torch.export once more; if it fails on it, the module is exported as usual. A dynamic
-    export torch.export refuses (a **kwargs forward given a non-tensor keyword: "Must provide a tree_name") is made
-    static, said in ``notes``."""
+    export torch.export refuses (a **kwargs forward given a non-tensor keyword: "Must provide a tree_name"; a guard
+    on the height it cannot solve: timm's DLA) is tried again with the batch alone dynamic, then made static, said in
+    ``notes``; ``refused`` receives each (input, axis) place it made static so, with why (place -> why)."""
     from normconv.io import dims as io_dims
 
     if exported is not None and not dynamic:
@@ -175,7 +176,7 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
     kwargs: dict[str, Any] = dict(dynamo=True, opset_version=opset, external_data=False, verbose=False, optimize=False)
     kwargs["custom_translation_table"] = {**(translation_table() if normconv_ops else missing_translations()),
                                           **model_translations(model)}
-    tries = [inputs]
+    tries, refused = [inputs], {} if refused is None else refused
     if dynamic:
         kwargs["dynamic_shapes"] = io_dims.export_shapes(model, inputs, pinned)
         wide = io_dims.widened(model, inputs, pinned)  # batch 1 is specialized by torch.export: trace at batch 2
@@ -197,12 +198,23 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
         except Exception as exc:
             if i + 1 < len(tries) and not isinstance(exc, Overtime):
                 continue  # the model takes no batch 2: export at the example as given
+            rest = [p for p in io_dims.free_places(model, inputs, pinned) if p[1] != 0]
+            if kwargs.get("dynamic_shapes") is not None and notes is not None and rest and \
+                    not isinstance(exc, Overtime):  # past the limit: not a second time
+                notes.append(f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
+                             f"exported again with the batch alone dynamic")
+                program = torch_export(model, inputs, opset, normconv_ops, True, exported, pinned | set(rest), notes,
+                                       refused)  # the batch refused too: static, said
+                refused.update({p: _one_line(exc)[:200] for p in rest})
+                optimized = True
+                break
             if kwargs.get("dynamic_shapes") is not None and notes is not None:
                 try:  # torch.export takes the model, not its dynamic shapes: the example's shapes, said
                     program, optimized = torch_export(model, inputs, opset, normconv_ops, False, exported), True
                 except NormconvError:
                     pass
                 else:
+                    refused.update({p: _one_line(exc)[:200] for p in io_dims.free_places(model, inputs, pinned)})
                     notes.append(f"torch.export's reasoning about dynamic dimensions {exc} (--static skips it): "
                                  f"exported with the example's shapes" if isinstance(exc, Overtime) else
                                  f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
@@ -345,9 +357,10 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     extra["norm_sites"] = sites_by_kind
 
     fell_back: list[str] = []
+    refused: dict = {}  # (input, axis) -> why: the places torch.export refused dynamic, exported static
     phase("export", detail=f"ONNX opset {opset}")
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported,
-                           pinned=pinned, notes=fell_back)
+                           pinned=pinned, notes=fell_back, refused=refused)
     report.notes.extend(fell_back)
     onnx_model = program.model
     dims, held = [], {}
@@ -481,8 +494,9 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         result.cpu_session = None
         if pins:  # a dimension the file does not really take at another size: pinned, exported again
             return _export_again(pins)
-        ep = getattr(program, "exported_program", None) if dynamic and not fell_back else None
-        held_dims = io_dims.fixed(ep, prepared, inputs, dims, truth or prepared, pinned, dim_names) if ep else []
+        ep = getattr(program, "exported_program", None) if dynamic else None  # each static dim with its code
+        held_dims = io_dims.fixed(ep, prepared, inputs, dims, truth or prepared, pinned, dim_names, refused) \
+            if ep else []
         report.notes.extend(io_dims.fixed_notes(held_dims))
         extra["dynamic_dims"] = [d.to_json() for d in dims + held_dims]
         from normconv.io.write import publish
