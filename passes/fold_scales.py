@@ -1,4 +1,5 @@
 """Fold each RMSNorm's scale into the linears that read its output; the norm becomes weight-free.
+(``nn.rmsnorm.ScaleFreeRMSNorm``: no weight to compute with, yet a ``weight`` of ones the model's own code can read.)
 
   RMSNorm_g(x) W^T = (RMSNorm_1(x) * g) W^T = RMSNorm_1(x) (W diag(g))^T      =>  W <- W diag(g)  (scale input columns)
   (HF Conv1D, W of shape (in, out):  RMSNorm_1(x) (diag(g) W)                 =>  W <- diag(g) W)
@@ -28,7 +29,7 @@ from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.residual import (Reader, Refused, ResidualWhy, check_weights, inner_norms, norm_module,
                                      norm_readers, own_module_attr, param_readers, untie)
 from normconv.nn.modules import NormWrapper
-from normconv.nn.rmsnorm import make_rmsnorm
+from normconv.nn.rmsnorm import ScaleFreeRMSNorm, has_scale
 from normconv.report import PassResult, Site, Why
 
 from .base import Check, Pass, replace_module
@@ -92,7 +93,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], stream_only: bool = False)
             p.refuse(FoldScalesWhy.INLINE, f"{s.source} norm written inline in {s.owner or 'forward'}: canonicalize "
                                            f"could not make it a module")
             continue
-        if mod.weight is None:
+        if not has_scale(mod):
             p.refuse(FoldScalesWhy.WEIGHT_FREE, "already weight-free")
             continue
         if len(tuple(mod.normalized_shape)) != 1:
@@ -179,9 +180,8 @@ class FoldScales(Pass):
                     # nn.Linear W (out, D)  =>  W diag(g);   HF Conv1D W (D, out)  =>  diag(g) W
                     new = w64 * g[None, :] if r.layout == "out_in" else w64 * g[:, None]
                     owned(model, t).data.copy_(new.to(t.dtype))  # the rewrite's own copy of t (ties kept)
-                # the norm keeps eps and shape, loses its weight
-                replace_module(model, p.module, make_rmsnorm(tuple(norm.normalized_shape), norm.eps, None,
-                                                             norm.weight.dtype))
+                # the norm keeps eps and shape, loses its weight (which still reads as ones, as the model may read it)
+                replace_module(model, p.module, ScaleFreeRMSNorm(tuple(norm.normalized_shape), norm.eps, norm.weight))
                 modified = True
         return PassResult(model, modified, tuple(sites(plans)), tuple(notes), {"plans": tuple(plans)})
 

@@ -36,6 +36,7 @@ from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
 from normconv.graph.residual import (Reader, Refused, Writer, hidden, in_words, inner_norms, norm_module,
                                      norm_readers, param_readers, passes_through, untie, walk, writer)
+from normconv.nn.rmsnorm import has_scale
 from normconv.report import PassResult, Site, Why
 
 from .base import Check, Pass
@@ -197,7 +198,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> RotationPlan:
             return plan.refuse(RotateWhy.INLINE, f"{s.target}: a {s.source} norm that is not a module (canonicalize "
                                                  f"could not make it one)")
         # x Q diag(g) != x diag(g) Q  =>  the scale must be folded into the readers first (fold-scales)
-        if mod.weight is not None:
+        if has_scale(mod):
             return plan.refuse(RotateWhy.HAS_SCALE, f"{s.target} still has a scale (fold it into its readers first)")
         widths.add(hidden(s))
         plan.sites.append(s)

@@ -78,7 +78,8 @@ def _model(name):
 
 
 def _norm_weights(model):
-    return [m.weight for m in model.modules() if isinstance(m, (nn.RMSNorm, nn.LayerNorm))]
+    """The weights the norms compute with (a folded norm's weight of ones is a buffer, there only to be read)."""
+    return [m._parameters.get("weight") for m in model.modules() if isinstance(m, (nn.RMSNorm, nn.LayerNorm))]
 
 
 def _embedding(model):

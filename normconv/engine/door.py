@@ -103,7 +103,13 @@ def rewrite(loaded: Loaded, passes: Sequence[Pass], opts: Options, *, command: s
     referee = next((p for p in passes if p.check is Check.REFERENCE), None)
     # the rewrite's forwards share one snapshot, but where a literal reference is built from it between them
     with one_snapshot(done.model) if referee is None else contextlib.nullcontext():
-        rewritten = run(done.model, inputs, replay=reference)  # with the original's selections, where traced
+        try:
+            rewritten = run(done.model, inputs, replay=reference)  # with the original's selections, where traced
+        except NormconvError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's own code on what the rewrite changed: not verified
+            raise VerificationError(f"{command}: the rewritten model fails where the original runs ({describe(exc)})"
+                                    f"; nothing written") from exc
         if referee is not None:  # the rewrite changed the model on purpose: it must equal its literal reference
             literal = referee.reference(done.model)
             label = f"reference {referee.reference_label}"

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from normconv.quiet import phase
 from normconv.clone import clone_sharing_tensors, copy_on_write, owning_as, release
-from normconv.errors import CaptureError, Code, NormconvError
+from normconv.errors import CaptureError, Code, NormconvError, VerificationError, describe
 from normconv.graph.capture import Captured, Guard, capture
 from normconv.passes.base import Pass, replace_module
 from normconv.report import PassResult, Site
@@ -117,6 +117,8 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
                     raise whole
                 cap = out.saw(capture(work, inputs, method, reference, stack_traces))
             except NormconvError as exc:
+                if exc.code is Code.CANNOT_CAPTURE:  # a model a pass rewrote that no longer runs: the rewrite's fault
+                    _runs_after_rewrite(work, inputs, out, whole)
                 if exc.code is Code.CANNOT_CAPTURE and whole_export and method in ("auto", "torch.export"):
                     attempts = exc.attempts if isinstance(exc, CaptureError) else {}
                     why = attempts.get("torch.export", exc.message)  # torch.export's own reason
@@ -150,6 +152,21 @@ def apply_passes(model: nn.Module, inputs: Inputs, passes: Sequence[Pass], metho
     out.model = release(work)
     out.capture = cap if cap is not None and cap.model is work else None
     return out
+
+
+def _runs_after_rewrite(work: nn.Module, inputs: Inputs, out: Run, whole: NormconvError | None) -> None:
+    """Where the model captured whole before a pass rewrote it and now fails to capture, its own forward is run:
+    one that raises (the model's code reads what the rewrite changed) is the rewrite's failure, a VerificationError
+    naming the pass (exit 1), never "cannot capture" (exit 2), which would blame the model."""
+    changed = [p.name for p, r in out.results if r.modified]
+    if not changed or whole is not None:  # the original's own capture failed, or nothing was rewritten yet
+        return
+    from normconv.verify import run as forward
+    try:
+        forward(work, inputs)
+    except Exception as exc:  # noqa: BLE001 - whatever the model's code raises on the rewritten model
+        raise VerificationError(f"the model as {changed[-1]} rewrote it fails where the original runs ({describe(exc)})"
+                                f"; nothing written") from exc
 
 
 def _no_whole_export(output: str, model: nn.Module, why: str) -> NormconvError:

@@ -31,6 +31,8 @@ class RMSNormKind(NormKind):
         fields = super().from_module(module, path, dtype)
         if fields["eps"] is None:  # nn.RMSNorm(eps=None): the input dtype's epsilon
             fields["eps"] = torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
+        if module._parameters.get("weight") is None:  # weight-free (a scale-free one's weight of ones is not used)
+            fields["weight"] = None
         return fields
 
     def from_call(self, cap: Any, node: Any, x: Any) -> dict[str, Any]:

@@ -11,6 +11,12 @@ measures as fast as ``nn.LayerNorm`` up to (32, 512, 768) and 8-12% behind it on
 benchmarks/results/rmsnorm_chunking.md). With autograd on, the same math runs out of place. Under torch.export,
 torch.compile, FX or jit tracing, on CUDA, in half precision or with a dispatch mode active it calls
 ``F.rms_norm``, so graphs see one ``aten.rms_norm``.
+
+``ScaleFreeRMSNorm`` is the weight-free RMSNorm left where a scale was folded away (``swap --fold-scales``,
+``rotate``): it computes without a weight (``elementwise_affine=False``, no parameter, nothing in the state_dict),
+yet its ``weight`` still reads as ones in the original weight's dtype and device (a non-persistent buffer), because
+a model's own code may read its norm's weight as it read the original (Mamba2Block:
+``self.norm(x.to(self.norm.weight.dtype))``). ``has_scale`` says whether a norm module has a scale to fold.
 """
 
 from __future__ import annotations
@@ -54,6 +60,26 @@ class RMSNorm(nn.RMSNorm):
         if _fast_path_ok(x, self.weight):
             return rms_norm_cpu(x, self.normalized_shape, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class ScaleFreeRMSNorm(RMSNorm):
+    """A weight-free RMSNorm whose ``weight`` reads as ones (never multiplied, never saved); see the docstring."""
+
+    def __init__(self, normalized_shape, eps: float | None, like: torch.Tensor):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=False, dtype=like.dtype, device=like.device)
+        del self._parameters["weight"]  # x / rms(x) * 1 == x / rms(x): the unit weight is only there to be read
+        self.register_buffer("weight", torch.ones(self.normalized_shape, dtype=like.dtype, device=like.device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fast_path_ok(x, None):
+            return rms_norm_cpu(x, self.normalized_shape, None, self.eps)
+        return F.rms_norm(x, self.normalized_shape, None, self.eps)
+
+
+def has_scale(module: nn.Module) -> bool:
+    """Whether a norm module computes with a weight (a parameter): False for a weight-free or scale-free one."""
+    return module._parameters.get("weight") is not None
 
 
 def make_rmsnorm(normalized_shape, eps: float | None, weight: torch.Tensor | None = None,
