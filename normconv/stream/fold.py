@@ -45,6 +45,15 @@ from normconv.stream.onepass import write_verified
 _BN = nn.modules.batchnorm._BatchNorm
 
 
+def _frozen(m: nn.Module | None) -> bool:
+    """A frozen BatchNorm not of torch's classes: a module holding weight, bias, running_mean and running_var
+    of one length (torchvision's / DETR's FrozenBatchNorm2d, whose eps is in its forward: the site's eps)."""
+    if m is None or isinstance(m, _BN):
+        return False
+    ts = [getattr(m, k, None) for k in ("weight", "bias", "running_mean", "running_var")]
+    return all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in ts) and len({t.shape for t in ts}) == 1
+
+
 def _identity(block_output: torch.Tensor) -> torch.Tensor:
     return block_output  # a fold changes no block's output
 
@@ -59,7 +68,7 @@ def _plan(src: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
     if inputs is None:
         raise NormconvError(f"{src}: no example inputs from its config (--stream needs a model taking input_ids "
                             f"or pixel_values)")
-    bns = [(path, m) for path, m in meta.named_modules() if isinstance(m, _BN)]
+    bns = [(path, m) for path, m in meta.named_modules() if isinstance(m, _BN) or _frozen(m)]
     if not bns:
         return [], [], meta, aliases
     # shapes only: every tensor on meta, inputs too (a meta weight meeting a real buffer fails in torch.export)
@@ -78,7 +87,10 @@ def _plan(src: Path, ckpt: Checkpoint, cls, config, dtype: torch.dtype):
         raise NormconvError(f"{src}: the checkpoint has no tensor {missing[0]}")
     streamed, sites = [], []
     for d in fold_batchnorm.analyze(cap, find_norms(cap), chain=False):  # each BN's tensors rewritten apart
-        ok = d.applied and d.direction == "backward" and d.site.source == "module" and \
+        # a BatchNorm module, or a frozen one found by what it computes (DETR's DetrFrozenBatchNorm2d: its four
+        # tensors are the module's own, written as the identity like a BatchNorm's)
+        own = d.site.source == "module" or _frozen(cap.modules.get(d.site.target))
+        ok = d.applied and d.direction == "backward" and own and \
             not getattr(cap.modules[d.layer], "parametrizations", None)
         # the shift t goes to the layer's bias, or stays in the BN's: with neither it has nowhere to go
         homeless = ok and cap.modules[d.layer].bias is None and cap.modules[d.site.target].bias is None
@@ -102,8 +114,9 @@ def _edits(decisions, meta: nn.Module) -> dict[str, Callable[[torch.Tensor], tor
     for d in decisions:
         s, t = d.affine
         bn, layer = meta.get_submodule(d.site.target), meta.get_submodule(d.layer)
-        v = torch.tensor(1.0 - bn.eps, dtype=bn.running_var.dtype)  # the statistic as loaded by the plan
-        f = 1.0 / math.sqrt(float(v) + bn.eps)  # BN' multiplies by f: 1 up to the rounding of 1 - eps
+        eps = float(getattr(bn, "eps", d.site.eps))  # a frozen BatchNorm's eps is in its forward: the site's
+        v = torch.tensor(1.0 - eps, dtype=bn.running_var.dtype)  # the statistic as loaded by the plan
+        f = 1.0 / math.sqrt(float(v) + eps)  # BN' multiplies by f: 1 up to the rounding of 1 - eps
         has_bias = layer.bias is not None
         c = torch.zeros_like(t) if has_bias else t
         out[f"{d.site.target}.weight"] = lambda x: torch.ones_like(x)
