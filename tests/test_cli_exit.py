@@ -145,3 +145,28 @@ def test_json_keeps_its_contract_for_a_flag_value_numbers_and_write_errors(cli, 
     code, out, err = cli("fold", "zoo:mlp", "-o", tmp_path / "out.pt", "--json")
     obj = json.loads(out)
     assert (code, obj["code"], obj["exit_code"]) == (2, "write-failed", 2) and "no space left" in obj["error"]
+
+
+@pytest.mark.parametrize("command", [[c, "no/such/model.pt2", "--overwrite"] for c in
+                                     ("fold", "export", "swap", "canonicalize", "deepnorm", "rotate")]
+                         + [["fold", "no/such/folder", "--stream"],
+                            ["recalibrate", "no/such/model.pt2", "--calibration", "no/such/data.pt"]])
+def test_an_empty_output_path_is_a_usage_error_before_any_work(tmp_path, command):
+    """`-o "$OUT"` with $OUT unset: `-o ""` was the current folder, and with --overwrite normconv tried to exchange
+    the current folder with its output (only the kernel's EBUSY on renaming "." stopped it). Refused before the
+    model is even looked for: one line, exit 2, one JSON object coded usage, the folder untouched."""
+    (tmp_path / "precious.txt").write_text("precious")
+    r = subprocess.run([sys.executable, "-m", "normconv.cli", *command, "-o", "", "--json"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    obj = json.loads(r.stdout)
+    assert r.returncode == 2 and obj["code"] == "usage" and obj["exit_code"] == 2, r
+    assert "-o is empty" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt"]
+
+
+def test_the_python_api_refuses_an_empty_output_path_too(tmp_path):
+    from normconv.errors import NormconvError
+    from normconv.io.write import check_writable
+
+    with pytest.raises(NormconvError, match="output path is empty"):
+        check_writable("", overwrite=True)

@@ -262,6 +262,8 @@ def user_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
         output = kwargs.get("output")
+        if output == "":  # `-o "$OUT"` with $OUT unset: Path("") is the current folder, never a place to write
+            fail("-o is empty (an unset variable?): name the file or folder to write", EXIT_BAD_INPUT, as_json, "usage")
         if isinstance(output, str) and output.startswith("-") and output != "-":  # `-o --json`: a flag taken as a path
             fail(f"-o {output}: an output path starting with '-' reads as a flag (was -o's value left out?); write "
                  f"./{output} for a file so named", EXIT_BAD_INPUT, as_json, "usage")

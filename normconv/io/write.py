@@ -62,6 +62,7 @@ def check_output_path(loaded: Source, out: str | os.PathLike, in_place: bool = F
     anything but a regular file (an existing folder only with ``overwrite``, and never one holding what was read),
     or where no file can be created. ``in_place`` allows the model itself. ``model``: ``out`` will hold the rewritten
     torch model (a pickle is then checked to pickle, before the work); False for the ONNX writer's files."""
+    refuse_empty(out)
     path = Path(out)
     loaded.ledger.check_write(path, in_place, overwrite=overwrite)
     path = check_writable(path, overwrite)
@@ -78,9 +79,18 @@ def _other_formats(path: Path) -> str:
            f"(the weights)"
 
 
-def check_writable(path: Path, overwrite: bool = False) -> Path:
+def refuse_empty(out: str | os.PathLike) -> None:
+    """An empty output path (``-o "$OUT"`` with ``$OUT`` unset) is refused: ``Path("")`` is the current folder, which
+    ``overwrite`` would exchange with the output."""
+    if isinstance(out, (str, bytes)) and not out:
+        raise NormconvError("the output path is empty (an unset variable?): name the file or folder to write")
+
+
+def check_writable(path: str | os.PathLike, overwrite: bool = False) -> Path:
     """A file can be created at ``path``: its folder exists, is a folder and is writable, and a temp file is made
     there (and removed); it is not a folder (unless ``overwrite``: the folder is then replaced whole, atomically)."""
+    refuse_empty(path)
+    path = Path(path)
     parent = path.parent
     if not parent.exists():
         raise NormconvError(f"cannot write {path}: folder {parent} does not exist")

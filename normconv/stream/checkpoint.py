@@ -27,7 +27,7 @@ from normconv.io.archive import memory_bytes
 from normconv.io.hf_folder import safetensors_header, tensor_names
 from normconv.io.ledger import Ledger
 from normconv.io.load import hf_config, hf_model_class, remote_code
-from normconv.io.write import check_writable
+from normconv.io.write import check_writable, refuse_empty
 
 INDEX = hf_folder.SAFE_INDEX
 SINGLE = hf_folder.SAFE_SINGLE
@@ -225,6 +225,7 @@ def open_folder(folder: str | os.PathLike, output: str | os.PathLike, overwrite:
     remote code, weights that are not what from_pretrained loads or that name a path outside the folder, an invalid
     header, an output over / inside anything read or already there, unwritable. Nothing of the weights is read
     before every one of these checks passed."""
+    refuse_empty(output)
     src, out = Path(folder), Path(output)
     if out.suffix.lower() in FILE_SUFFIXES:  # the flag's meaning first: nothing is read for an -o it cannot honour
         raise NormconvError(f"-o {output}: --stream writes a Hugging Face folder, not the {out.suffix} file its "
