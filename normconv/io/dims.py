@@ -392,11 +392,14 @@ def candidates(n: int) -> list[list[int]]:
 
 
 def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable[[Inputs], Any],
-          candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any]) -> list[tuple[Dim, Any]]:
+          candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any],
+          refusals: type[Exception] | tuple[type[Exception], ...] = Exception) -> list[tuple[Dim, Any]]:
     """Check each Dim at two more sizes (after the caller validated the example): per probe of ``candidates`` of
     the example's own size, the first size the ``reference`` (the original model) accepts, the ``candidate`` (the
     written model) compared with it. Returns (Dim, Validation) per size checked; a Dim the reference takes at no
-    other size, or whose candidate fails or differs, gets ``pinned`` (its reason)."""
+    other size, or whose candidate fails or differs, gets ``pinned`` (its reason). ``refusals``: what the candidate
+    raises when it refuses a size (a runtime's own exception); anything else it raises goes up (a bug of the caller's
+    own code is no refusal)."""
     checks = []
     for d in dims:
         # the example's own size (the program may have been traced at a widened batch), which the caller validated
@@ -406,7 +409,7 @@ def check(dims: list[Dim], model: nn.Module, inputs: Inputs, reference: Callable
             d.low = d.size  # torch.export's range starts at 2 (0/1 specialization); the example ran at 1
         for probe in candidates(d.size):  # every probe checked, until one fails (the Dim is then pinned)
             if not d.pinned:
-                _probe(d, probe, model, inputs, reference, candidate, compare, checks)
+                _probe(d, probe, model, inputs, reference, candidate, compare, checks, refusals)
         if len(d.checked) == 1 and not d.pinned:
             d.pinned = "the original model runs at no other size of it"
         elif not d.pinned and not any(grid_moving(d.size, s) for s in d.checked[1:]):
@@ -427,7 +430,8 @@ def grid_moving(n: int, m: int) -> bool:
 
 
 def _probe(d: Dim, sizes: list[int], model: nn.Module, inputs: Inputs, reference: Callable[[Inputs], Any],
-           candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any], checks: list) -> None:
+           candidate: Callable[[Inputs], Any], compare: Callable[[Any, Any, str], Any], checks: list,
+           refusals: type[Exception] | tuple[type[Exception], ...] = Exception) -> None:
     """``d`` checked at the first of ``sizes`` the original accepts (and not checked yet): the candidate compared
     with it (appended to ``checks``), ``d.pinned`` set where it fails or differs; nothing where the original takes
     none of them."""
@@ -442,7 +446,7 @@ def _probe(d: Dim, sizes: list[int], model: nn.Module, inputs: Inputs, reference
         label = f"{d.name} = {size}"
         try:
             got = candidate(alt)
-        except Exception as exc:  # noqa: BLE001 - the written model refuses a size the original takes
+        except refusals as exc:  # the written model refuses a size the original takes
             d.pinned = f"the exported model fails at {label} where the original runs ({type(exc).__name__})"
             return
         v = compare(expected, got, label)

@@ -19,7 +19,7 @@ def check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, inp
     none / cuda) the dimensions are kept unchecked, and the report says so. ``sess``: validation's CPU session at
     the default level on ``path``, reused (else one is made)."""
     from normconv.io import dims as io_dims
-    from normconv.onnx.validate import _like, available, feeds, run_quietly, session
+    from normconv.onnx.validate import RuntimeRefusal, _like, available, feeds, refusing, run_quietly, session
     from normconv.verify import compare, run
 
     if not dims:
@@ -29,14 +29,20 @@ def check_dims(path: str, dims: list, prepared: nn.Module, truth: nn.Module, inp
         report.notes.append(f"dynamic dimensions {', '.join(d.name for d in dims)} not checked at a second size "
                             f"({why}); --static pins them")
         return frozenset()
-    sess = sess if sess is not None else session(path, "CPUExecutionProvider", "default")
+    if sess is None:
+        with refusing():
+            sess = session(path, "CPUExecutionProvider", "default")
 
     def candidate(alt):  # onnxruntime's outputs in the structure of torch's
-        return _like(reference, run_quietly(sess, feeds(sess, prepared, alt)))  # a refusal pins, said in the notes
+        feed = feeds(sess, prepared, alt)
+        with refusing():  # onnxruntime refusing the size pins the dimension, said in the notes
+            outs = run_quietly(sess, feed)
+        return _like(reference, outs)
 
     checks = io_dims.check(dims, prepared, inputs, lambda alt: run(truth, alt), candidate,
                            lambda a, b, label: compare(a, b, atol, rtol,
-                                                       label=f"onnxruntime cpu, second shape ({label})"))
+                                                       label=f"onnxruntime cpu, second shape ({label})"),
+                           refusals=RuntimeRefusal)
     report.validation.extend(v for _, v in checks if v.passed)
     return frozenset(p for d in dims if d.pinned for p in d.places)  # said in the notes of the file exported again
 

@@ -345,7 +345,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     from normconv.onnx.passes.rewrite import RulesPass
     from normconv.onnx.rules import inline_rules, skipnorm
     from normconv.onnx.rules.base import SiteLog
-    from normconv.onnx.validate import refuse_random, validate as ort_validate
+    from normconv.onnx.validate import RuntimeRefusal, no_kernel, refuse_random, validate as ort_validate
 
     from normconv.io import dims as io_dims
     from normconv.onnx.dim_check import check_dims
@@ -461,10 +461,10 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         phase("validate", detail="onnxruntime " + ", ".join(validate))
         try:
             result = ort_validate(str(tmp), prepared, inputs, reference, list(validate), atol, rtol, repeats)
-        except Exception as exc:  # noqa: BLE001 - onnxruntime refusing the dynamic file: pinned below, else raised
-            if not dims or _no_kernel(exc):
+        except RuntimeRefusal as exc:  # onnxruntime refusing the dynamic file: pinned below, else raised (a bug of
+            if not dims or no_kernel(exc.__cause__):  # normconv's own validation is no refusal: it is raised as is)
                 raise
-            result, failed = None, f"onnxruntime fails on it ({_one_line(exc)[:160]})"
+            result, failed = None, f"onnxruntime fails on it ({_refusal(exc)[:160]})"
         if dims and (result is None or not result.passed):  # at the example's own shapes: every dimension pinned
             # (torch's exporter fuses differently on symbolic shapes: its RotaryEmbedding-23 ran at batch 1 only until
             # rules/repair.py broadcast its caches); the static file is exported and validated as usual, and says why
@@ -506,25 +506,23 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
         report.output = str(out)
     except (VerificationError, NormconvError):
         raise
-    except OSError as exc:
-        raise write_error(out, exc) from None
-    except Exception as exc:
-        hint = ""
-        if _no_kernel(exc):  # e.g. bfloat16 MatMul on the CPU provider
+    except RuntimeRefusal as exc:  # onnxruntime's refusal or the file's misfit: the user's case, one line (exit 2);
+        hint = ""  # any other exception here is normconv's own bug and goes up as an internal error (exit 3)
+        if no_kernel(exc.__cause__):  # e.g. bfloat16 MatMul on the CPU provider
             hint = (" (onnxruntime has no kernel for that op at this dtype on this provider; validate on another "
                     "provider, or pass --validate none to write it unvalidated)")
-        raise NormconvError(f"export of {report.model} failed while validating: {_one_line(exc)}{hint}") from None
+        raise NormconvError(f"export of {report.model} failed while validating: {_refusal(exc)}{hint}") from None
+    except OSError as exc:
+        raise write_error(out, exc) from None
     finally:  # every exit path, interrupts included
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
     return report
 
 
-def _no_kernel(exc: BaseException) -> bool:
-    """onnxruntime has no kernel for an op at this dtype on this provider (bfloat16 MatMul on CPU)."""
-    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
-
-    return isinstance(exc, NoKernel)
+def _refusal(exc: BaseException) -> str:
+    """A RuntimeRefusal in one line: onnxruntime's own exception where it wraps one, else its own message."""
+    return _one_line(exc.__cause__) if exc.__cause__ is not None else str(exc).splitlines()[0]
 
 
 def _traced_differs(exported: Any, inputs, reference: Any) -> str:
@@ -552,7 +550,7 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     """Plain torch.onnx.export of the original model: op counts, and its latency at ORT's default level."""
     import onnx_ir as ir
 
-    from normconv.onnx.validate import REPORT_BUDGET_S, available, feeds, latency_ms, session
+    from normconv.onnx.validate import PROVIDERS, REPORT_BUDGET_S, available, feeds, latency_ms, refusing, session
 
     try:
         plain = torch_export(model, inputs, opset, normconv_ops=False, dynamic=dynamic)
@@ -570,10 +568,11 @@ def _baseline(model, inputs, opset, dynamic, tmpdir: Path, validate, repeats, re
     lat = {}
     for name in validate:
         if available(name) is None and repeats > 0:
-            from normconv.onnx.validate import PROVIDERS
-
-            sess = session(str(path), PROVIDERS[name], "default")
-            lat[name] = latency_ms(sess, feeds(sess, model, inputs), repeats, budget_s=REPORT_BUDGET_S)
+            with refusing():
+                sess = session(str(path), PROVIDERS[name], "default")
+            feed = feeds(sess, model, inputs)
+            with refusing():
+                lat[name] = latency_ms(sess, feed, repeats, budget_s=REPORT_BUDGET_S)
     report.extra["baseline_latency_ms"] = lat
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -52,6 +53,31 @@ class OrtResult:
     @property
     def passed(self) -> bool:
         return all(r.validation.passed for r in self.runs)
+
+
+class RuntimeRefusal(Exception):
+    """onnxruntime refused the file (a session it cannot build, a kernel it lacks, a run it fails) or the file torch
+    wrote does not fit the example (inputs it cannot be fed, another number of outputs): the model's or the runtime's
+    own failure, which export reports in one line (exit 2) or answers by pinning the dynamic dimensions. The original
+    exception is its ``__cause__``. Anything else raised while validating is normconv's own bug (exit 3)."""
+
+
+@contextmanager
+def refusing() -> Iterator[None]:
+    """Around onnxruntime's calls only: whatever they raise becomes a RuntimeRefusal (from the original)."""
+    try:
+        yield
+    except RuntimeRefusal:
+        raise
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's own exception types, whatever they are
+        raise RuntimeRefusal(f"{type(exc).__name__}: {exc}") from exc
+
+
+def no_kernel(exc: BaseException | None) -> bool:
+    """onnxruntime has no kernel for an op at this dtype on this provider (bfloat16 MatMul on CPU)."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
+
+    return isinstance(exc, NoKernel)
 
 
 def parse_providers(spec: str) -> list[str]:
@@ -97,7 +123,7 @@ def feeds(session, model: torch.nn.Module, inputs: Inputs) -> dict[str, np.ndarr
         if value is None and len(tensors) == len(wanted):
             value = tensors[i][1]
         if value is None:
-            raise ValueError(f"cannot match ONNX input {spec.name!r} to an example input ({', '.join(by_name)})")
+            raise RuntimeRefusal(f"cannot match ONNX input {spec.name!r} to an example input ({', '.join(by_name)})")
         out[spec.name] = value.detach().cpu().numpy()
     return out
 
@@ -228,22 +254,28 @@ def validate(path: str, model: torch.nn.Module, inputs: Inputs, reference: Any, 
             continue
         provider = PROVIDERS[name]
         for level in LEVELS:
-            sess = session(path, provider, level)
+            with refusing():
+                sess = session(path, provider, level)
             feed = feeds(sess, model, inputs)
-            outs = run_quietly(sess, feed)  # a refusal is raised and reported by normconv, not printed by onnxruntime
+            with refusing():  # a refusal is raised and reported by normconv, not printed by onnxruntime
+                outs = run_quietly(sess, feed)
             if len(outs) != len(ref_leaves):
-                raise ValueError(f"the ONNX model has {len(outs)} outputs, torch {len(ref_leaves)}")
+                raise RuntimeRefusal(f"the ONNX model has {len(outs)} outputs, torch {len(ref_leaves)}")
             label = f"onnxruntime {name}, optimizations {level}"
             v = compare(reference, _like(reference, outs), atol, rtol, label=label)
             ma, mr = _min_tolerances([t for _, t in ref_leaves], outs, v.atol, v.rtol)
-            lat = latency_ms(sess, feed, repeats, budget_s=REPORT_BUDGET_S) if level == "default" and repeats > 0 \
-                else None
+            with refusing():
+                lat = latency_ms(sess, feed, repeats, budget_s=REPORT_BUDGET_S) if level == "default" and repeats > 0 \
+                    else None
             result.runs.append(OrtRun(name, level, v, ma, mr, lat))
             if name == "cpu" and level == "default":
                 result.cpu_session = sess
         if name == "cuda" and any(t.dtype == torch.float32 for _, t in ref_leaves):
-            sess = session(path, provider, "default", tf32=True)
-            outs = sess.run(None, feeds(sess, model, inputs))
+            with refusing():
+                sess = session(path, provider, "default", tf32=True)
+            feed = feeds(sess, model, inputs)
+            with refusing():
+                outs = sess.run(None, feed)
             tf = compare(reference, _like(reference, outs), atol, rtol, label="onnxruntime cuda, TF32")
             result.notes.append(f"cuda: validated with TF32 off (use_tf32=0); with onnxruntime's default TF32 math "
                                 f"the max abs error is {tf.max_abs_error:.3g} (information, not a check)")
