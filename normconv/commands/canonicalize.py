@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from normconv.clone import clone_sharing_tensors
 from normconv.engine.door import not_verified, rewrite, write_model
-from normconv.engine.precision import (cast_floats, dtype_label, either_holds, half_dtype, target_half,
+from normconv.engine.precision import (cast_floats, dtype_label, either_holds, half_dtype, run_cast, target_half,
                                        upcast)
 from normconv.errors import VerificationError
 from normconv.io.load import Loaded
@@ -49,7 +49,9 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, opts: Options) -> tupl
         check_output_path(loaded, opts.output, opts.in_place, opts.overwrite)
     if half_dtype(loaded.model) is None:  # --dtype: the float32 model as given is the reference, its cast is run
         model32, inputs32 = loaded.model, inputs
-        loaded = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).to(half), inputs=inputs.to(half))
+        cast, inputs = copy.deepcopy(loaded.model).to(half), inputs.to(half)  # its forward: the rewrite's reference
+        loaded = dataclasses.replace(loaded, model=cast, inputs=inputs,
+                                     checked=(inputs, run_cast(cast, inputs, half, loaded.spec)))
     else:  # given in half: its weights upcast
         model32, inputs32 = upcast(loaded.model), inputs.to(torch.float32)
     ref32, alt32 = run(model32, inputs32), other_shape(model32, inputs32)

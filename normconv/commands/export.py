@@ -20,7 +20,7 @@ from normconv.clone import clone_sharing_tensors, release
 from normconv.engine.door import looked, not_verified
 from normconv.engine.plans import float32_sites, fold_plan, one_site_per_batchnorm, plan_of
 from normconv.engine.precision import (HALF_SLACK, cast_floats, cast_like, check_keep_fp32, dtype_label, half_dtype,
-                                       rounding_limited, site_precisions, target_half, upcast, downcast)
+                                       rounding_limited, run_cast, site_precisions, target_half, upcast, downcast)
 from normconv.engine.run import apply_passes
 from normconv.engine.branches import judge_specialized
 from normconv.errors import Code, NormconvError, VerificationError
@@ -70,7 +70,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
             reference32, half_torch = run(source, src_inputs), reference
         else:  # given in float32 (--dtype): the model itself is the reference, its half cast is what users run
             reference32, inputs = reference, inputs.to(half)
-            half_torch = run(copy.deepcopy(loaded.model).to(half), inputs)
+            half_torch = run_cast(copy.deepcopy(loaded.model).to(half), inputs, half, loaded.spec)
         reference = cast_floats(reference32, half)
     check_keep_fp32(keep_fp32, half)
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 from normconv.engine import training
 from normconv.engine.door import not_verified, rewrite, write_model
 from normconv.engine.plans import one_site_per_batchnorm
-from normconv.engine.precision import against_float32, half_dtype, headroom_extra, target_half, upcast
+from normconv.engine.precision import against_float32, half_dtype, headroom_extra, run_cast, target_half, upcast
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import capture
 from normconv.graph.detect import find_norms
@@ -64,8 +64,10 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
     # float32 model (kept beside it) shows the plain cast's own rounding explains it (precision.against_float32)
     model32 = None if half is None or opts.atol is not None or opts.rtol is not None else loaded.model
     if half is not None and half_dtype(loaded.model) is None:  # measured in float32, folded in the dtype
-        cast = loaded.model if loaded.disposable and model32 is None else copy.deepcopy(loaded.model)
-        loaded = dataclasses.replace(loaded, model=cast.to(half), inputs=loaded.require_inputs().to(half))
+        cast = (loaded.model if loaded.disposable and model32 is None else copy.deepcopy(loaded.model)).to(half)
+        inputs = loaded.require_inputs().to(half)  # the cast's own forward is the rewrite's reference
+        loaded = dataclasses.replace(loaded, model=cast, inputs=inputs,
+                                     checked=(inputs, run_cast(cast, inputs, half, loaded.spec)))
     elif model32 is not None:  # given in half: its weights upcast
         model32 = upcast(loaded.model)
     try:

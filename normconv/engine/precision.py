@@ -104,6 +104,34 @@ def dtype_label(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def run_cast(model: torch.nn.Module, inputs: Any, half: torch.dtype, what: str) -> Any:
+    """The output of ``model``, cast to ``half`` by ``--dtype``, on ``inputs`` (cast too). A forward that fails there
+    is the user's model failing under the cast, said in one line (exit 2), naming the floating tensors its modules keep
+    as plain attributes (d2l's hand-written BatchNorm keeps its running statistics so): ``.to(half)`` casts parameters
+    and buffers only, so those stay float32 and meet half tensors in the forward."""
+    from normconv.errors import describe
+    from normconv.verify import run
+
+    try:
+        return run(model, inputs)
+    except NormconvError:  # normconv's own refusal before the forward: as it is
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's own forward (a dtype mismatch, a kernel missing in half)
+        stray = uncast_attributes(model, half)
+        why = (f"; {', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''} "
+               f"{'is a floating tensor' if len(stray) == 1 else 'are floating tensors'} kept as plain attributes, "
+               f"which the cast does not reach (register_buffer makes them buffers)") if stray else ""
+        raise NormconvError(f"{what} fails when cast to {dtype_label(half)} (--dtype): {describe(exc)}{why}") from None
+
+
+def uncast_attributes(model: torch.nn.Module, half: torch.dtype) -> list[str]:
+    """The floating tensors ``model``'s modules hold as plain attributes (no parameter, no buffer) in another dtype
+    than ``half``: what ``model.to(half)`` leaves as it was. Their dotted names and dtypes."""
+    return [f"{prefix + '.' if prefix else ''}{name} ({dtype_label(v.dtype)})" for prefix, m in model.named_modules()
+            for name, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != half]
+
+
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     """Every floating tensor in a nested output cast to ``dtype``."""
     from torch.utils._pytree import tree_map
