@@ -350,11 +350,35 @@ def load_weights(model: nn.Module, weights: str) -> None:
         result = model.load_state_dict(state, strict=False)
     except Exception as exc:  # anything else load_state_dict refuses (a dtype it cannot copy, ...)
         raise NormconvError(f"{weights} does not match the model ({describe(exc)})") from None
-    if result.missing_keys or result.unexpected_keys:
+    missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    if missing and path.suffix == ".safetensors":  # tied tensors stored once (save_model, transformers): as load_model
+        missing, unexpected = _tied_as_safetensors(expected, state, missing, unexpected)
+    if missing or unexpected:
         raise NormconvError(
-            f"{weights} does not match the model: {len(result.missing_keys)} missing keys "
-            f"(e.g. {result.missing_keys[:2]}), {len(result.unexpected_keys)} unexpected "
-            f"(e.g. {result.unexpected_keys[:2]})")
+            f"{weights} does not match the model: {len(missing)} missing keys (e.g. {missing[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]})")
+
+
+def _tied_as_safetensors(expected: dict, state: dict, missing: list[str],
+                         unexpected: list[str]) -> tuple[list[str], list[str]]:
+    """The missing and unexpected keys as ``safetensors.torch.load_model`` counts them, by the library's own rule
+    (``_remove_duplicate_names``): of the names sharing one tensor in the model, those the file leaves out
+    (``save_model`` keeps one, as transformers does) are not missing, as the kept one loads them all; one the file
+    holds beside its kept name is unexpected."""
+    from safetensors.torch import _remove_duplicate_names
+
+    try:
+        groups = _remove_duplicate_names(expected, preferred_names=list(state))
+    except Exception:  # noqa: BLE001 - no name of a shared tensor it would keep: load_model refuses the model too
+        return missing, unexpected
+    missing = list(missing)
+    for removed in groups.values():
+        for name in removed:
+            if name in missing:
+                missing.remove(name)
+            else:
+                unexpected = [*unexpected, name]
+    return missing, unexpected
 
 
 # ---------------------------------------------------------------------------------------------------------
