@@ -31,11 +31,13 @@ from normconv.report import Report
 FOLDS: tuple[Pass, ...] = (fold_ws.FOLD_WS, fold_through.FOLD_THROUGH, fold_batchnorm.FOLD)
 
 
-def refuse_training(loaded: Loaded, opts: Options, doing: str) -> list[str]:
+def refuse_training(loaded: Loaded, opts: Options, doing: str,
+                    how: str = "call .eval() first or pass --eval") -> list[str]:
     """A model with a module in training mode whose flag changes what it computes (``engine.training.flag_reader``:
     a BatchNorm on batch statistics, live dropout, a forward that reads self.training), unless ``opts.eval_mode``:
-    refused in one line naming it (an inference rewrite, ``doing``, proves the eval-mode model). Returns the paths of
-    the modules in training mode whose flag changes nothing (a Conv2d left so by timm's reparameterize_model)."""
+    refused in one line naming it (an inference rewrite, ``doing``, proves the eval-mode model; ``how``: the way out
+    the command has). Returns the paths of the modules in training mode whose flag changes nothing (a Conv2d left so
+    by timm's reparameterize_model)."""
     live, idle = training.live_in_training(loaded.model)
     # a module whose training flag changes what it computes, in training mode  =>  the rewrite would change the model
     if live and not opts.eval_mode:
@@ -46,7 +48,7 @@ def refuse_training(loaded: Loaded, opts: Options, doing: str) -> list[str]:
                reader)
         more = f", {len(live) - 1} more such" if len(live) > 1 else ""
         raise NormconvError(f"{loaded.spec} is in training mode ({where}, {type(module).__name__}{more}): {why}, "
-                            f"so {doing} would change it; call .eval() first or pass --eval")
+                            f"so {doing} would change it; {how}")
     return idle
 
 
