@@ -151,8 +151,7 @@ def sublayer(cap: Captured, site: NormSite, post_outputs: dict[str, NormSite], a
     mod = cap.modules.get(site.target)
     if mod is None or site.source == "functional":
         sub.code, sub.problem = SublayerWhy.INLINE_NORM, (f"norm {site.target} is written inline / functional, not "
-                                                          f"a module: nothing to hook (run normconv canonicalize "
-                                                          f"first)")
+                                                          f"a module: nothing to hook ({_module_hint(cap)})")
         return sub
     normed, norm_node = producer_of(cap, branch, all_outputs)
     if normed == "norm":  # x + LN'(f(x)) read by LN: the layers normalize their branches, not the stream
@@ -528,3 +527,12 @@ def _block(path: str) -> str | None:
     idx = [i for i, p in enumerate(parts) if p.isdigit()]
     return ".".join(parts[: idx[-1] + 1]) if idx else None
 
+
+def _module_hint(cap) -> str:
+    """How to give deepnorm a norm module: a torch.export program (a .pt2) holds none (its norms are aten calls, and
+    canonicalize keeps them so): the eager model it was exported from; else canonicalize's native modules."""
+    from torch.export._unlift import _StatefulGraphModule  # what ExportedProgram.module() returns
+
+    if isinstance(cap.model, _StatefulGraphModule):
+        return "a .pt2 program holds no norm modules to hook: give deepnorm the eager model it was exported from"
+    return "run normconv canonicalize first"
