@@ -21,7 +21,7 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -313,8 +313,12 @@ def _load_factory(spec: str, weights: str | None) -> Loaded:
     inputs = None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         made, example = made
-        inputs = example if isinstance(example, Inputs) else Inputs(tuple(example) if isinstance(example, (tuple, list))
-                                                                  else (example,))
+        if isinstance(example, Inputs):
+            inputs = example
+        elif isinstance(example, Mapping):  # forward's keyword arguments by name (as the API's example_inputs)
+            inputs = Inputs((), dict(example))
+        else:
+            inputs = Inputs(tuple(example) if isinstance(example, (tuple, list)) else (example,))
     if not isinstance(made, nn.Module):
         what = type(made).__name__
         raise NormconvError(f"{spec} {'returned' if called else 'is not callable: it is'} "
