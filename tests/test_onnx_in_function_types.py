@@ -69,6 +69,16 @@ def _conv_bn_block(opset=17, nested=False):
     return h.make_model(g, opset_imports=[h.make_opsetid("", opset), h.make_opsetid("my", 1)], functions=fns)
 
 
+def _conv_bn_held(rng, c, io, kernel):
+    """Conv(io[0]) -> BatchNormalization -> io[1] whose weights and statistics the function body holds as Constant
+    nodes (c channels; ``kernel``: the conv's kernel shape, 1-D or 2-D)."""
+    consts = {"w": rng.standard_normal((c, c, *kernel)), "gamma": rng.uniform(0.5, 2, c),
+              "beta": rng.standard_normal(c), "mean": rng.standard_normal(c), "rv": rng.uniform(0.5, 2, c)}
+    body = [h.make_node("Constant", [], [k], value=nh.from_array(v.astype("f4"), k)) for k, v in consts.items()]
+    return body + [h.make_node("Conv", [io[0], "w"], ["z"], kernel_shape=list(kernel)),
+                   h.make_node("BatchNormalization", ["z", "gamma", "beta", "mean", "rv"], [io[1]], epsilon=1e-5)]
+
+
 def _same_in_ort(src, out, shapes):
     rng = np.random.default_rng(7)
     run = lambda p, x: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
@@ -140,13 +150,7 @@ def test_a_function_inlining_does_not_help_stays_a_function(cli, tmp_path):
 def test_a_batchnorm_folded_inside_a_function_called_once_is_gone_from_the_file(cli, tmp_path):
     """The fold's new weights inside a function are Constant nodes (a function holds no initializers, and onnxscript
     drops a rewrite that adds one there): before, the report said folded and the file kept the BatchNormalization."""
-    rng = np.random.default_rng(1)
-    consts = {"w": rng.standard_normal((C, C, 1, 1)), "gamma": rng.uniform(0.5, 2, C), "beta": rng.standard_normal(C),
-              "mean": rng.standard_normal(C), "var": rng.uniform(0.5, 2, C)}
-    body = [h.make_node("Constant", [], [k], value=nh.from_array(v.astype("f4"), k)) for k, v in consts.items()]
-    body += [h.make_node("Conv", ["x", "w"], ["z"], kernel_shape=[1, 1]),
-             h.make_node("BatchNormalization", ["z", "gamma", "beta", "mean", "var"], ["b"], epsilon=1e-5),
-             h.make_node("Relu", ["b"], ["y"])]
+    body = _conv_bn_held(np.random.default_rng(1), C, ("x", "b"), (1, 1)) + [h.make_node("Relu", ["b"], ["y"])]
     fn = h.make_function("my", "Block", ["x"], ["y"], body, [h.make_opsetid("", 17)])
     vi = lambda n: h.make_tensor_value_info(n, T.FLOAT, ["N", C, "H", "W"])
     g = h.make_graph([h.make_node("Block", ["x"], ["y"], domain="my")], "g", [vi("x")], [vi("y")])
@@ -169,11 +173,8 @@ def test_a_function_whose_inlining_only_repeats_its_folds_stays_a_function(cli, 
     plan folds the same BatchNorm twice and still refuses the LayerNorms: no more than before (the fold counted once
     per run of the body), so the function stays."""
     rng = np.random.default_rng(2)
-    consts = {"w": rng.standard_normal((D, D, 1)), "gamma": rng.uniform(0.5, 2, D), "beta": rng.standard_normal(D),
-              "mean": rng.standard_normal(D), "rv": rng.uniform(0.5, 2, D), "g": rng.standard_normal(8)}
-    body = [h.make_node("Constant", [], [k], value=nh.from_array(v.astype("f4"), k)) for k, v in consts.items()]
-    body += [h.make_node("Conv", ["x0", "w"], ["z"], kernel_shape=[1]),
-             h.make_node("BatchNormalization", ["z", "gamma", "beta", "mean", "rv"], ["x"], epsilon=1e-5)]
+    body = _conv_bn_held(rng, D, ("x0", "x"), (1,))
+    body += [h.make_node("Constant", [], ["g"], value=nh.from_array(rng.standard_normal(8).astype("f4"), "g"))]
     body += _ln_body(17)
     fn = h.make_function("my", "Block", ["x0", "eps"], ["y"], body, [h.make_opsetid("", 17)])
     vi = lambda n: h.make_tensor_value_info(n, T.FLOAT, ["N", D, 8])
