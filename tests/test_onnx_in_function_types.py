@@ -79,6 +79,14 @@ def _conv_bn_held(rng, c, io, kernel):
                    h.make_node("BatchNormalization", ["z", "gamma", "beta", "mean", "rv"], [io[1]], epsilon=1e-5)]
 
 
+def _saved(tmp_path, graph, fn):
+    """``graph`` calling the opset-17 function ``fn`` of domain my, saved as f.onnx; (its path, the output's)."""
+    src = tmp_path / "f.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("my", 1)], functions=[fn]),
+              str(src))
+    return src, tmp_path / "out.onnx"
+
+
 def _same_in_ort(src, out, shapes):
     rng = np.random.default_rng(7)
     run = lambda p, x: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
@@ -154,9 +162,7 @@ def test_a_batchnorm_folded_inside_a_function_called_once_is_gone_from_the_file(
     fn = h.make_function("my", "Block", ["x"], ["y"], body, [h.make_opsetid("", 17)])
     vi = lambda n: h.make_tensor_value_info(n, T.FLOAT, ["N", C, "H", "W"])
     g = h.make_graph([h.make_node("Block", ["x"], ["y"], domain="my")], "g", [vi("x")], [vi("y")])
-    src, dst = tmp_path / "f.onnx", tmp_path / "out.onnx"
-    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("my", 1)], functions=[fn]),
-              str(src))
+    src, dst = _saved(tmp_path, g, fn)
     code, out, err = cli("fold", src, "-o", dst, "--json")
     assert code == 0, err
     r = _report(out)
@@ -181,9 +187,7 @@ def test_a_function_whose_inlining_only_repeats_its_folds_stays_a_function(cli, 
     g = h.make_graph([h.make_node("Block", ["x", "e"], ["a"], domain="my"),
                       h.make_node("Block", ["a", "e"], ["y"], domain="my")],
                      "g", [vi("x"), h.make_tensor_value_info("e", T.FLOAT, [])], [vi("y")])
-    src, dst = tmp_path / "f.onnx", tmp_path / "out.onnx"
-    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("my", 1)], functions=[fn]),
-              str(src))
+    src, dst = _saved(tmp_path, g, fn)
     code, out, err = cli("fold", src, "-o", dst, "--json")
     assert code == 0, err
     r = _report(out)
