@@ -283,7 +283,7 @@ def plan_sizes(path: str, specs: list[Spec]) -> Plan:
 SQUASHING = {"Sigmoid": 0.25, "Softmax": 0.5, "Tanh": 1.0}  # op -> Lipschitz constant in the max norm
 
 
-def _squashed(path_in: str, path_out: str) -> tuple[Any, Any, dict[str, tuple[str, str]], int]:
+def _as_compared(path_in: str, path_out: str) -> tuple[Any, Any, dict[str, tuple[str, str]], int]:
     """Both files as compared: each with the inputs of the squashing ops that make graph outputs added as outputs,
     and {output: (op, its input)}; each unseeded random op seeded (``_seed``), and how many; the paths themselves
     (nothing changed) where there is neither, or a file keeps its weights outside (its bytes would not find them)."""
@@ -349,7 +349,7 @@ def compare_files(path_in: str, path_out: str, plan: Plan, atol: float | None, r
 
     from normconv.verify import Squashed, compare
 
-    src_in, src_out, through, seeded = _squashed(path_in, path_out)
+    src_in, src_out, through, seeded = _as_compared(path_in, path_out)
     ref_sess = session(src_in, "disabled")
     names = [o.name for o in ref_sess.get_outputs()][:len(ref_sess.get_outputs()) - len(through)]
     outs = {level: session(src_out, level) for level in levels}
