@@ -399,10 +399,11 @@ class FoldBatchNorm(Pass):
                     continue
                 # bn  =>  identity (keys of the rest unchanged), or the shift a bias-free ConvTranspose keeps out
                 replace_module(model, d.site.target, shifts.get(d.site.target) or nn.Identity())
-        # which layer each folded BN went into: a Hugging Face folder keeps the BN as the shift a bias-free layer
-        # cannot carry (io.hf_output)
+        # which layer each folded BN went into, and its eps: a Hugging Face folder keeps the BN as the identity, or
+        # as the shift a bias-free layer cannot carry (io.hf_output)
         return PassResult(model, bool(done), tuple(d.to_site() for d in decisions), notes,
-                          extra={"folds": {d.site.target: (d.layer, d.direction) for d in done}})
+                          extra={"folds": {d.site.target: (d.layer, d.direction, d.site.eps)
+                                          for d in done}})
 
 
 def _children(module: nn.Module, tail: tuple[str, ...]) -> nn.Module:

@@ -10,7 +10,8 @@ original module classes, the rewritten weights), as ``--stream`` writes it, so t
                              stream an exact swap leaves is an RMSNorm); the check below proves it on the model
   BatchNorm -> Identity      the BatchNorm left as the identity (weight 1, bias 0, mean 0, var 1 - eps), or as a
   (or ChannelShift)          per-channel shift where its layer had no bias to carry it: backward fold t, forward
-                             fold t / s (``folds``: the fold pass's BatchNorm -> (layer, direction))
+                             fold t / s (``folds``: the fold pass's BatchNorm -> (layer, direction, eps)); a
+                             BatchNorm class of the model's own (frozen: its tensors buffers) alike
   tied weights that differ   untied (config: tie_word_embeddings = false), and every tensor the architecture built
                              so holds apart (asked of it on the meta device) saved under its own key
   a tensor the original      not expressible (a bias added to a linear config.json gives none): NormconvError
@@ -43,7 +44,7 @@ from normconv.verify import Inputs, compare, run
 
 
 def folder_form(original: nn.Module, rewritten: nn.Module,
-                folds: dict[str, tuple[str, str]] | None = None) -> tuple[nn.Module, list[str]]:
+                folds: dict[str, tuple[str, str, float | None]] | None = None) -> tuple[nn.Module, list[str]]:
     """(the original architecture carrying the rewrite, notes); NormconvError where it cannot carry it."""
     model = clone_sharing_tensors(original)
     new_state = rewritten.state_dict()
@@ -59,7 +60,7 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
         if type(new) is type(old):
             continue
         target = model.get_submodule(path) if path else model
-        if of_module(old) is not None and of_module(old).name == "batchnorm":
+        if of_module(old) is not None and of_module(old).name == "batchnorm" or path in (folds or {}):
             _batchnorm_as(target, old, new, path, folds or {}, orig_modules, new_state)
         elif _is_norm(old) and _is_norm(new):
             _norm_as(target, old, new, path)
@@ -69,7 +70,7 @@ def folder_form(original: nn.Module, rewritten: nn.Module,
         handled.update(f"{path}.{k}" if path else k for k in old.state_dict())
     ties = _tie_groups(original)
     old_state = original.state_dict()
-    carried = {f"{layer}.bias" for layer, _ in (folds or {}).values()}  # a fold's new bias: its BatchNorm carries it
+    carried = {f"{layer}.bias" for layer, _, _ in (folds or {}).values()}  # a fold's new bias: its BatchNorm carries it
     extra = [k for k in new_state if k not in old_state and k not in carried and not any(
         k.startswith(f"{path}.") for path in swapped if path)]
     if extra:
@@ -174,32 +175,49 @@ def _offset(norm: nn.Module) -> float:
                         f"H, W), (batch, channels, L): what it adds to its weight cannot be measured")
 
 
-def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str, folds: dict[str, tuple[str, str]],
-                  modules: dict[str, nn.Module], new_state: dict[str, torch.Tensor]) -> None:
-    """A folded BatchNorm left in place as the identity, or as the per-channel shift its layer cannot carry."""
+def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str,
+                  folds: dict[str, tuple[str, str, float | None]], modules: dict[str, nn.Module], new_state: dict[str, torch.Tensor]) -> None:
+    """A folded BatchNorm left in place as the identity, or as the per-channel shift its layer cannot carry: torch's
+    BatchNorm, or a class of the model's own computing one (DETR's DetrFrozenBatchNorm2d: weight, bias and the
+    running statistics as buffers, eps in its forward: the fold's eps, as the capture read it)."""
     if not isinstance(new, nn.Identity) and not isinstance(getattr(new, "bias", None), torch.Tensor):
         raise NormconvError(f"{path} is now {type(new).__name__}: no BatchNorm form for it")
-    c = old.num_features
-    s = old.weight.detach().double() / torch.sqrt(old.running_var.double() + old.eps) if old.affine else \
-        1 / torch.sqrt(old.running_var.double() + old.eps)
-    t = (old.bias.detach().double() if old.affine else 0) - old.running_mean.double() * s
+    w, b, rm, rv = (getattr(old, k, None) for k in ("weight", "bias", "running_mean", "running_var"))
+    if not isinstance(rm, torch.Tensor) or not isinstance(rv, torch.Tensor):
+        raise NormconvError(f"{path} ({type(old).__name__}) keeps no running_mean / running_var to be left as the "
+                            f"identity")
+    eps = folds[path][2] if path in folds and folds[path][2] is not None else getattr(old, "eps", None)
+    if not isinstance(eps, (int, float)):
+        raise NormconvError(f"{path} ({type(old).__name__}): its eps is not known, so no identity form for it")
+    affine = isinstance(w, torch.Tensor) and isinstance(b, torch.Tensor)
+    c = rv.numel()
+    var = rv.detach().double().reshape(-1)
+    s = (w.detach().double().reshape(-1) if affine else 1) / torch.sqrt(var + eps)
+    t = (b.detach().double().reshape(-1) if affine else 0) - rm.detach().double().reshape(-1) * s
     shift = torch.zeros(c, dtype=torch.float64)
     if not isinstance(new, nn.Identity):  # ChannelShift: the shift a bias-free ConvTranspose kept out
         shift = new.bias.detach().double().reshape(-1)
     elif path in folds:
-        layer, direction = folds[path]
+        layer, direction, _ = folds[path]
         if getattr(modules.get(layer), "bias", None) is None:  # the layer got a bias the config does not have
             if direction == "forward" and bool((s == 0).any()):
                 raise NormconvError(f"{path}: a zero scale leaves no shift to carry before {layer}")
             shift = t if direction == "backward" else t / s
-    if bool(shift.any()) and not old.affine:
+    if bool(shift.any()) and not affine:
         raise NormconvError(f"{path} has no bias to carry the shift its layer's fold left")
-    dtype = old.running_var.dtype
-    target._buffers["running_mean"] = torch.zeros(c, dtype=dtype)
-    target._buffers["running_var"] = torch.full((c,), 1 - old.eps, dtype=dtype)
-    if old.affine:
-        target._parameters["weight"] = nn.Parameter(torch.ones(c, dtype=old.weight.dtype), old.weight.requires_grad)
-        target._parameters["bias"] = nn.Parameter(shift.to(old.bias.dtype), old.bias.requires_grad)
+    _put(target, "running_mean", torch.zeros_like(rm))
+    _put(target, "running_var", torch.full_like(rv, 1 - eps))
+    if affine:
+        _put(target, "weight", torch.ones_like(w))
+        _put(target, "bias", shift.to(b.dtype).reshape(b.shape))
+
+
+def _put(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """``module.name`` set to ``value`` where it lives: a Parameter (its requires_grad kept) or a buffer."""
+    if name in module._parameters:
+        module._parameters[name] = nn.Parameter(value.detach(), module._parameters[name].requires_grad)
+    else:
+        module._buffers[name] = value.detach()
 
 
 def embedding_a_head_would_tie(model: nn.Module) -> str | None:
