@@ -169,6 +169,32 @@ def test_inspect_runs_on_a_saved_speech_folder(tmp_path, cli, build):
     assert len(json.loads(out)["sites"]) == n_norms
 
 
+def _speecht5(cls_name):
+    import transformers
+
+    cfg = transformers.SpeechT5Config(
+        vocab_size=99, hidden_size=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, conv_dim=(16, 16), conv_stride=(5, 2),
+        conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        speech_decoder_prenet_units=32, num_mel_bins=8, speech_decoder_postnet_units=32,
+        speech_decoder_postnet_layers=2, speaker_embedding_dim=16, mask_time_prob=0.0, max_text_positions=128,
+        max_speech_positions=400)
+    return _tiny(getattr(transformers, cls_name), cfg)
+
+
+@pytest.mark.parametrize("cls_name", ["SpeechT5ForTextToSpeech", "SpeechT5ForSpeechToSpeech"])
+def test_a_spectrogram_decoder_gets_frames(tmp_path, cli, cls_name):
+    # SpeechT5's speech decoder takes mel frames (decoder_input_values); none were made, and every command on its
+    # folder was refused: "the model rejected its example inputs ... must be Tensor, not NoneType"
+    model = _speecht5(cls_name)
+    frames = hf_example_inputs(model).kwargs["decoder_input_values"]
+    assert frames.shape == (2, 8, 8)  # (batch, seq // 2, num_mel_bins)
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    assert any(s["kind"] == "batchnorm" for s in json.loads(out)["sites"])  # the decoder's postnet was run
+
+
 def test_video_model_gets_a_clip(tmp_path, cli):
     from transformers import VideoMAEConfig, VideoMAEModel
 

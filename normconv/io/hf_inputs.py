@@ -13,7 +13,8 @@ One spelling per kind of model:
 - time series: a history of the config's ``context_length`` (``past_values``; with lags, time features and an
   observed mask where the model takes them: TimeSeriesTransformer, Informer, Autoformer);
 - speech: a second of waveform, or filterbank features (Whisper's fixed window), with decoder ids where the
-  model is an encoder-decoder.
+  model is an encoder-decoder; a decoder that takes spectrogram frames (``decoder_input_values``: SpeechT5's
+  text- and speech-to-speech) gets ``seq // 2`` frames of the config's ``num_mel_bins``.
 
 Token ids are drawn away from every id the config names (``*_token_id``, ``*_token_index``), so text never holds
 a stray image or end-of-text token.
@@ -67,7 +68,19 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
     elif takes_text and "attention_mask" in params and not getattr(config, "is_decoder", False) and \
             getattr(config, "model_type", "") in ("bert", "roberta", "distilbert", "electra", "albert", "deberta"):
         kwargs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    if "decoder_input_values" in params and getattr(config, "is_encoder_decoder", False) and kwargs:
+        kwargs["decoder_input_values"] = _decoder_frames(config, batch, seq, g)  # SpeechT5 text / speech to speech
     return Inputs((), kwargs)
+
+
+def _decoder_frames(config, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """A speech decoder's input (``decoder_input_values``): ``seq // 2`` frames of the config's mel bins
+    (SpeechT5's spectrogram frames: (batch, frames, num_mel_bins))."""
+    bins = getattr(config, "num_mel_bins", None)
+    if not isinstance(bins, int):
+        raise NormconvError("cannot make example inputs from the model's config: it names no num_mel_bins for "
+                            "decoder_input_values; pass --input-shape decoder_input_values:B,T,BINS")
+    return _randn("decoder_input_values", (batch, max(seq // 2, 1), bins), g)
 
 
 def _pixels(config, params: list[str], batch: int, seq: int, g: torch.Generator) -> dict[str, torch.Tensor]:
