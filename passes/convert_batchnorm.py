@@ -21,7 +21,6 @@ FrozenBatchNormAct2d: drop, act) keeps them: nn.Sequential(norm=<new>, drop=...,
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Sequence
@@ -32,7 +31,7 @@ import torch.nn as nn
 from normconv.graph.bn_affine import Refusal, batchnorm_sites, channel_affine, channel_vector, statistics
 from normconv.graph.capture import Captured
 from normconv.graph.detect import NormSite, find_norms
-from normconv.graph.norm_module import ModuleForm, NotAModule, module_form, replace_in_graph
+from normconv.graph.norm_module import ModuleForm, NotAModule, module_form, replace_in_graph, with_tail
 from normconv.nn.modules import ChannelAffine, FrozenBatchNorm
 from normconv.report import PassResult, Site, Why
 
@@ -316,8 +315,7 @@ def _with_tail(new: nn.Module, module: nn.Module, form: ModuleForm) -> tuple[nn.
     """The replacement and the module's own children after it, in order (timm's drop and act)."""
     if not form.tail:
         return new, ""
-    seq = nn.Sequential(OrderedDict([("norm", new)] + [(c, getattr(module, c)) for c in form.tail]))
-    return seq, (f", then its own {', '.join(form.tail)} (nn.Sequential: the norm's state_dict keys move under "
+    return with_tail(new, module, form.tail), (f", then its own {', '.join(form.tail)} (nn.Sequential: the norm's state_dict keys move under "
                  f"{form.path + '.' if form.path else ''}norm.)")
 
 

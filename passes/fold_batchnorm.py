@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -36,7 +35,7 @@ from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, as_module, bat
                                       store)
 from normconv.graph.detect import NormSite, find_norms, producer_of
 from normconv.graph.capture import Captured
-from normconv.graph.norm_module import ModuleForm, replaceable
+from normconv.graph.norm_module import ModuleForm, replaceable, with_tail
 from normconv.match import PERMUTE, VIEW, call_name, permutation
 from normconv.report import PassResult, Site, Why
 from normconv.nn.modules import ChannelShift
@@ -395,7 +394,7 @@ class FoldBatchNorm(Pass):
             for d in done:
                 if d.form is not None:
                     # module = bn -> its children  =>  its children alone, under their names (keys unchanged)
-                    replace_module(model, d.form.path, _children(cap.modules[d.form.path], d.form.tail))
+                    replace_module(model, d.form.path, with_tail(nn.Identity(), cap.modules[d.form.path], d.form.tail))
                     continue
                 # bn  =>  identity (keys of the rest unchanged), or the shift a bias-free ConvTranspose keeps out
                 replace_module(model, d.site.target, shifts.get(d.site.target) or nn.Identity())
@@ -404,13 +403,6 @@ class FoldBatchNorm(Pass):
         return PassResult(model, bool(done), tuple(d.to_site() for d in decisions), notes,
                           extra={"folds": {d.site.target: (d.layer, d.direction, d.site.eps)
                                           for d in done}})
-
-
-def _children(module: nn.Module, tail: tuple[str, ...]) -> nn.Module:
-    """What is left of a module whose forward was the BN and then ``tail``, its own children in order."""
-    if not tail:
-        return nn.Identity()
-    return nn.Sequential(OrderedDict((name, getattr(module, name)) for name in tail))
 
 
 def _keeps_shift(layer: nn.Module | None, site: NormSite, direction: str) -> bool:

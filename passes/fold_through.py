@@ -14,9 +14,13 @@ folded through the ops around it, as far as they let its scale and its shift pas
             the conv's own padding included, pads with zeros (a zero pad would have to be t).
   left over: the BatchNorm becomes ChannelAffine(sigma, t): a per-channel add (sigma = 1), a sign and an add, or
             nothing (nn.Identity) when all of it was absorbed.
+  a module whose forward is the BN and then its own children (timm's BatchNormAct2d: F.batch_norm -> drop -> act):
+            the same rules from the BN's input and output (the walk forward meets its drop and act as ops); the module
+            becomes what is left of the BN, then those children (graph.norm_module.with_tail).
 Exact in eval mode, verified like every fold. Every BatchNorm left, and every shift left behind, says why (code and
-text). Arithmetic in float64 (graph.bn_affine); only BatchNorm modules (and hand-written BatchNorm modules) are
-rewritten: a functional one is ``fold``'s (it removes them from a traced graph).
+text). Arithmetic in float64 (graph.bn_affine); only BatchNorm modules (hand-written ones too) and modules whose
+forward is a BN and their own children are rewritten: another functional one is ``fold``'s (it removes them from a
+traced graph).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from normconv.graph.bn_affine import (LAYER_OPS, Layers, Refusal, as_module, bat
 from normconv.graph.capture import Captured
 from normconv.graph.channel_ops import channel_op, value_in, value_out
 from normconv.graph.detect import NormSite, find_norms
+from normconv.graph.norm_module import ModuleForm, not_replaceable, replaceable, with_tail
 from normconv.match import COPY, PERMUTE, VIEW, call_name, permutation
 from normconv.nn.modules import ChannelAffine
 from normconv.report import PassResult, Site, Why
@@ -101,6 +106,7 @@ class Decision:
     t: torch.Tensor | None = field(default=None, repr=False)
     back: Back | None = None
     forward: Forward | None = None
+    form: ModuleForm | None = None  # a module whose forward is the BN and its own children: what replaces it keeps them
 
     def to_site(self) -> Site:
         return (apply if self.applied else skip)(NAME, self.site, self.reason, self.code)
@@ -116,10 +122,22 @@ def analyze(cap: Captured, norms: Sequence[NormSite]) -> list[Decision]:
 
 
 def _decide(cap: Captured, layers: Layers, site: NormSite) -> Decision:
-    # a BN module only (a functional BN leaves a traced graph through fold's own rewrite)
-    if not as_module(site):
-        return Decision(site, False, f"{site.source} batch_norm: fold-through rewrites BatchNorm modules",
-                        ThroughWhy.NOT_A_MODULE)
+    # a BN module, or a module whose forward is the BN and its own children (timm's BatchNormAct2d); another
+    # functional BN leaves a traced graph through fold's own rewrite
+    form = None if as_module(site) else replaceable(cap, site)
+    if not as_module(site) and form is None:
+        why = not_replaceable(cap, site)
+        return Decision(site, False, f"{site.source} batch_norm: fold-through rewrites BatchNorm modules"
+                                     + (f" ({why})" if why else ""), ThroughWhy.NOT_A_MODULE)
+    d = _decide_affine(cap, layers, site)
+    if form is not None and d.applied:
+        d.form = form
+        if form.tail:
+            d.reason += f"; {form.path} keeps its own {', '.join(form.tail)} after it"
+    return d
+
+
+def _decide_affine(cap: Captured, layers: Layers, site: NormSite) -> Decision:
     try:
         s, t = channel_affine(cap, site)
     except Refusal as why:
@@ -298,7 +316,10 @@ class FoldThrough(Pass):
                 left: nn.Module = nn.Identity()
             else:
                 left = _leftover(cap, d)
-            replace_module(model, d.site.target, left)
+            if d.form is not None:  # what is left of the BN, then the module's own drop, act
+                replace_module(model, d.form.path, with_tail(left, cap.modules[d.form.path], d.form.tail))
+            else:
+                replace_module(model, d.site.target, left)
         return PassResult(model, bool(done), tuple(d.to_site() for d in decisions))
 
 
@@ -306,7 +327,7 @@ def _leftover(cap: Captured, d: Decision) -> nn.Module:
     """sigma * y + t in the BN's place: nothing, a shift, or a sign and a shift (in the BN's dtype)."""
     out = cap.nodes[d.site.node]
     dtype, rank = cap.dtype(out) or torch.float32, len(cap.shape(out) or (0, 0))
-    device = next(iter(cap.modules[d.site.target].buffers()), torch.empty(0)).device
+    device = next(iter(cap.modules[d.form.path if d.form else d.site.target].buffers()), torch.empty(0)).device
     scale = None if bool((d.s == 1).all()) else d.s.to(dtype)
     shift = d.t.to(dtype) if bool(d.t.any()) else None
     if scale is None and shift is None:

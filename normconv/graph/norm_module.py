@@ -18,6 +18,7 @@ and the graph calls it in place of the one batch-norm op that read the holder's 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import operator
@@ -137,6 +138,15 @@ def not_replaceable(cap: Captured, site: NormSite) -> str | None:
     return found if isinstance(found, str) else None
 
 
+def with_tail(new: nn.Module, module: nn.Module, tail: tuple[str, ...]) -> nn.Module:
+    """What takes the place of a module whose forward was the norm and then its own children ``tail``: ``new`` (what
+    is left of the norm: nn.Identity when nothing), then those children in order under their own names."""
+    if not tail:
+        return new
+    head = [] if isinstance(new, nn.Identity) else [("norm", new)]
+    return nn.Sequential(OrderedDict(head + [(name, getattr(module, name)) for name in tail]))
+
+
 def _replaceable(cap: Captured, site: NormSite) -> ModuleForm | str:
     key = ("replaceable", site)  # decided once per capture: the analysis and the rewrite read the same answer
     if key not in cap.found:
@@ -224,5 +234,5 @@ def replace_in_graph(model: nn.Module, path: str, new: nn.Module) -> None:
     gm.recompile()
 
 
-__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form", "replaceable", "not_replaceable",
+__all__ = ["FormWhy", "NotAModule", "ModuleForm", "module_form", "replaceable", "not_replaceable", "with_tail",
            "held_by", "replace_in_graph"]
