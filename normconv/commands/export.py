@@ -36,7 +36,7 @@ from normconv.passes.base import replace_module
 from normconv.report import Report
 from normconv.verify import Inputs, compare, default_tolerance, run, with_selections
 
-from .fold import FOLDS, lifted, refuse_training
+from .fold import FOLDS, lift_program, lifted, refuse_training
 
 
 def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int | None = None, *,
@@ -93,13 +93,18 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
 
     # exact rewrites first, verified against the original model; the copy is in eval mode for the exporter
     passes = ([canonicalize_pass.CANONICALIZE] if canonicalize else []) + (list(FOLDS) if fold else [])  # fold's
-    if fold:
-        passes = lifted(loaded.model) + passes
+    lift_sites: list = []
     try:
         with onnx_export._quiet():
-            done = apply_passes(source, src_inputs, passes, opts.method, eval_mode=True, on_first_capture=plan_sites,
-                                reference=reference32 if half is not None else reference, stack_traces=True)
-        prepared, pass_sites, last = done.model, done.sites, done.capture
+            # a program's functional layers lifted first, as fold lifts them: the plan is made on the graph the
+            # folds then rewrite
+            lifted_source, lift_sites = lift_program(source, src_inputs, opts.method, eval_mode=True) if fold \
+                else (source, [])
+            done = apply_passes(lifted_source, src_inputs, passes, opts.method, eval_mode=True,
+                                on_first_capture=plan_sites, reference=reference32 if half is not None else reference,
+                                stack_traces=True)
+        prepared, pass_sites, last = done.model, lift_sites + done.sites, done.capture
+        passes = (lifted(source) if lift_sites else []) + passes  # the lift ran: named with the passes
     except NormconvError as exc:
         if norms or exc.code is not Code.CANNOT_CAPTURE:
             raise

@@ -14,6 +14,7 @@ import torch.nn as nn
 from normconv.engine import training
 from normconv.engine.door import not_verified, rewrite, write_model
 from normconv.engine.plans import one_site_per_batchnorm
+from normconv.engine.run import apply_passes
 from normconv.engine.precision import against_float32, half_dtype, headroom_extra, run_cast, target_half, upcast
 from normconv.errors import NormconvError, VerificationError
 from normconv.graph.capture import capture
@@ -23,7 +24,8 @@ from normconv.options import Options
 from normconv.passes import fold_batchnorm, fold_through, lift_layers
 from normconv.passes import fold_weight_standardization as fold_ws
 from normconv.passes.base import Pass
-from normconv.report import Report
+from normconv.report import Report, Site
+from normconv.verify import Inputs
 
 
 # what fold runs, in order, and export with it (after canonicalize): fold-through first, as it takes only BNs with ops
@@ -127,4 +129,16 @@ def lifted(model: nn.Module) -> list[Pass]:
     return [lift_layers.LIFT] if isinstance(model, fx.GraphModule) else []
 
 
-__all__ = ["FOLDS", "refuse_training", "fold", "lifted", "one_site_per_batchnorm"]
+def lift_program(model: nn.Module, inputs: Inputs, method: str = "auto",
+                 eval_mode: bool = False) -> tuple[nn.Module, list[Site]]:
+    """``model`` as fold rewrites it: an exported program's functional layers lifted (``lifted``), on a
+    tensor-sharing copy (the model itself is never written), with the lift's sites; ``model`` itself and no site
+    when there is nothing to lift. A plan made on its capture (inspect's, export's) is the one fold's passes follow."""
+    passes = lifted(model)
+    if not passes:
+        return model, []
+    done = apply_passes(model, inputs, passes, method, eval_mode=eval_mode)
+    return (done.model, done.sites) if done.sites else (model, [])
+
+
+__all__ = ["FOLDS", "refuse_training", "fold", "lifted", "lift_program", "one_site_per_batchnorm"]

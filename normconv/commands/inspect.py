@@ -7,6 +7,7 @@ import collections
 
 import torch
 
+from normconv.commands.fold import lift_program
 from normconv.engine.plans import plans, whole_only
 from normconv.engine.precision import headroom_extra, upcast
 from normconv.errors import Code, NormconvError
@@ -31,7 +32,7 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
         return _inspect_by_parts(loaded, inputs, method, exc)
     norms = find_norms(cap)
     rooms = _headroom(loaded, cap, norms, method, dtype, calibration) if dtype is not None else None
-    plan = plans(cap, norms)
+    plan = plans(cap, norms, lifted=_lifted(loaded, inputs, method))
     sites = []
     for n in norms:
         entry = n.to_json()
@@ -52,6 +53,16 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
                "near_misses": [m.to_json() for m in find_near_misses(cap, norms)],
                "weight_standardizations": [w.to_json() for w in find_weight_standardizations(cap)], **extra_headroom},
     )
+
+
+def _lifted(loaded: Loaded, inputs: Inputs, method: str) -> tuple[Captured, list[NormSite]] | None:
+    """The capture of an exported program with its functional layers lifted as fold and export lift them, and its
+    norms: where those commands plan (None: a module tree, or nothing to lift)."""
+    model, sites = lift_program(loaded.model, inputs, method)
+    if not sites:
+        return None
+    cap = capture(model, inputs, method)
+    return cap, find_norms(cap)
 
 
 def _distinct(planned: list[Site], target: str | None = None) -> list[dict]:

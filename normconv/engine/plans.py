@@ -1,7 +1,12 @@
 """Plans as data: what each pass would do at each norm site, nothing applied (``normconv inspect``, export's plan).
 
 ``PLANNERS`` is the table inspect walks, in the order a user would run the passes: (pass name, planner, whether it
-runs on a part captured alone). A new pass that plans per norm site adds one row.
+runs on a part captured alone, whether its command lifts an exported program's functional layers first). A new pass
+that plans per norm site adds one row.
+
+An exported program (``.pt2``) calls ``aten.conv2d`` / ``aten.linear`` on constant weights; ``fold`` and ``export``
+lift those into native modules before they fold (``commands.fold.lift_program``), so their plans are made on the
+program as lifted (``lifted``), the graph their rewrite sees; the other commands rewrite the program as it is.
 """
 
 from __future__ import annotations
@@ -75,33 +80,36 @@ def _swap_plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
     return swap_norm.plan(cap, norms, first=canonicalize.Canonicalize(functional=True))
 
 
-# (pass, planner, plans a part captured alone): the order a user would run them
-PLANNERS: tuple[tuple[str, Planner, bool], ...] = (
-    (fold_batchnorm.NAME, fold_batchnorm.plan, True),
-    (fold_through.NAME, fold_through.plan, True),
-    (convert_batchnorm.NAME, convert_batchnorm.plan_every_target, True),
-    (recalibrate.NAME, recalibrate.plan, True),
-    (canonicalize.NAME, canonicalize.plan, True),
-    (swap_norm.NAME, _swap_plan, True),
-    (deepnorm.NAME, deepnorm.plan, False),
-    ("export", _export_plan, False),
+# (pass, planner, plans a part captured alone, its command lifts a program's layers first): the order a user would
+# run them
+PLANNERS: tuple[tuple[str, Planner, bool, bool], ...] = (
+    (fold_batchnorm.NAME, fold_batchnorm.plan, True, True),
+    (fold_through.NAME, fold_through.plan, True, True),
+    (convert_batchnorm.NAME, convert_batchnorm.plan_every_target, True, False),
+    (recalibrate.NAME, recalibrate.plan, True, False),
+    (canonicalize.NAME, canonicalize.plan, True, False),
+    (swap_norm.NAME, _swap_plan, True, False),
+    (deepnorm.NAME, deepnorm.plan, False, False),
+    ("export", _export_plan, False, True),
 )
 
 
-def plans(cap: Captured, norms: list[NormSite], whole: bool = True) -> dict[str, list[Site]]:
+def plans(cap: Captured, norms: list[NormSite], whole: bool = True,
+          lifted: tuple[Captured, list[NormSite]] | None = None) -> dict[str, list[Site]]:
     """target -> the sites each pass planned for it; ``whole=False`` (a part captured alone): only the passes that
-    run by parts."""
+    run by parts. ``lifted``: the capture of the program with its layers lifted, and its norms (None: nothing to
+    lift), where the passes whose command lifts them first plan."""
     by_target: dict[str, list[Site]] = {}
-    for _, planner, parts in PLANNERS:
+    for _, planner, parts, lifts in PLANNERS:
         if whole or parts:
-            for site in planner(cap, norms):
+            for site in planner(*(lifted if lifts and lifted is not None else (cap, norms))):
                 by_target.setdefault(site.target, []).append(site)
     return by_target
 
 
 def whole_only() -> list[str]:
     """The passes that need a graph of the whole model."""
-    return [name for name, _, parts in PLANNERS if not parts]
+    return [name for name, _, parts, _ in PLANNERS if not parts]
 
 
 __all__ = ["PLANNERS", "plans", "plan_of", "fold_plan", "one_site_per_batchnorm", "float32_sites", "whole_only"]
