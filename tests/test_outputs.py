@@ -218,7 +218,8 @@ def test_writing_a_pt2_prints_nothing_on_stderr(tmp_path):
 
 def test_a_pt2_whose_dynamic_export_fails_is_written_with_its_dimensions_pinned(tmp_path, monkeypatch):
     """torch.export's symbolic reasoning can fail where a static export does not (timm's CPU-bone: an inequality
-    sympy cannot decide): the .pt2 is then written with every dimension pinned, and the notes say so."""
+    sympy cannot decide): the .pt2 is tried again with the batch alone dynamic, then written with every dimension
+    pinned, each listed with its code, and the notes say so."""
     from normconv.io import outputs
     from normconv.verify import Inputs
 
@@ -237,8 +238,11 @@ def test_a_pt2_whose_dynamic_export_fails_is_written_with_its_dimensions_pinned(
     info: dict = {}
     path = tmp_path / "m.pt2"
     outputs.write_pt2(model, str(path), Inputs((x,)), info=info)
-    assert calls == [True, False]
-    assert info["dynamic_dims"] == [] and any("every dimension pinned" in n for n in info["notes"])
+    assert calls == [True, True, False]  # dynamic, the batch alone dynamic, static
+    codes = {d["name"]: d.get("code") for d in info["dynamic_dims"]}
+    assert codes == {"batch": "refused-by-export", "input_dim1": "one-size-only", "height": "refused-by-export",
+                     "width": "refused-by-export"}, info["dynamic_dims"]
+    assert any("every dimension pinned" in n for n in info["notes"])
     program = torch.export.load(str(path)).module()
     torch.testing.assert_close(program(x), model(x))
 

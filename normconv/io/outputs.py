@@ -349,7 +349,10 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     check is pinned. Keyword inputs that are no tensors (``use_cache=False``) are left out of the program's inputs
     where the model computes the same without them (its config already says so), so the program runs on the
     tensors the model takes. ``info`` receives ``dynamic_dims``, ``notes``, and ``pinned_all`` where torch.export
-    could not keep the dimensions free (its reasoning failed or ran past its limit; the program did not save)."""
+    could not keep the dimensions free (its reasoning failed or ran past its limit; the program did not save).
+    Dynamic dimensions torch.export refuses (a guard on the height it cannot solve: timm's DLA) are tried again with
+    the batch alone dynamic, then every one pinned, as the ONNX export does; each listed with code
+    ``refused-by-export`` (``io.dims.fixed``)."""
     from normconv.io import dims as io_dims
     from normconv.quiet import quiet
     from normconv.verify import compare
@@ -359,16 +362,25 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     info = {} if info is None else info
     inputs = _tensor_kwargs_only(model, inputs)
     pinned: set[tuple[str, int]] = set()
+    refused: dict[tuple[str, int], str] = {}  # (input, axis) -> why: torch.export refused it dynamic, written static
     lost: list = []  # the dimensions pinned by their checks, round by round
     while True:
-        shapes = None if static else io_dims.export_shapes(model, inputs, pinned)
+        shapes = None if static else io_dims.export_shapes(model, inputs, pinned | set(refused))
         try:
-            ep = export_program(model, inputs, shapes, pinned)
+            ep = export_program(model, inputs, shapes, pinned | set(refused))
         except Exception as exc:  # noqa: BLE001 - torch.export's symbolic reasoning may fail where static does not
             if shapes is None:
                 raise
-            # (timm's CPU-bone: NotImplementedError on an inequality sympy cannot decide): every dimension pinned
+            # (timm's CPU-bone: NotImplementedError on an inequality sympy cannot decide): the batch alone dynamic
+            # (past the time limit: not a second time), then every dimension pinned
             why = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else describe(exc)
+            rest = [p for p in io_dims.free_places(model, inputs, pinned | set(refused)) if p[1] != 0]
+            refused.update({p: why[:200] for p in (io_dims.free_places(model, inputs, pinned | set(refused))
+                                                   if isinstance(exc, Overtime) or not rest else rest)})
+            if rest and not isinstance(exc, Overtime):
+                info.setdefault("notes", []).append(f"torch.export refuses dynamic dimensions for this model "
+                                                    f"({why[:200]}): exported again with the batch alone dynamic")
+                continue
             static = _pinned_all(info, f"torch.export failed with dynamic dimensions ({why})")
             continue
         dims = [] if shapes is None else io_dims.name_dims(io_dims.found(ep, io_dims.input_names(model, inputs)),
@@ -383,7 +395,9 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
         pinned |= {p for d in failed for p in d.places}
         lost += failed
         info.setdefault("notes", []).extend(d.note() for d in failed)
-    held = [] if shapes is None else io_dims.fixed(ep, model, inputs, dims, model, pinned)  # specialized by the trace
+    # specialized by the trace, or refused dynamic by torch.export
+    held = [] if shapes is None and not refused else io_dims.fixed(ep, model, inputs, dims, model, pinned,
+                                                                  refused=refused)
     info.setdefault("notes", []).extend(io_dims.fixed_notes(held))
     info["dynamic_dims"] = [d.to_json() for d in lost + dims + held]
     if _plain_outputs(ep):
