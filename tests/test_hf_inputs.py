@@ -311,3 +311,17 @@ def test_a_config_asking_for_impossible_inputs_is_one_line(tmp_path, cli, size):
     assert code == 2 and err.startswith("error: cannot make example inputs from the model's config: pixel_values")
     assert "--input-shape pixel_values:" in err and len(err.strip().splitlines()) == 1
     assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before  # the folder is left as it was
+
+
+def test_a_config_without_a_position_limit_gets_full_length_text(tmp_path, cli):
+    # XLNet's config says max_position_embeddings = -1 (relative positions, no limit): the ids were made at
+    # min(16, -1) tokens, a negative size, and every command on its folder ended in an internal error (exit 3)
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    model = _tiny(XLNetLMHeadModel, XLNetConfig(vocab_size=99, d_model=32, n_layer=2, n_head=4, d_inner=64))
+    assert model.config.max_position_embeddings == -1
+    assert hf_example_inputs(model).kwargs["input_ids"].shape == (2, 16)
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    assert sum(s["kind"] == "layernorm" for s in json.loads(out)["sites"]) == 4

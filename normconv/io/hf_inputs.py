@@ -53,8 +53,7 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
     if not kwargs and not takes_text:
         return None
     if takes_text:
-        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or seq
-        seq = min(seq, max_pos)
+        seq = min(seq, _position_limit(config) or seq)
         kwargs["input_ids"] = _token_ids(config, vocab, (batch, seq), g)
     if takes_text and "pixel_values" in kwargs:
         tokens = image_tokens(model, kwargs)
@@ -71,6 +70,13 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
     if "decoder_input_values" in params and getattr(config, "is_encoder_decoder", False) and kwargs:
         kwargs["decoder_input_values"] = _decoder_frames(config, batch, seq, g)  # SpeechT5 text / speech to speech
     return Inputs((), kwargs)
+
+
+def _position_limit(config) -> int | None:
+    """The most positions the config says the model embeds (``max_position_embeddings``, GPT-2's ``n_positions``):
+    the first that is a positive whole number; XLNet's -1 (relative positions, no limit) and the like are none."""
+    limits = (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions"))
+    return next((v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
 
 
 def _decoder_frames(config, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
