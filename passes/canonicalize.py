@@ -112,6 +112,10 @@ def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) 
     ``functional``: also turn functional ``F.layer_norm`` / ``F.rms_norm`` calls into modules (what swap asks
     for, since it replaces norm modules; on its own canonicalize leaves a native functional call alone)."""
     decisions = [_structural(cap, s, functional) for s in norms]
+    calls = _holder_calls(cap, decisions)
+    for group in calls.values():  # one module for every call of one holder, checked on every call's recording
+        for d in group[1:]:
+            d.module = group[0].module if all(c.applied for c in group) else d.module
     candidates = [d for d in decisions if d.applied]
     # a site already checked on this capture keeps its verdict (inspect plans canonicalize, swap's first step and
     # export on one capture: one recording forward where there were three); its module is built anew each time
@@ -127,7 +131,35 @@ def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) 
             d.reason = seen[1]  # with what the check added (judged in float32)
         else:
             d.applied, d.reason, d.code, d.module = False, seen[1], seen[2], None
+    _one_module_per_holder(cap, decisions, calls)
     return decisions
+
+
+def _holder_calls(cap: Captured, decisions: list[Decision]) -> dict[str, list[Decision]]:
+    """An exported program's holder (``_holder_of``) -> the decisions of its calls, where it is called more than once
+    (a .pt2 of a model calling one norm module at several places: each call is inline in the program's graph)."""
+    by_owner: dict[str, list[Decision]] = {}
+    for d in decisions:
+        if d.form == "inline" and _holder_of(cap, d.site):
+            by_owner.setdefault(d.site.owner, []).append(d)
+    return {owner: group for owner, group in by_owner.items() if len(group) > 1}
+
+
+def _one_module_per_holder(cap: Captured, decisions: list[Decision], calls: dict[str, list[Decision]]) -> None:
+    """A holder's calls share its tensors: one native module takes the holder's place and every call calls it, so
+    either every call is replaced (each reproduced by that one module) or none, else a call left inline would read
+    tensors the native module no longer holds under those names."""
+    for owner, group in calls.items():
+        kept = [d for d in group if not d.applied]
+        if not kept or len(kept) == len(group):
+            continue
+        first = kept[0]
+        for d in group:
+            if d.applied:
+                d.applied, d.code, d.module = False, CanonWhy.SHARED, None
+                d.reason = (f"{owner} is called {len(group)} times and its calls share its tensors: one native "
+                            f"module replaces them all or none, and its call at {first.site.target} is not replaced "
+                            f"({first.reason})")
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:
@@ -301,6 +333,11 @@ def _shared(cap: Captured, site: NormSite, form: str, path: str) -> str:
             # the tie; every call's recorded output is reproduced by it (_record hooks the module)
             if form == "module" and all(path in cap.owner_stack(u) for u in outside):
                 continue
+            # an exported program's holder called more than once (.pt2: each call inline), read by its calls
+            # alone  =>  one native module in the holder's place, called at each call, keeps the tie (every call
+            # replaced or none: _one_module_per_holder)
+            if form == "inline" and _holder_of(cap, site) and all(cap.owner(u) == site.owner for u in outside):
+                continue
             # the same hand-written module called twice, traced inline: both calls read one parameter
             if site.owner and any(cap.owner(u) == site.owner for u in outside):
                 return (f"{site.owner} is called more than once and its calls share {name}: "
@@ -356,9 +393,9 @@ def _record(cap: Captured, candidates: list[Decision]) -> dict[Any, Any]:
 
         with forward_guard(cap.gm):
             Recorder(cap.gm).run(*copy.deepcopy(cap.inputs.args))
-        for d in inline:
+        for d in inline:  # a holder's calls share its target: each call's values recorded
             if d.site.input in values and d.site.node in values:
-                found[d.site.target] = [(values[d.site.input], values[d.site.node])]
+                found.setdefault(d.site.target, []).append((values[d.site.input], values[d.site.node]))
     return found
 
 
@@ -514,7 +551,7 @@ def _rewrite_graph(cap: Captured, applied: list[Decision], renamed: dict[str, st
         s = d.site
         if d.form == "module":
             target = d.key  # the hand-written module's own path: the native module takes its place
-        elif _holder_of(cap, s) and s.owner not in modules:  # an exported program's container: likewise
+        elif _holder_of(cap, s):  # an exported program's container: likewise (called twice: one module, two calls)
             target = s.owner
         else:
             target = _free_name(f"{s.owner}.{s.kind}" if s.owner else s.kind, taken)
