@@ -34,9 +34,9 @@ def canonicalize(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.
         report, done = rewrite(loaded, [canonicalize_pass.CANONICALIZE], opts, command=canonicalize_pass.NAME)
     except VerificationError as exc:
         if exc.report is not None:
-            exc.report.notes.extend(_notes(exc.report, None))
+            exc.report.notes.extend(_notes(exc.report, None, loaded.model))
         raise
-    report.notes.extend(_notes(report, done.model))
+    report.notes.extend(_notes(report, done.model, loaded.model))
     return report, done.model
 
 
@@ -76,7 +76,7 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, opts: Options) -> tupl
     report.extra["half_precision"] = {
         "dtype": label, "error_vs_float32": {"given": given.max_abs_error, "canonicalized": vs32[0].max_abs_error},
         "error_vs_given_half_model": vs_half[0].max_abs_error}
-    report.notes.extend(_notes(report, model))
+    report.notes.extend(_notes(report, model, model32))
     failed = next((v for v in report.validation if not v.passed and not v.drift), None)
     if failed is not None:
         raise not_verified("canonicalize", failed, report)
@@ -84,13 +84,14 @@ def _canonicalize_half(loaded: Loaded, half: torch.dtype, opts: Options) -> tupl
     return report, model
 
 
-def _notes(report: Report, model: nn.Module | None) -> list[str]:
-    """What a user should know about a canonicalized model beyond the site table."""
+def _notes(report: Report, model: nn.Module | None, given: nn.Module) -> list[str]:
+    """What a user should know about a canonicalized model beyond the site table (``given``: the model as loaded; a
+    .pt2's is a GraphModule already, with no class of its own to keep)."""
     ours = [s for s in report.sites if getattr(s, "pass_name", None) == canonicalize_pass.NAME]
     notes = []
     if not any(s.applied for s in ours):
         notes.append("no hand-written norm was replaced; the model is unchanged")
-    if isinstance(model, fx.GraphModule):
+    elif isinstance(model, fx.GraphModule) and not isinstance(given, fx.GraphModule):
         notes.append("inline norms were rewritten in the traced graph: the result is a torch.fx.GraphModule "
                      "(the model's own class is not kept)")
     if any(s.applied and s.code == canonicalize_pass.CanonWhy.RENAMED_KEYS for s in ours):
