@@ -147,6 +147,19 @@ def test_export_past_the_limit_writes_the_static_file_and_says_so(cli, tmp_path,
     assert rep["passed"] and time.perf_counter() - t0 < 60
 
 
+def test_export_past_the_limit_that_no_static_export_takes_says_why(cli, tmp_path, stuck):
+    """The dynamic export runs past the limit, then the static one fails on a branch on tensor values (torchvision's
+    detectors): the one-line refusal is the static export's reason, not the limit's (it said "ran past 0.3 s", a
+    reason no faster machine removes)."""
+    out = tmp_path / "m.onnx"
+    code, printed, err = cli("export", "tests.fixtures.vision_models:data_dependent_branch", "-o", out,
+                             "--accept-specialized", "--json")
+    rep = json.loads(printed)
+    assert code == 2 and not out.exists() and list(tmp_path.iterdir()) == []
+    assert "data-dependent" in rep["error"] and "\n" not in rep["error"], rep["error"]
+    assert "ran past 0.3 s" in rep["error"]  # the dynamic export's try is said after the reason
+
+
 def test_pt2_past_the_limit_is_written_static_and_says_so(cli, tmp_path, stuck):
     from normconv.io.load import load
     from normconv.verify import run

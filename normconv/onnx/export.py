@@ -211,8 +211,9 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
             if kwargs.get("dynamic_shapes") is not None and notes is not None:
                 try:  # torch.export takes the model, not its dynamic shapes: the example's shapes, said
                     program, optimized = torch_export(model, inputs, opset, normconv_ops, False, exported), True
-                except NormconvError:
-                    pass
+                except NormconvError as static:
+                    if isinstance(exc, Overtime):  # no export at any shapes: that reason, not the time the first took
+                        raise NormconvError(f"{static.message} (the dynamic export first {exc})") from None
                 else:
                     refused.update({p: _one_line(exc)[:200] for p in io_dims.free_places(model, inputs, pinned)})
                     notes.append(f"torch.export's reasoning about dynamic dimensions {exc} (--static skips it): "
