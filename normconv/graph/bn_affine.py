@@ -79,7 +79,8 @@ class Layers:
                 path = layer_path(cap, n)
                 if path is not None:
                     self.calls[path] = self.calls.get(path, 0) + 1
-            elif n.op == "get_attr" and cap.modules.get(n.target.rpartition(".")[0]) is not None:
+            elif n.op == "get_attr" and cap.modules.get(n.target.rpartition(".")[0]) is not None and \
+                    not _own_read(cap, n):
                 self.read.setdefault(n.target.rpartition(".")[0], n.target)
         # parameter object -> module paths holding it (tied weights cannot carry a fold for one module)
         self.holders: dict[int, list[str]] = {}
@@ -119,6 +120,13 @@ class Layers:
         if not mod.weight.is_floating_point():
             raise Refusal(BNWhy.NON_FLOAT, f"{path} has a {mod.weight.dtype} weight")
         return path, mod
+
+
+def _own_read(cap: Captured, node: fx.Node) -> bool:
+    """A get_attr of a layer's tensor read only by that layer's own call: symbolic_trace traces through a conv /
+    linear subclass that keeps torch's forward (torchvision's Conv3DSimple), and its call reads the weight so."""
+    path = node.target.rpartition(".")[0]
+    return bool(node.users) and all(cap.op(u) in LAYER_OPS and layer_path(cap, u) == path for u in node.users)
 
 
 def _recomputed_by(mod: nn.Module, name: str) -> str:
