@@ -58,6 +58,10 @@ def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
     """BatchNorm folded into its neighbouring conv / linear, verified, then written. ``opts.dtype`` (float16 /
     bfloat16): the model is folded in it; a half fold (that, or a half model) reports each site's headroom measured
     in float32 and the folded weights' largest value in the dtype."""
+    if loaded.fmt == "pt2":  # a program's graph computes batch statistics itself: no flag, --eval included, undoes it
+        refuse_training(loaded, dataclasses.replace(opts, eval_mode=False), "folding",
+                        "export the program again from the model after .eval() (--eval cannot change what a "
+                        "program's graph computes)")
     idle = [] if opts.eval_mode else refuse_training(loaded, opts, "folding")
     half = target_half(opts.dtype, loaded.model)
     rooms, layers = _fold_headroom(loaded, half, opts.method) if half is not None and not opts.eval_mode else ([], {})

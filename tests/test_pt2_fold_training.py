@@ -1,0 +1,35 @@
+"""``fold --eval`` of a .pt2 exported in training mode: the program's graph computes BatchNorm on batch statistics
+itself, which no module flag changes, so fold folded nothing and wrote the program as it was, still computing
+batch statistics, with exit 0, where --eval promises the model's eval-mode self; and the refusal without --eval
+told the user to pass --eval. A training-mode program is now refused either way (exit 2, one line, nothing
+written), naming the way out: export the program again from the model after .eval()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn, self.h = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.h(torch.relu(self.bn(self.c(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("flags", [(), ("--eval",)], ids=["plain", "eval"])
+def test_fold_refuses_a_program_exported_in_training_mode(cli, tmp_path, flags):
+    torch.manual_seed(0)
+    model = ConvBN().train()
+    ep = torch.export.export(model, (torch.randn(4, 3, 16, 16),), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    torch.export.save(ep, tmp_path / "m.pt2")
+    out = tmp_path / "f.pt2"
+    code, stdout, stderr = cli("fold", tmp_path / "m.pt2", *flags, "-o", out)
+    assert code == 2, stdout
+    line = stderr.strip()
+    assert "\n" not in line and "training mode" in line and "export the program again" in line, stderr
+    assert "pass --eval" not in line
+    assert not out.exists()
