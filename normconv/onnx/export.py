@@ -198,7 +198,9 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
         except Exception as exc:
             if i + 1 < len(tries) and not isinstance(exc, Overtime):
                 continue  # the model takes no batch 2: export at the example as given
-            rest = [p for p in io_dims.free_places(model, inputs, pinned) if p[1] != 0]
+            # the places a dynamic export gave up (a static one has none: ``model`` may be the capture's program)
+            rest = [p for p in io_dims.free_places(model, inputs, pinned) if p[1] != 0] \
+                if kwargs.get("dynamic_shapes") is not None else []
             if kwargs.get("dynamic_shapes") is not None and notes is not None and rest and \
                     not isinstance(exc, Overtime):  # past the limit: not a second time
                 notes.append(f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
