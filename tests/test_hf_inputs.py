@@ -325,3 +325,30 @@ def test_a_config_without_a_position_limit_gets_full_length_text(tmp_path, cli):
     code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
     assert code == 0, err
     assert sum(s["kind"] == "layernorm" for s in json.loads(out)["sites"]) == 4
+
+
+def _pix2struct(full: bool):
+    from transformers import Pix2StructConfig, Pix2StructForConditionalGeneration, Pix2StructVisionConfig, \
+        Pix2StructVisionModel
+
+    vision = dict(hidden_size=32, patch_embed_hidden_size=48, d_ff=64, d_kv=8, num_hidden_layers=2,
+                  num_attention_heads=4, seq_len=64)
+    if not full:
+        return _tiny(Pix2StructVisionModel, Pix2StructVisionConfig(**vision))
+    text = dict(vocab_size=99, hidden_size=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4)
+    return _tiny(Pix2StructForConditionalGeneration, Pix2StructConfig(text_config=text, vision_config=vision))
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["vision", "image-to-text"])
+def test_pix2struct_gets_flattened_patches(tmp_path, cli, full):
+    # Pix2Struct takes (batch, patches, row + column + patch values): none were made ("no example inputs")
+    model = _pix2struct(full)
+    kw = hf_example_inputs(model).kwargs
+    patches = kw["flattened_patches"]
+    assert patches.shape == (2, 16, 50) and int(patches[..., :2].max()) < 64  # indices within seq_len
+    with torch.no_grad():
+        model(**kw)
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    assert sum(s["kind"] == "rmsnorm" for s in json.loads(out)["sites"]) >= 5

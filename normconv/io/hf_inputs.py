@@ -9,6 +9,7 @@ One spelling per kind of model:
   image token per feature the vision tower makes of them, then text. Qwen2-VL-style towers take flattened
   patches with an ``image_grid_thw``; M-RoPE models also get ``mm_token_type_ids`` (text 0, image 1). Where the
   image tokens cannot be counted, the language model alone is run (token ids, no pixels);
+- flattened patches (Pix2Struct): ``seq`` patches with their row / column indices;
 - dual encoders (CLIP, SigLIP: a text and a vision config, no image token): pixels and token ids side by side;
 - time series: a history of the config's ``context_length`` (``past_values``; with lags, time features and an
   observed mask where the model takes them: TimeSeriesTransformer, Informer, Autoformer);
@@ -46,7 +47,8 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
     g = torch.Generator().manual_seed(0)
     params = forward_params(model)
     kwargs: dict[str, Any] = _pixels(config, params, batch, seq, g) if "pixel_values" in params else \
-        _series(config, params, batch, g) if "past_values" in params else _audio(config, params, batch, seq, g)
+        _series(config, params, batch, g) if "past_values" in params else \
+        _patches(config, batch, seq, g) if "flattened_patches" in params else _audio(config, params, batch, seq, g)
     text = getattr(config, "text_config", None)
     vocab = getattr(text if text is not None else config, "vocab_size", None)
     takes_text = bool("input_ids" in params and vocab and (not kwargs or text is not None))  # pixels alone: no text
@@ -104,6 +106,20 @@ def _pixels(config, params: list[str], batch: int, seq: int, g: torch.Generator)
     frames = getattr(vision, "num_frames", None)  # a video model takes a clip: (batch, frames, C, H, W)
     clip = (int(frames),) if isinstance(frames, int) and frames > 0 else ()
     return {"pixel_values": _randn("pixel_values", (batch, *clip, channels, height, width), g)}
+
+
+def _patches(config, batch: int, seq: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Pix2Struct's input: ``seq`` flattened patches, each (row, column, then patch_embed_hidden_size values), the
+    row and column a grid's indices within the config's ``seq_len`` (its position tables)."""
+    vision = getattr(config, "vision_config", None) or config
+    width, positions = getattr(vision, "patch_embed_hidden_size", None), getattr(vision, "seq_len", None)
+    if not isinstance(width, int) or not isinstance(positions, int) or positions < 1:
+        return {}
+    cols = max(1, min(positions, math.isqrt(seq)))
+    index = torch.arange(seq)
+    grid = torch.stack([(index // cols).clamp(max=positions - 1), index % cols], dim=-1).float()
+    values = _randn("flattened_patches", (batch, seq, width), g)
+    return {"flattened_patches": torch.cat([grid.expand(batch, seq, 2), values], dim=-1)}
 
 
 def single_images(inputs: Inputs) -> Inputs | None:
