@@ -352,3 +352,21 @@ def test_pix2struct_gets_flattened_patches(tmp_path, cli, full):
     code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
     assert code == 0, err
     assert sum(s["kind"] == "rmsnorm" for s in json.loads(out)["sites"]) >= 5
+
+
+def test_a_captioner_with_flat_text_fields_gets_pixels_and_text(tmp_path, cli):
+    # GIT's config has a vision_config but its text model's fields flat (no text_config): it got pixels alone and
+    # every command was refused ("You must specify exactly one of input_ids or inputs_embeds")
+    from transformers import GitConfig, GitForCausalLM
+
+    model = _tiny(GitForCausalLM, GitConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=80, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=32, patch_size=8)))
+    kw = hf_example_inputs(model).kwargs
+    assert kw["pixel_values"].shape == (2, 3, 32, 32) and kw["input_ids"].shape == (2, 16)
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = cli("inspect", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    assert sum(s["kind"] == "layernorm" for s in json.loads(out)["sites"]) >= 6  # both towers were run

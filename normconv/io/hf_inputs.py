@@ -51,7 +51,10 @@ def hf_example_inputs(model: nn.Module, batch: int = HF_BATCH, seq: int = HF_SEQ
         _patches(config, batch, seq, g) if "flattened_patches" in params else _audio(config, params, batch, seq, g)
     text = getattr(config, "text_config", None)
     vocab = getattr(text if text is not None else config, "vocab_size", None)
-    takes_text = bool("input_ids" in params and vocab and (not kwargs or text is not None))  # pixels alone: no text
+    # pixels alone: no text, unless the config has a vision tower beside its text (GIT: a vision_config, the text
+    # model's fields flat), whose forward wants both
+    vlm = text is not None or getattr(config, "vision_config", None) is not None
+    takes_text = bool("input_ids" in params and vocab and (not kwargs or vlm))
     if not kwargs and not takes_text:
         return None
     if takes_text:
