@@ -33,3 +33,28 @@ def test_fold_refuses_a_program_exported_in_training_mode(cli, tmp_path, flags):
     assert "\n" not in line and "training mode" in line and "export the program again" in line, stderr
     assert "pass --eval" not in line
     assert not out.exists()
+
+
+def test_inspect_plans_the_export_refusal_of_a_program_in_training_mode(cli, tmp_path):
+    """inspect planned 'one BatchNormalization' / 'one LayerNormalization' (applied) at every site of a program
+    exported in training mode, which export refuses whole before any work: its rows now say that refusal."""
+    import json
+
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.ln, self.d, self.h = nn.Linear(16, 32), nn.LayerNorm(32), nn.Dropout(0.1), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.h(self.d(self.ln(self.e(x))))
+
+    torch.manual_seed(0)
+    ep = torch.export.export(Drop().train(), (torch.randn(2, 5, 16),))
+    torch.export.save(ep, tmp_path / "m.pt2")
+    code, out, _ = cli("inspect", tmp_path / "m.pt2", "--json")
+    assert code == 0
+    (site,) = json.loads(out)["sites"]
+    (planned,) = [p for p in site["plan"] if p["pass"] == "export"]
+    assert not planned["applied"] and planned["code"] == "program-in-training-mode", planned
+    code, _, stderr = cli("export", tmp_path / "m.pt2", "-o", tmp_path / "m.onnx")
+    assert code == 2 and planned["reason"] in stderr and not (tmp_path / "m.onnx").exists()

@@ -54,14 +54,20 @@ def refuse_training(loaded: Loaded, opts: Options, doing: str,
     return idle
 
 
+def refuse_program_in_training(loaded: Loaded, doing: str) -> None:
+    """A .pt2 exported in training mode (its graph computes batch statistics, live dropout), refused for an inference
+    rewrite (``doing``: fold, export; inspect plans their refusal): no module flag, --eval included, undoes what a
+    program's graph computes."""
+    if loaded.fmt == "pt2":
+        refuse_training(loaded, Options(), doing, "export the program again from the model after .eval() (--eval "
+                                                  "cannot change what a program's graph computes)")
+
+
 def fold(loaded: Loaded, opts: Options = Options()) -> tuple[Report, nn.Module]:
     """BatchNorm folded into its neighbouring conv / linear, verified, then written. ``opts.dtype`` (float16 /
     bfloat16): the model is folded in it; a half fold (that, or a half model) reports each site's headroom measured
     in float32 and the folded weights' largest value in the dtype."""
-    if loaded.fmt == "pt2":  # a program's graph computes batch statistics itself: no flag, --eval included, undoes it
-        refuse_training(loaded, dataclasses.replace(opts, eval_mode=False), "folding",
-                        "export the program again from the model after .eval() (--eval cannot change what a "
-                        "program's graph computes)")
+    refuse_program_in_training(loaded, "folding")
     idle = [] if opts.eval_mode else refuse_training(loaded, opts, "folding")
     half = target_half(opts.dtype, loaded.model)
     rooms, layers = _fold_headroom(loaded, half, opts.method) if half is not None and not opts.eval_mode else ([], {})
@@ -145,4 +151,4 @@ def lift_program(model: nn.Module, inputs: Inputs, method: str = "auto",
     return (done.model, done.sites) if done.sites else (model, [])
 
 
-__all__ = ["FOLDS", "refuse_training", "fold", "lifted", "lift_program", "one_site_per_batchnorm"]
+__all__ = ["FOLDS", "refuse_training", "refuse_program_in_training", "fold", "lifted", "lift_program", "one_site_per_batchnorm"]

@@ -4,10 +4,11 @@ not (``engine.plans``); nothing is applied. With a half dtype, each site's headr
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 
-from normconv.commands.fold import lift_program
+from normconv.commands.fold import lift_program, refuse_program_in_training
 from normconv.engine.plans import plans, whole_only
 from normconv.engine.precision import headroom_extra, upcast
 from normconv.errors import Code, NormconvError
@@ -32,7 +33,7 @@ def inspect(loaded: Loaded, method: str = "auto", dtype: torch.dtype | None = No
         return _inspect_by_parts(loaded, inputs, method, exc)
     norms = find_norms(cap)
     rooms = _headroom(loaded, cap, norms, method, dtype, calibration) if dtype is not None else None
-    plan = plans(cap, norms, lifted=_lifted(loaded, inputs, method))
+    plan = _refused_whole(loaded, plans(cap, norms, lifted=_lifted(loaded, inputs, method)))
     sites = []
     for n in norms:
         entry = n.to_json()
@@ -63,6 +64,19 @@ def _lifted(loaded: Loaded, inputs: Inputs, method: str) -> tuple[Captured, list
         return None
     cap = capture(model, inputs, method)
     return cap, find_norms(cap)
+
+
+def _refused_whole(loaded: Loaded, plan: dict[str, list[Site]]) -> dict[str, list[Site]]:
+    """``plan`` with export's rows refused where export refuses the whole model before any work (a .pt2 exported in
+    training mode: ``commands.fold.refuse_program_in_training``), with its reason."""
+    from normconv.onnx.export import NAME, ExportWhy
+
+    try:
+        refuse_program_in_training(loaded, "an export in eval mode (running statistics, no dropout)")
+    except NormconvError as exc:
+        return {t: [dataclasses.replace(s, applied=False, code=ExportWhy.TRAINING_PROGRAM, reason=exc.message)
+                    if s.pass_name == NAME else s for s in sites] for t, sites in plan.items()}
+    return plan
 
 
 def _distinct(planned: list[Site], target: str | None = None) -> list[dict]:

@@ -65,6 +65,7 @@ class ExportWhy(Why):
     PRIMITIVE = "stays-primitive"  # a hand-written norm that stays several primitive ops
     SKIP_FUSED = "one-op-skip-fused"  # ... and its residual add fuses into Skip*LayerNormalization
     ADD_UNFUSED = "one-op-add-unfused"  # ... and its residual add is left as an Add (measured faster on CPU)
+    TRAINING_PROGRAM = "program-in-training-mode"  # a .pt2 exported in training mode: export refuses it whole
 
 
 def plan(norms: Sequence[NormSite], target: str = DEFAULT_TARGET, opset: int = DEFAULT_OPSET,
