@@ -145,6 +145,10 @@ def test_export_past_the_limit_writes_the_static_file_and_says_so(cli, tmp_path,
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert all(isinstance(d, int) for i in sess.get_inputs() for d in i.shape)  # the example's shapes
     assert rep["passed"] and time.perf_counter() - t0 < 60
+    # each dimension the model lets vary says it was the time limit, not a refusal by torch.export
+    held = [d for d in rep["extra"]["dynamic_dims"] if d["code"] != "one-size-only"]
+    assert held and all(d["code"] == "export-overtime" for d in held), held
+    assert all("ran past 0.3 s (--static skips it)" in d["pinned"] for d in held), held
 
 
 def test_export_past_the_limit_that_no_static_export_takes_says_why(cli, tmp_path, stuck):

@@ -45,6 +45,7 @@ class DimWhy(Why):
     SPECIALIZED = "specialized-by-export"  # torch.export held it to the example's size; the original runs at others
     ONE_SIZE = "one-size-only"  # the original model runs at no other size of it (an image's channels)
     REFUSED = "refused-by-export"  # torch.export refuses it dynamic (a guard it cannot solve); the original runs at more
+    OVERTIME = "export-overtime"  # torch.export's reasoning about dynamic dimensions ran past its time limit
 
 
 @dataclass
@@ -313,14 +314,14 @@ def name_dims(dims: list[Dim], shapes: dict[str, tuple[int, bool]], chosen: dict
 
 def fixed(program: Any, model: nn.Module, inputs: Inputs, dims: list[Dim], original: nn.Module,
           pinned: set[tuple[str, int]] | frozenset = frozenset(), chosen: dict[str, str] | None = None,
-          refused: dict[tuple[str, int], str] | None = None) -> list[Dim]:
+          refused: dict[tuple[str, int], tuple[DimWhy, str]] | None = None) -> list[Dim]:
     """The dimensions of the example's tensor inputs that a dynamic export (``program``, whose free ``dims`` were
     found) holds to the example's size though normconv did not pin them (``pinned``): torch.export specialized
     them (a Python branch, loop or reshape on that size), or held their symbol to one value. Each is named like a
     free one and tried in ``runs`` (the original model) at the first of ``candidates``' first probe: where it runs,
     code SPECIALIZED (the file lost a dimension the model has), else ONE_SIZE; REFUSED instead of SPECIALIZED where
-    the dimension is one of ``refused``'s places (place -> why: torch.export refused it dynamic, so it was exported
-    static). [] where the inputs have no names or do not line up with the program's (nested inputs: static by
+    the dimension is one of ``refused``'s places (place -> (REFUSED or OVERTIME, why): torch.export refused it
+    dynamic, or ran past its time limit, so it was exported static). [] where the inputs have no names or do not line up with the program's (nested inputs: static by
     design)."""
     from normconv.verify import run
 
@@ -335,9 +336,13 @@ def fixed(program: Any, model: nn.Module, inputs: Inputs, dims: list[Dim], origi
         d.low = d.high = d.size
         d.checked = [d.size]
         other = next((s for s in candidates(d.size)[0] if _runs(lambda alt: run(original, alt), resized(model, inputs, d.places, s))), None)
-        why = next((refused[p] for p in d.places if p in (refused or {})), None)
+        code, why = next((refused[p] for p in d.places if p in (refused or {})), (None, None))
         if other is None:
             d.code, d.pinned = DimWhy.ONE_SIZE, "the original model runs at no other size of it"
+        elif code is DimWhy.OVERTIME:  # a time limit, not a refusal: --static skips the reasoning
+            d.code = code
+            d.pinned = (f"torch.export's reasoning about dynamic dimensions {why} (--static skips it), where the "
+                        f"original also runs at {d.name} = {other}")
         elif why is not None:
             d.code = DimWhy.REFUSED
             d.pinned = f"torch.export refuses it dynamic ({why}), where the original also runs at {d.name} = {other}"

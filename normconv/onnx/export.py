@@ -163,7 +163,8 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
     instead of running torch.export once more; if it fails on it, the module is exported as usual. A dynamic
     export torch.export refuses (a **kwargs forward given a non-tensor keyword: "Must provide a tree_name"; a guard
     on the height it cannot solve: timm's DLA) is tried again with the batch alone dynamic, then made static, said in
-    ``notes``; ``refused`` receives each (input, axis) place it made static so, with why (place -> why)."""
+    ``notes``; ``refused`` receives each (input, axis) place it made static so, with its code and why (place ->
+    (DimWhy.REFUSED or DimWhy.OVERTIME, why))."""
     from normconv.io import dims as io_dims
 
     if exported is not None and not dynamic:
@@ -208,7 +209,7 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
                              f"exported again with the batch alone dynamic")
                 program = torch_export(model, inputs, opset, normconv_ops, True, exported, pinned | set(rest), notes,
                                        refused)  # the batch refused too: static, said
-                refused.update({p: _one_line(exc)[:200] for p in rest})
+                refused.update({p: (io_dims.DimWhy.REFUSED, _one_line(exc)[:200]) for p in rest})
                 optimized = True
                 break
             if kwargs.get("dynamic_shapes") is not None and notes is not None:
@@ -218,7 +219,9 @@ def torch_export(model: nn.Module, inputs, opset: int, normconv_ops: bool, dynam
                     if isinstance(exc, Overtime):  # no export at any shapes: that reason, not the time the first took
                         raise NormconvError(f"{static.message} (the dynamic export first {exc})") from None
                 else:
-                    refused.update({p: _one_line(exc)[:200] for p in io_dims.free_places(model, inputs, pinned)})
+                    code = io_dims.DimWhy.OVERTIME if isinstance(exc, Overtime) else io_dims.DimWhy.REFUSED
+                    refused.update({p: (code, str(exc) if isinstance(exc, Overtime) else _one_line(exc)[:200])
+                                    for p in io_dims.free_places(model, inputs, pinned)})
                     notes.append(f"torch.export's reasoning about dynamic dimensions {exc} (--static skips it): "
                                  f"exported with the example's shapes" if isinstance(exc, Overtime) else
                                  f"torch.export refuses dynamic dimensions for this model ({_one_line(exc)[:200]}): "
@@ -361,7 +364,7 @@ def write_onnx(prepared: nn.Module, original: nn.Module, inputs, reference: Any,
     extra["norm_sites"] = sites_by_kind
 
     fell_back: list[str] = []
-    refused: dict = {}  # (input, axis) -> why: the places torch.export refused dynamic, exported static
+    refused: dict = {}  # (input, axis) -> (code, why): the places torch.export refused dynamic (or ran out of time on)
     phase("export", detail=f"ONNX opset {opset}")
     program = torch_export(prepared, inputs, opset, normconv_ops=True, dynamic=dynamic, exported=exported,
                            pinned=pinned, notes=fell_back, refused=refused)
