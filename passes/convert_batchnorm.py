@@ -315,8 +315,9 @@ def _with_tail(new: nn.Module, module: nn.Module, form: ModuleForm) -> tuple[nn.
     """The replacement and the module's own children after it, in order (timm's drop and act)."""
     if not form.tail:
         return new, ""
-    return with_tail(new, module, form.tail), (f", then its own {', '.join(form.tail)} (nn.Sequential: the norm's state_dict keys move under "
-                 f"{form.path + '.' if form.path else ''}norm.)")
+    return with_tail(new, module, form.tail), (f", then its own {', '.join(form.tail)} (nn.Sequential: the norm's "
+                                               f"state_dict keys move under {form.path + '.' if form.path else ''}"
+                                               f"norm.)")
 
 
 class ConvertBatchNorm(Pass):

@@ -394,7 +394,8 @@ class FoldBatchNorm(Pass):
             for d in done:
                 if d.form is not None:
                     # module = bn -> its children  =>  its children alone, under their names (keys unchanged)
-                    replace_module(model, d.form.path, with_tail(nn.Identity(), cap.modules[d.form.path], d.form.tail))
+                    replace_module(model, d.form.path,
+                                   with_tail(nn.Identity(), cap.modules[d.form.path], d.form.tail))
                     continue
                 # bn  =>  identity (keys of the rest unchanged), or the shift a bias-free ConvTranspose keeps out
                 replace_module(model, d.site.target, shifts.get(d.site.target) or nn.Identity())

@@ -321,8 +321,8 @@ def fixed(program: Any, model: nn.Module, inputs: Inputs, dims: list[Dim], origi
     free one and tried in ``runs`` (the original model) at the first of ``candidates``' first probe: where it runs,
     code SPECIALIZED (the file lost a dimension the model has), else ONE_SIZE; REFUSED instead of SPECIALIZED where
     the dimension is one of ``refused``'s places (place -> (REFUSED or OVERTIME, why): torch.export refused it
-    dynamic, or ran past its time limit, so it was exported static). [] where the inputs have no names or do not line up with the program's (nested inputs: static by
-    design)."""
+    dynamic, or ran past its time limit, so it was exported static; OVERTIME keeps its own code). [] where the inputs
+    have no names or do not line up with the program's (nested inputs: static by design)."""
     from normconv.verify import run
 
     names = input_names(model, inputs)
