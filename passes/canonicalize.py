@@ -131,7 +131,7 @@ def analyze(cap: Captured, norms: Sequence[NormSite], functional: bool = False) 
             d.reason = seen[1]  # with what the check added (judged in float32)
         else:
             d.applied, d.reason, d.code, d.module = False, seen[1], seen[2], None
-    _one_module_per_holder(cap, decisions, calls)
+    _one_module_per_holder(calls)
     return decisions
 
 
@@ -145,7 +145,7 @@ def _holder_calls(cap: Captured, decisions: list[Decision]) -> dict[str, list[De
     return {owner: group for owner, group in by_owner.items() if len(group) > 1}
 
 
-def _one_module_per_holder(cap: Captured, decisions: list[Decision], calls: dict[str, list[Decision]]) -> None:
+def _one_module_per_holder(calls: dict[str, list[Decision]]) -> None:
     """A holder's calls share its tensors: one native module takes the holder's place and every call calls it, so
     either every call is replaced (each reproduced by that one module) or none, else a call left inline would read
     tensors the native module no longer holds under those names."""
@@ -158,8 +158,7 @@ def _one_module_per_holder(cap: Captured, decisions: list[Decision], calls: dict
             if d.applied:
                 d.applied, d.code, d.module = False, CanonWhy.SHARED, None
                 d.reason = (f"{owner} is called {len(group)} times and its calls share its tensors: one native "
-                            f"module replaces them all or none, and its call at {first.site.target} is not replaced "
-                            f"({first.reason})")
+                            f"module replaces them all or none, and one call is not replaced ({first.reason})")
 
 
 def plan(cap: Captured, norms: Sequence[NormSite]) -> list[Site]:

@@ -151,4 +151,5 @@ def lift_program(model: nn.Module, inputs: Inputs, method: str = "auto",
     return (done.model, done.sites) if done.sites else (model, [])
 
 
-__all__ = ["FOLDS", "refuse_training", "refuse_program_in_training", "fold", "lifted", "lift_program", "one_site_per_batchnorm"]
+__all__ = ["FOLDS", "refuse_training", "refuse_program_in_training", "fold", "lifted", "lift_program",
+           "one_site_per_batchnorm"]
