@@ -42,7 +42,8 @@ class NoSymbolicSizes(nn.Module):
         return self.bn(self.conv(x))
 
 
-def test_a_pt2_whose_dynamic_export_fails_is_written_static_and_the_users_tensor_unmarked(tmp_path):
+def test_a_pt2_whose_dynamic_export_fails_is_written_with_the_batch_alone_free_and_the_users_tensor_unmarked(
+        tmp_path):
     from normconv.io.outputs import WRITERS
 
     torch.manual_seed(0)
@@ -50,11 +51,14 @@ def test_a_pt2_whose_dynamic_export_fails_is_written_static_and_the_users_tensor
     x = torch.randn(2, 3, 8, 8)
     info: dict = {}
     WRITERS["pt2"](model, str(tmp_path / "m.pt2"), Inputs((x,)), info=info)
-    assert any("every dimension pinned" in n for n in info["notes"]), info
+    codes = {d["name"]: d.get("code") for d in info["dynamic_dims"]}
+    assert codes["batch"] is None and codes["height"] == codes["width"] == "refused-by-export", info
     assert not any(hasattr(x, m) for m in MARKS), {m: getattr(x, m, None) for m in MARKS}
     program = torch.export.load(str(tmp_path / "m.pt2")).module()
     with torch.no_grad():
         torch.testing.assert_close(program(x), model(x))
+        other = torch.randn(3, 3, 8, 8)  # the batch stays free
+        torch.testing.assert_close(program(other), model(other))
 
 
 class ImageList(nn.Module):

@@ -362,7 +362,7 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
     info = {} if info is None else info
     inputs = _tensor_kwargs_only(model, inputs)
     pinned: set[tuple[str, int]] = set()
-    refused: dict[tuple[str, int], str] = {}  # (input, axis) -> why: torch.export refused it dynamic, written static
+    refused: dict = {}  # (input, axis) -> (code, why): torch.export refused it dynamic (or ran out of time), static
     lost: list = []  # the dimensions pinned by their checks, round by round
     while True:
         shapes = None if static else io_dims.export_shapes(model, inputs, pinned | set(refused))
@@ -375,8 +375,10 @@ def write_pt2(model: nn.Module, path: str, inputs: Inputs | None, static: bool =
             # (past the time limit: not a second time), then every dimension pinned
             why = f"its reasoning about them {exc}; --static skips it" if isinstance(exc, Overtime) else describe(exc)
             rest = [p for p in io_dims.free_places(model, inputs, pinned | set(refused)) if p[1] != 0]
-            refused.update({p: why[:200] for p in (io_dims.free_places(model, inputs, pinned | set(refused))
-                                                   if isinstance(exc, Overtime) or not rest else rest)})
+            said = (io_dims.DimWhy.OVERTIME, str(exc)[:200]) if isinstance(exc, Overtime) else \
+                (io_dims.DimWhy.REFUSED, why[:200])  # place -> (code, why), as io_dims.fixed reads it
+            refused.update({p: said for p in (io_dims.free_places(model, inputs, pinned | set(refused))
+                                              if isinstance(exc, Overtime) or not rest else rest)})
             if rest and not isinstance(exc, Overtime):
                 info.setdefault("notes", []).append(f"torch.export refuses dynamic dimensions for this model "
                                                     f"({why[:200]}): exported again with the batch alone dynamic")
