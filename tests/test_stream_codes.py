@@ -104,3 +104,19 @@ def test_fold_stream_of_batchnorms_it_cannot_fold_is_refused_with_the_refused_co
     assert code == 2 and "can be folded into the layer before it" in stderr
     assert report["code"] == "refused" and report["exit_code"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_model_without_a_list_of_blocks_is_refused_with_the_way_that_takes_it():
+    """--stream verifies block by block along the model's nn.ModuleList; a model with none (an HF timm_wrapper
+    folder: timm's stages are nn.Sequential) is refused as such (code refused, not bad-input), and the hint names
+    the in-memory command, which takes it."""
+    import torch.nn as nn
+
+    from normconv.errors import Code, NormconvError
+    from normconv.stream.blocks import blocks
+
+    stages = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    with pytest.raises(NormconvError) as caught:
+        blocks(stages)
+    assert caught.value.code is Code.REFUSED
+    assert "without --stream" in caught.value.hint

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from normconv.errors import NormconvError
+from normconv.errors import Code, NormconvError
 from normconv.io.load import hf_building
 from normconv.libc import c_function
 from normconv.stream.checkpoint import Checkpoint, stored_key
@@ -73,7 +73,9 @@ def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The repeated blocks: the longest nn.ModuleList."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not lists:
-        raise NormconvError(f"{type(model).__name__} has no nn.ModuleList of blocks to verify one at a time")
+        raise NormconvError(f"{type(model).__name__} has no nn.ModuleList of blocks to verify one at a time",
+                            Code.REFUSED, hint="without --stream the command holds the model whole in memory and "
+                                               "takes it")
     return max(lists, key=lambda nm: len(nm[1]))
 
 
