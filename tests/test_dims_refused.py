@@ -24,10 +24,10 @@ class Net(nn.Module):
         return self.bn(self.conv(x))
 
 
-@pytest.fixture
-def refuses_height(monkeypatch):
+def refusing(monkeypatch, batch_too: bool = False) -> None:
     """torch.export refuses a free height or width as it does DLA's (its guard after the fold: an inequality sympy
-    cannot solve; no small model found that keeps such a guard through normconv's fold), any free batch is fine."""
+    cannot solve; no small model found that keeps such a guard through normconv's fold); a free batch too where
+    ``batch_too`` (else any free batch is fine)."""
     real = torch.export.export
 
     def spatial(spec) -> bool:
@@ -36,11 +36,17 @@ def refuses_height(monkeypatch):
         return isinstance(spec, (list, tuple)) and any(spatial(v) for v in spec)
 
     def export(*args, **kwargs):
-        if spatial(kwargs.get("dynamic_shapes")):
+        shapes = kwargs.get("dynamic_shapes")
+        if spatial(shapes) or (batch_too and shapes is not None):
             raise NotImplementedError("The inequality, Eq(x/4 - (((x/2)//2)), 0), cannot be solve")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.export, "export", export)
+
+
+@pytest.fixture
+def refuses_height(monkeypatch):
+    refusing(monkeypatch)
 
 
 def _model():

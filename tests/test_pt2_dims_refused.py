@@ -10,42 +10,12 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        return self.bn(self.conv(x))
-
-
-def _refusing(monkeypatch, batch_too: bool) -> None:
-    """torch.export refuses a free height or width as it does DLA's (no small model found that keeps such a guard
-    through normconv's fold); a free batch too where ``batch_too``."""
-    real = torch.export.export
-
-    def spatial(spec) -> bool:
-        if isinstance(spec, dict):
-            return any((isinstance(k, int) and k >= 2 and v is not None) or spatial(v) for k, v in spec.items())
-        return isinstance(spec, (list, tuple)) and any(spatial(v) for v in spec)
-
-    def export(*args, **kwargs):
-        shapes = kwargs.get("dynamic_shapes")
-        if spatial(shapes) or (batch_too and shapes is not None):
-            raise NotImplementedError("The inequality, Eq(x/4 - (((x/2)//2)), 0), cannot be solve")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch.export, "export", export)
+from tests.test_dims_refused import _model, refusing as _refusing
 
 
 def _program(tmp_path):
-    torch.manual_seed(0)
-    m = Net().eval()
-    with torch.no_grad():
-        m.bn.running_mean.uniform_(-1, 1), m.bn.running_var.uniform_(0.5, 2)
+    m = _model()
     auto = torch.export.Dim.AUTO  # the user's program: batch, height and width dynamic
     ep = torch.export.export(m, (torch.randn(2, 3, 16, 16),), dynamic_shapes=({0: auto, 2: auto, 3: auto},))
     torch.export.save(ep, tmp_path / "m.pt2")

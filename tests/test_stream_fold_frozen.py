@@ -35,18 +35,24 @@ def _detr(folder):
 
 
 def test_stream_fold_folds_detr_frozen_batchnorms(tmp_path):
-    from transformers import DetrForObjectDetection
-
     src, out = tmp_path / "in", tmp_path / "out"
     model = _detr(src)
     report = normconv.stream_fold(src, out)
     assert report.passed and report.extra["folded"] == 6
     assert all(s.applied for s in report.sites) and not any("no BatchNorm" in n for n in report.notes)
+    assert_folded_detr(model, out)
+
+
+def assert_folded_detr(model, out) -> None:
+    """The folder ``out`` holds ``model`` (``_detr``) with its 6 frozen BatchNorms folded: each the identity, and the
+    outputs the same, judged by their scale, at batch sizes the verification did not use."""
+    from transformers import DetrForObjectDetection
+
     loaded = DetrForObjectDetection.from_pretrained(out).eval()
     frozen = [m for m in loaded.modules() if type(m).__name__ == "DetrFrozenBatchNorm2d"]
     assert len(frozen) == 6 and all(torch.equal(m.weight, torch.ones_like(m.weight)) and not m.running_mean.any()
                                     for m in frozen)
-    for batch in (1, 3):  # batch sizes the verification did not use
+    for batch in (1, 3):
         x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
             ref, got = model(pixel_values=x), loaded(pixel_values=x)
