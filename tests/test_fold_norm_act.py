@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fold_helpers import applied, bn_modules, randomize_bn, skipped
 from normconv.api import fold
-from tests.fixtures.bn_act import BNAct, Net, Untraceable, build, untraceable
+from tests.fixtures.bn_act import BNAct, Net, Untraceable, build, same_outputs, untraceable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,17 +27,6 @@ torch.manual_seed(0)
 
 def _model(cls):
     return build(cls)
-
-
-def _same(model, folded, shapes):
-    """The folded model equals the original on fresh inputs at each shape, within 1e-5 of the output's scale."""
-    g = torch.Generator().manual_seed(1)
-    for shape in shapes:
-        x = torch.randn(*shape, generator=g)
-        with torch.no_grad():
-            ref, out = model(x), folded(x)
-        assert out.shape == ref.shape
-        assert (out - ref).abs().max() <= 1e-5 * max(ref.abs().max(), 1.0), (out - ref).abs().max()
 
 
 @pytest.mark.parametrize("cls", [Net, Untraceable])
@@ -56,7 +45,7 @@ def test_bn_act_modules_fold_and_the_class_comes_back(cls):
     # the BN's own keys gone, the conv biases added, every other key where it was
     gone = {k for k in keys if k.split(".")[0] in ("bn1", "bn2", "bn3") and ".act." not in k}
     assert set(folded.state_dict()) == (keys - gone) | {"conv1.bias", "conv3.bias"}
-    _same(model, folded, [(2, 3, 16, 16), (3, 3, 20, 23)])
+    same_outputs(model, folded, [(2, 3, 16, 16), (3, 3, 20, 23)])
     assert bn_modules(model) == 3 and type(model.bn1) is BNAct  # the user's model untouched
 
 
@@ -135,7 +124,7 @@ def test_a_graph_module_comes_back_only_for_a_functional_batch_norm_and_a_note_s
     folded, report = fold(model, torch.randn(2, 3, 8, 8))
     assert isinstance(folded, fx.GraphModule) and set(applied(report)) == {"batch_norm"}
     assert any("GraphModule" in n and "FunctionalRoot" in n for n in report.notes), report.notes
-    _same(model, folded, [(2, 3, 8, 8), (1, 3, 12, 10)])
+    same_outputs(model, folded, [(2, 3, 8, 8), (1, 3, 12, 10)])
 
 
 @pytest.mark.parametrize("name", ["resnext26ts", "mobilevit_xxs"])
@@ -148,7 +137,7 @@ def test_timm_bn_act_models_keep_their_class(name):
     assert report.passed
     assert type(folded) is type(model) and hasattr(folded, "reset_classifier")
     assert len(applied(report)) == bns - bn_modules(folded) and bn_modules(folded) < bns // 2
-    _same(model, folded, [(1, 3, 64, 64), (2, 3, 96, 96)])
+    same_outputs(model, folded, [(1, 3, 64, 64), (2, 3, 96, 96)])
 
 
 # a fresh interpreter in which normconv cannot be imported: the written model is plain torch and the user's classes

@@ -11,7 +11,7 @@ import torch.nn as nn
 import normconv
 from normconv.nn.modules import ChannelAffine
 from normconv.passes.fold_through import ThroughWhy
-from tests.fixtures.bn_act import BNAct
+from tests.fixtures.bn_act import BNAct, same_outputs
 
 
 def _randomized(bn: BNAct, seed: int) -> BNAct:
@@ -60,16 +60,6 @@ class BehindRelu(nn.Module):
         return self.conv1(self.bn(self.relu(self.conv0(x))))
 
 
-def _same(model, new, shapes):
-    g = torch.Generator().manual_seed(5)
-    for shape in shapes:
-        x = torch.randn(*shape, generator=g)
-        with torch.no_grad():
-            ref, out = model(x), new(x)
-        assert out.shape == ref.shape
-        assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), shape
-
-
 def _through(report):
     """The one BN's fold-through site (named by its module, or by its call where torch.export captured the model)."""
     found = [(s.applied, s.code, s.reason) for s in report.sites if s.pass_name == "fold-through"]
@@ -88,7 +78,7 @@ def test_a_norm_act_pre_norm_folds_forward_through_an_avg_pool(untraceable):
     # the BN is gone, the module's own drop is kept in its place, the user's class comes back
     assert type(new) is PreNorm and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in new.modules())
     assert isinstance(new.pre_norm.drop, nn.Dropout)
-    _same(model, new, [(2, 3, 16, 16), (3, 3, 24, 20)])
+    same_outputs(model, new, [(2, 3, 16, 16), (3, 3, 24, 20)], seed=5)
     assert type(model.pre_norm) is BNAct  # the user's model untouched
 
 
@@ -102,4 +92,4 @@ def test_a_norm_act_behind_a_relu_keeps_its_sign_and_shift_before_its_act():
     assert "conv0" in reason
     # what is left of the BN, then the module's own act, in that order
     assert [type(m) for m in new.bn] == [ChannelAffine, nn.Identity, nn.SiLU]
-    _same(model, new, [(2, 3, 12, 12), (1, 3, 20, 9)])
+    same_outputs(model, new, [(2, 3, 12, 12), (1, 3, 20, 9)], seed=5)
