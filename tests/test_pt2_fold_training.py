@@ -58,3 +58,18 @@ def test_inspect_plans_the_export_refusal_of_a_program_in_training_mode(cli, tmp
     assert not planned["applied"] and planned["code"] == "program-in-training-mode", planned
     code, _, stderr = cli("export", tmp_path / "m.pt2", "-o", tmp_path / "m.onnx")
     assert code == 2 and planned["reason"] in stderr and not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("to", ["frozen-batchnorm", "affine"])
+def test_a_batchnorm_swap_refuses_a_program_exported_in_training_mode_as_such(cli, tmp_path, to):
+    """swap --to frozen-batchnorm of a training-mode program was refused "bn is never called ... not in one
+    batch-norm op alone", a reason that was not the cause: it is now refused as fold refuses it."""
+    torch.manual_seed(0)
+    ep = torch.export.export(ConvBN().train(), (torch.randn(4, 3, 16, 16),))
+    torch.export.save(ep, tmp_path / "m.pt2")
+    out = tmp_path / "s.pt2"
+    code, stdout, stderr = cli("swap", tmp_path / "m.pt2", "--to", to, "-o", out)
+    assert code == 2, stdout
+    line = stderr.strip()
+    assert "\n" not in line and "training mode" in line and "export the program again" in line, stderr
+    assert not out.exists()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from normconv.commands.fold import refuse_training
+from normconv.commands.fold import refuse_program_in_training, refuse_training
 from normconv.engine.door import rewrite, write_model
 from normconv.errors import Code, NormconvError
 from normconv.io.load import Loaded
@@ -42,6 +42,8 @@ def swap_batchnorm(loaded: Loaded, opts: Options = Options(), to: str = "frozen-
     name, groups = target
     if as_conv and name != "affine":
         raise NormconvError("--as-conv writes the per-channel affine as a depthwise 1x1 conv: it goes with --to affine")
+    # a program exported in training mode computes batch statistics in its graph: no target's module is called there
+    refuse_program_in_training(loaded, f"converting its BatchNorms to {name}")
     if name == "affine":  # x * s + t in place of batch statistics: an inference rewrite, as fold is
         refuse_training(loaded, opts, "a per-channel affine")
     loaded.require_inputs()
