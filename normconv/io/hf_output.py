@@ -176,7 +176,8 @@ def _offset(norm: nn.Module) -> float:
 
 
 def _batchnorm_as(target: nn.Module, old: nn.Module, new: nn.Module, path: str,
-                  folds: dict[str, tuple[str, str, float | None]], modules: dict[str, nn.Module], new_state: dict[str, torch.Tensor]) -> None:
+                  folds: dict[str, tuple[str, str, float | None]], modules: dict[str, nn.Module],
+                  new_state: dict[str, torch.Tensor]) -> None:
     """A folded BatchNorm left in place as the identity, or as the per-channel shift its layer cannot carry: torch's
     BatchNorm, or a class of the model's own computing one (DETR's DetrFrozenBatchNorm2d: weight, bias and the
     running statistics as buffers, eps in its forward: the fold's eps, as the capture read it)."""
