@@ -36,7 +36,7 @@ from normconv.passes.base import replace_module
 from normconv.report import Report
 from normconv.verify import Inputs, compare, default_tolerance, run, with_selections
 
-from .fold import FOLDS, lift_program, lifted, refuse_program_in_training, refuse_training
+from .fold import FOLDS, lift_program, lifted, refuse_program_in_training
 
 
 def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int | None = None, *,
@@ -58,7 +58,7 @@ def export(loaded: Loaded, opts: Options, target: str | None = None, opset: int 
     check_output_path(loaded, out, overwrite=opts.overwrite, model=False)
     check_output_path(loaded, out.with_name(out.name + ".data"), model=False)  # the external-data file a large model writes beside
     # a program exported in training mode computes batch statistics, which no .eval() undoes
-    refuse_program_in_training(loaded, "an export in eval mode (running statistics, no dropout)")
+    refuse_program_in_training(loaded, onnx_export.IN_EVAL)
     report = Report(command=onnx_export.NAME, model=loaded.spec)
     inputs = _with_attention_mask(loaded.model, loaded.require_inputs(), report)
     # the load's check forward when no mask was added (the same inputs), else one forward now

@@ -69,10 +69,10 @@ def _lifted(loaded: Loaded, inputs: Inputs, method: str) -> tuple[Captured, list
 def _refused_whole(loaded: Loaded, plan: dict[str, list[Site]]) -> dict[str, list[Site]]:
     """``plan`` with export's rows refused where export refuses the whole model before any work (a .pt2 exported in
     training mode: ``commands.fold.refuse_program_in_training``), with its reason."""
-    from normconv.onnx.export import NAME, ExportWhy
+    from normconv.onnx.export import IN_EVAL, NAME, ExportWhy
 
     try:
-        refuse_program_in_training(loaded, "an export in eval mode (running statistics, no dropout)")
+        refuse_program_in_training(loaded, IN_EVAL)
     except NormconvError as exc:
         return {t: [dataclasses.replace(s, applied=False, code=ExportWhy.TRAINING_PROGRAM, reason=exc.message)
                     if s.pass_name == NAME else s for s in sites] for t, sites in plan.items()}

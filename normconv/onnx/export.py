@@ -42,6 +42,7 @@ from normconv.report import Report, Site, Why
 from normconv.onnx.defaults import DEFAULT_OPSET, DEFAULT_TARGET, OPSETS, TARGETS
 
 NAME = "export"
+IN_EVAL = "an export in eval mode (running statistics, no dropout)"  # what a training-mode .pt2 refusal names
 # the provider deployed to picks the Skip*LayerNormalization fusion: measured on an H100 (fp16, (8, 2048, 4096)) the
 # fused op runs 1.64x faster than Add + norm, and the 16-layer Llama 4% faster; on onnxruntime CPU it is slower
 DEVICES = ("cpu", "cuda")
